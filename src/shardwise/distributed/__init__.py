@@ -1,0 +1,22 @@
+"""Process groups, timeouts, the local launcher and collective helpers.
+
+This layer knows nothing of the mechanisms above it (DDP, ZeRO, FSDP, ...).
+"""
+
+from shardwise.distributed.env import LaunchEnv, launched, read_env
+from shardwise.distributed.init import RendezvousTimeout, destroy, init, pick_backend
+from shardwise.distributed.launcher import launch
+from shardwise.distributed.timeouts import as_timedelta, default_timeout
+
+__all__ = [
+    "LaunchEnv",
+    "RendezvousTimeout",
+    "as_timedelta",
+    "default_timeout",
+    "destroy",
+    "init",
+    "launch",
+    "launched",
+    "pick_backend",
+    "read_env",
+]

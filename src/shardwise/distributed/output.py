@@ -1,0 +1,61 @@
+"""Relaying a rank's output with its rank in front of every line.
+
+Lines end at ``\\n`` or ``\\r``; a segment that ended with ``\\r`` (a progress bar redrawing
+itself) is written back with ``\\r`` so a terminal still redraws it in place.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections import deque
+from typing import TextIO
+
+
+class PrefixedRelay(threading.Thread):
+    """Reads a pipe until EOF and writes each line to ``sink`` behind ``prefix``.
+
+    The last ``keep`` lines are kept for the failure report.
+    """
+
+    def __init__(self, fd: int, prefix: str, sink: TextIO, lock: threading.Lock, keep: int = 400):
+        super().__init__(daemon=True)
+        self.fd = fd
+        self.prefix = prefix
+        self.sink = sink
+        self.lock = lock
+        self.tail: deque[str] = deque(maxlen=keep)
+
+    def run(self) -> None:
+        pending = b""
+        while True:
+            chunk = os.read(self.fd, 65536)
+            if not chunk:
+                break
+            pending = self._emit_complete(pending + chunk)
+        if pending:
+            self._write(pending.decode(errors="replace"), "\n")
+        os.close(self.fd)
+
+    def _emit_complete(self, data: bytes) -> bytes:
+        start = 0
+        for i, byte in enumerate(data):
+            if byte in (10, 13):  # \n, \r
+                self._write(data[start:i].decode(errors="replace"), chr(byte))
+                start = i + 1
+        return data[start:]
+
+    def _write(self, text: str, end: str) -> None:
+        if end == "\n":
+            self.tail.append(text)
+        with self.lock:
+            self.sink.write(f"{self.prefix}{text}{end}")
+            self.sink.flush()
+
+
+def last_traceback(lines: list[str]) -> str:
+    """The last Python traceback in ``lines`` (through its final line), or the last 30 lines."""
+    starts = [i for i, line in enumerate(lines) if line.startswith("Traceback (most recent")]
+    if not starts:
+        return "\n".join(lines[-30:])
+    return "\n".join(lines[starts[-1]:])
