@@ -1,0 +1,72 @@
+"""Counting the bytes of model state this rank holds: parameters, gradients, optimizer state.
+
+Process peaks (RSS) are blurred by the allocator keeping freed blocks; counting tensors is exact
+and shows sharding directly. Each storage is counted once, so tied weights and views into one
+flat buffer are not double-counted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class StateBytes:
+    params: int
+    grads: int
+    optimizer: int
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optimizer
+
+    def as_mib(self) -> dict[str, float]:
+        mib = 1024.0 * 1024.0
+        return {"params": self.params / mib, "grads": self.grads / mib,
+                "optimizer": self.optimizer / mib, "total": self.total / mib}
+
+
+def state_bytes(
+    params: nn.Module | Iterable[torch.Tensor],
+    optimizer: torch.optim.Optimizer | None = None,
+) -> StateBytes:
+    """Bytes this rank holds in ``params`` (a module or tensors), their ``.grad`` and the
+    optimizer's state tensors. No collective: each rank reports its own."""
+    tensors = list(params.parameters()) if isinstance(params, nn.Module) else list(params)
+    grads = [p.grad for p in tensors if p.grad is not None]
+    opt_tensors: list[torch.Tensor] = []
+    if optimizer is not None:
+        opt_tensors = _optimizer_tensors(optimizer)
+    return StateBytes(_unique_bytes(tensors), _unique_bytes(grads), _unique_bytes(opt_tensors))
+
+
+def _optimizer_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    # Wrappers such as ZeroRedundancyOptimizer hold their local optimizer in `.optim`.
+    inner = getattr(optimizer, "optim", None)
+    if isinstance(inner, torch.optim.Optimizer):
+        optimizer = inner
+    return [v for state in optimizer.state.values() for v in state.values()
+            if isinstance(v, torch.Tensor)]
+
+
+def _unique_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (the part each tensor spans)."""
+    spans: dict[int, tuple[int, int]] = {}
+    for t in tensors:
+        if t.device.type == "meta" or t.numel() == 0:
+            continue
+        storage = t.untyped_storage()
+        key = storage.data_ptr()
+        start = t.storage_offset() * t.element_size()
+        end = start + _span_elements(t) * t.element_size()
+        lo, hi = spans.get(key, (start, end))
+        spans[key] = (min(lo, start), max(hi, end))
+    return sum(hi - lo for lo, hi in spans.values())
+
+
+def _span_elements(t: torch.Tensor) -> int:
+    return 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
