@@ -14,10 +14,13 @@ Usage in a test module::
         results = run_on_ranks(world_size, _body, 2.0)   # one return value per rank
         ...
 
-Workers are spawned once per world size and reused by every test; a failing or hung test kills
-its pool (the next test gets a fresh one) and raises with each failing rank's traceback.
+Compare with ``assert_rel_close(actual, expected, rtol, what)``: tolerance relative to the
+tensor's scale (see compare.py). Workers are spawned once per world size and reused by every
+test; a failing or hung test kills its pool (the next test gets a fresh one) and raises with
+each failing rank's traceback.
 """
 
+from tests.harness.compare import assert_rel_close, assert_state_close, max_rel_diff
 from tests.harness.pool import (
     WORLD_SIZES,
     RankContext,
@@ -29,6 +32,9 @@ from tests.harness.pool import (
 
 __all__ = [
     "WORLD_SIZES",
+    "assert_rel_close",
+    "assert_state_close",
+    "max_rel_diff",
     "RankContext",
     "RankFailure",
     "TestTimeout",

@@ -10,13 +10,15 @@ left mid-collective.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import multiprocessing as mp
 import os
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
-from typing import Any, Callable
+from typing import Any
 
 import torch.distributed as dist
 
@@ -155,10 +157,8 @@ class _Pool:
     def close(self, graceful: bool) -> None:
         if graceful:
             for conn in self.conns:
-                try:
+                with contextlib.suppress(BrokenPipeError, OSError):
                     conn.send(None)
-                except (BrokenPipeError, OSError):
-                    pass
             for proc in self.procs:
                 proc.join(timeout=5)
         for proc in self.procs:

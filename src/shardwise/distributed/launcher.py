@@ -9,6 +9,7 @@ stopped at once and the launcher exits with that rank's code, repeating its trac
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -128,10 +129,8 @@ def _stop(ranks: list[_Rank]) -> None:
 
 
 def _signal_group(proc: subprocess.Popen, sig: int) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, sig)
-    except ProcessLookupError:
-        pass
 
 
 def _report(failed: _Rank, stderr: TextIO, lock: threading.Lock) -> None:

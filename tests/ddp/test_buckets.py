@@ -1,0 +1,37 @@
+"""Bucket planning is pure: walk parameters in reverse, cap by bytes, never mix dtypes."""
+
+import pytest
+
+from shardwise.distributed.grad_buckets import plan_buckets
+
+
+def test_reverse_order_and_cap():
+    assert plan_buckets([4, 4, 4, 4], ["f"] * 4, cap_bytes=8) == [[3, 2], [1, 0]]
+
+
+def test_small_first_bucket_then_full_cap():
+    assert plan_buckets([4, 4, 4, 4, 4], ["f"] * 5, cap_bytes=12, first_cap_bytes=4) == [
+        [4], [3, 2, 1], [0]
+    ]
+
+
+def test_oversized_parameter_gets_its_own_bucket():
+    assert plan_buckets([2, 100, 2], ["f"] * 3, cap_bytes=8) == [[2], [1], [0]]
+
+
+def test_dtypes_never_share_a_bucket():
+    buckets = plan_buckets([4, 4, 4, 4], ["a", "b", "a", "b"], cap_bytes=100)
+    assert sorted(map(sorted, buckets)) == [[0, 2], [1, 3]]
+
+
+def test_every_parameter_lands_in_exactly_one_bucket():
+    sizes = [3, 9, 1, 7, 7, 2, 30, 5]
+    buckets = plan_buckets(sizes, ["f"] * len(sizes), cap_bytes=10)
+    flat = sorted(i for b in buckets for i in b)
+    assert flat == list(range(len(sizes)))
+    assert all(sum(sizes[i] for i in b) <= 10 or len(b) == 1 for b in buckets)
+
+
+def test_cap_must_be_positive():
+    with pytest.raises(ValueError, match="bucket cap must be positive"):
+        plan_buckets([4], ["f"], cap_bytes=0)
