@@ -50,7 +50,7 @@ def init(
     if dist.is_initialized():
         raise RuntimeError("shardwise.distributed.init: the default process group already exists")
     timeout = as_timedelta(timeout)
-    env = _resolve_env(rank, world_size, master_addr, master_port)
+    env = _resolve_env(rank, world_size, master_addr, master_port, store is not None)
     backend = backend or pick_backend()
     if backend == "nccl":
         torch.cuda.set_device(env.local_rank % max(torch.cuda.device_count(), 1))
@@ -71,7 +71,7 @@ def destroy() -> None:
 
 
 def _resolve_env(
-    rank: int | None, world_size: int | None, addr: str | None, port: int | None
+    rank: int | None, world_size: int | None, addr: str | None, port: int | None, has_store: bool
 ) -> LaunchEnv:
     if rank is None and world_size is None and launched():
         env = read_env()
@@ -83,9 +83,9 @@ def _resolve_env(
         raise ValueError("pass both rank and world_size, or neither (to read torchrun's env)")
     if not 0 <= rank < world_size:
         raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
-    if port is None:
-        raise ValueError("master_port is required when rank and world_size are explicit")
-    return LaunchEnv(rank, world_size, rank, addr or "127.0.0.1", port, False, 0)
+    if port is None and not has_store:
+        raise ValueError("pass master_port (or a store) when rank and world_size are explicit")
+    return LaunchEnv(rank, world_size, rank, addr or "127.0.0.1", port or 0, False, 0)
 
 
 def _make_store(env: LaunchEnv, timeout: timedelta) -> dist.Store:

@@ -41,7 +41,8 @@ class PrefixedRelay(threading.Thread):
         start = 0
         for i, byte in enumerate(data):
             if byte in (10, 13):  # \n, \r
-                self._write(data[start:i].decode(errors="replace"), chr(byte))
+                if byte == 10 or i > start:  # an empty redraw segment carries nothing
+                    self._write(data[start:i].decode(errors="replace"), chr(byte))
                 start = i + 1
         return data[start:]
 

@@ -1,0 +1,1 @@
+"""The command line: `shardwise train | run`. Nothing imports this package."""

@@ -1,0 +1,56 @@
+"""`shardwise train` and `shardwise run`.
+
+``shardwise train`` started by hand validates its arguments, then starts ``--nproc`` local ranks
+of itself through the launcher. Started by a launcher (ours or torchrun: RANK and WORLD_SIZE are
+set), it is one rank: it joins the process group and trains.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from shardwise.cli.train_args import ConfigError, build_parser, config_from_args, validate
+from shardwise.distributed import launch, launched
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.command == "train":
+        return _train(parser, args, argv)
+    return _run(parser, args)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="shardwise", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    build_parser(sub.add_parser("train", help="train the demo GPT on the stdlib corpus"))
+    run = sub.add_parser("run", help="run a script as N local ranks (like torchrun, one node)")
+    run.add_argument("--nproc", type=int, default=2)
+    run.add_argument("-m", dest="module", action="store_true", help="run a module, as python -m")
+    run.add_argument("script", help="the script (or module with -m) to run")
+    run.add_argument("script_args", nargs=argparse.REMAINDER)
+    return parser
+
+
+def _train(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: list[str]) -> int:
+    cfg = config_from_args(args)
+    if launched():
+        from shardwise.cli.rank_main import train_rank
+
+        return train_rank(cfg)
+    try:
+        validate(cfg, cfg.nproc)
+    except ConfigError as exc:
+        parser.exit(2, f"shardwise train: error: {exc}\n")
+    return launch(cfg.nproc, [sys.executable, "-m", "shardwise", *argv])
+
+
+def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    if args.nproc < 1:
+        parser.exit(2, f"shardwise run: error: --nproc must be at least 1, got {args.nproc}\n")
+    target = ["-m", args.script] if args.module else [args.script]
+    return launch(args.nproc, [sys.executable, *target, *args.script_args])

@@ -1,0 +1,50 @@
+"""The parallel strategies `shardwise train --strategy NAME` knows.
+
+Each entry names a builder ``build(model, cfg, group, device) -> Prepared`` by import path, so a
+strategy's mechanism is imported only when it is chosen. To add one, write
+``cli/strategy_<name>.py`` with its builder and add one line to ``STRATEGIES``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+
+@dataclass
+class Prepared:
+    """A model made ready for one strategy, with what the training loop needs of it."""
+
+    model: nn.Module  # what forward is called on
+    optimizer: torch.optim.Optimizer
+    state_dict: Callable[[], dict[str, Any]]  # this rank's part of a checkpoint
+    load_state_dict: Callable[[dict[str, Any]], None]
+    per_rank_state: bool  # True: every rank saves its own part; False: rank 0 saves all
+
+
+# name -> (module:function of the builder, one-line description)
+STRATEGIES: dict[str, tuple[str, str]] = {
+    "ddp": ("shardwise.cli.strategy_ddp:build", "DistributedDataParallel, AdamW replicated"),
+}
+
+
+def strategy_names() -> list[str]:
+    return sorted(STRATEGIES)
+
+
+def check_strategy(name: str) -> None:
+    if name not in STRATEGIES:
+        raise ValueError(
+            f"unknown strategy {name!r}; valid strategies: {', '.join(strategy_names())}"
+        )
+
+
+def get_builder(name: str) -> Callable[..., Prepared]:
+    check_strategy(name)
+    module, _, func = STRATEGIES[name][0].partition(":")
+    return getattr(importlib.import_module(module), func)

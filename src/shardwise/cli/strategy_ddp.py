@@ -1,0 +1,27 @@
+"""`--strategy ddp`: our DistributedDataParallel with a replicated AdamW."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from shardwise.cli.optim import make_adamw
+from shardwise.cli.strategies import Prepared
+from shardwise.cli.train_args import TrainConfig
+from shardwise.ddp import DistributedDataParallel
+
+
+def build(model: nn.Module, cfg: TrainConfig, group: dist.ProcessGroup,
+          device: torch.device) -> Prepared:
+    ddp = DistributedDataParallel(model.to(device), process_group=group)
+    optimizer = make_adamw(ddp.parameters(), cfg)
+
+    def state_dict() -> dict:
+        return {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+
+    def load_state_dict(state: dict) -> None:
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+
+    return Prepared(ddp, optimizer, state_dict, load_state_dict, per_rank_state=False)

@@ -1,0 +1,155 @@
+"""`shardwise train`'s arguments and their validation (done before any rank is started)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+from shardwise.checkpoint import CheckpointError, latest_checkpoint, read_meta
+from shardwise.cli.strategies import STRATEGIES, check_strategy, strategy_names
+from shardwise.models import GPTConfig
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    nproc: int = 2
+    strategy: str = "ddp"
+    device: str = "cpu"
+    n_layer: int = 4
+    n_head: int = 4
+    d_model: int = 128
+    seq_len: int = 128
+    steps: int = 200
+    batch_size: int = 16  # global: split across the ranks
+    lr: float = 3e-3
+    warmup: int = 20
+    seed: int = 0
+    eval_batches: int = 8
+    log_every: int = 10
+    corpus_bytes: int = 4 * 1024 * 1024
+    checkpoint_dir: str | None = None
+    checkpoint_every: int = 0
+    resume: bool = False
+    mixed_precision: str | None = None
+    cpu_offload: bool = False
+    progress: bool = True
+
+    def model_config(self) -> GPTConfig:
+        return GPTConfig(seq_len=self.seq_len, n_layer=self.n_layer, n_head=self.n_head,
+                         d_model=self.d_model)
+
+
+class ConfigError(ValueError):
+    """The command line asks for something that cannot run; the message says what."""
+
+
+def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    d = TrainConfig()
+    add = parser.add_argument
+    add("--nproc", type=int, default=d.nproc, help="local ranks to start (ignored under torchrun)")
+    add("--strategy", default=d.strategy,
+        help="; ".join(f"{k}: {v[1]}" for k, v in sorted(STRATEGIES.items())))
+    add("--device", default=d.device, choices=["cpu", "cuda"], help="cuda uses NCCL")
+    add("--n-layer", type=int, default=d.n_layer)
+    add("--n-head", type=int, default=d.n_head)
+    add("--d-model", type=int, default=d.d_model)
+    add("--seq-len", type=int, default=d.seq_len)
+    add("--steps", type=int, default=d.steps, help="train until this step (counting resumed ones)")
+    add("--batch-size", type=int, default=d.batch_size, help="global batch, split across ranks")
+    add("--lr", type=float, default=d.lr)
+    add("--warmup", type=int, default=d.warmup, help="linear warm-up steps")
+    add("--seed", type=int, default=d.seed)
+    add("--eval-batches", type=int, default=d.eval_batches, help="validation batches at start/end")
+    add("--log-every", type=int, default=d.log_every)
+    add("--corpus-bytes", type=int, default=d.corpus_bytes, help="bytes of stdlib source to read")
+    add("--checkpoint-dir", default=None)
+    add("--checkpoint-every", type=int, default=d.checkpoint_every, help="0: only at the end")
+    add("--resume", action="store_true", help="continue from --checkpoint-dir's latest checkpoint")
+    add("--mixed-precision", default=None, choices=["bf16", "fp16"], help="fsdp only")
+    add("--cpu-offload", action="store_true", help="fsdp only")
+    add("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    return parser
+
+
+def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    names = {f.name for f in fields(TrainConfig)}
+    return TrainConfig(**{k: v for k, v in vars(args).items() if k in names})
+
+
+def validate(cfg: TrainConfig, world_size: int) -> None:
+    """Raise ConfigError naming the first problem found; also checks the resume checkpoint."""
+    _positive(cfg, "nproc", "steps", "batch_size", "n_layer", "n_head", "d_model", "seq_len",
+              "eval_batches", "log_every", "corpus_bytes")
+    try:
+        check_strategy(cfg.strategy)
+        cfg.model_config()
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    if cfg.lr <= 0:
+        raise ConfigError(f"--lr must be positive, got {cfg.lr}")
+    if cfg.batch_size < world_size:
+        raise ConfigError(
+            f"--batch-size {cfg.batch_size} is smaller than the world size {world_size}: "
+            "every rank needs at least one sample (the batch size is global)"
+        )
+    if cfg.batch_size % world_size:
+        raise ConfigError(
+            f"--batch-size {cfg.batch_size} is not divisible by the world size {world_size}"
+        )
+    if cfg.resume and not cfg.checkpoint_dir:
+        raise ConfigError("--resume needs --checkpoint-dir to know where to resume from")
+    if cfg.checkpoint_dir:
+        _check_writable(Path(cfg.checkpoint_dir))
+    if cfg.resume:
+        check_resumable(cfg, world_size)
+
+
+def check_resumable(cfg: TrainConfig, world_size: int) -> None:
+    try:
+        path = latest_checkpoint(cfg.checkpoint_dir)
+    except CheckpointError as exc:
+        raise ConfigError(str(exc)) from None
+    meta = read_meta(path)
+    wanted = asdict(cfg.model_config())
+    diffs = [f"{k}={meta['model'].get(k)} (this run: {v})" for k, v in wanted.items()
+             if meta["model"].get(k) != v]
+    if diffs:
+        raise ConfigError(f"checkpoint {path} is of a different model: " + ", ".join(diffs))
+    moved = meta["strategy"] != cfg.strategy or meta["world_size"] != world_size
+    if moved and meta["per_rank"]:
+        raise ConfigError(
+            f"checkpoint {path} holds per-rank state of strategy {meta['strategy']} at world "
+            f"size {meta['world_size']}; this run is {cfg.strategy} at {world_size}"
+        )
+    if meta["step"] >= cfg.steps:
+        raise ConfigError(f"checkpoint {path} is already at step {meta['step']} >= --steps "
+                          f"{cfg.steps}: nothing left to train")
+
+
+def _positive(cfg: TrainConfig, *names: str) -> None:
+    for name in names:
+        value = getattr(cfg, name)
+        if value < 1:
+            flag = "--" + name.replace("_", "-")
+            raise ConfigError(f"{flag} must be at least 1, got {value}")
+
+
+def _check_writable(directory: Path) -> None:
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=directory, prefix=".write-check-"):
+            pass
+    except OSError as exc:
+        raise ConfigError(
+            f"--checkpoint-dir {directory} is not writable ({exc.strerror or exc}); "
+            "choose a directory this user can write, so that checkpoints are not lost"
+        ) from None
+    if not os.access(directory, os.W_OK):
+        raise ConfigError(f"--checkpoint-dir {directory} is not writable")
+
+
+__all__ = ["ConfigError", "TrainConfig", "build_parser", "config_from_args", "strategy_names",
+           "validate"]

@@ -1,0 +1,137 @@
+"""The training loop each rank of `shardwise train` runs.
+
+Per step: this rank's slice of the global batch, forward, backward, optimizer step. The logged
+loss is the mean over all ranks (one 4-byte all-reduce per step), so every rank and every world
+size reports the same number. Validation loss is measured before and after training on a fixed
+set of windows split across ranks (sum and count all-reduced).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+
+from shardwise.checkpoint import latest_checkpoint, load_rank_state, read_meta, save_train_state
+from shardwise.cli.optim import lr_at
+from shardwise.cli.strategies import Prepared, get_builder
+from shardwise.cli.train_args import TrainConfig
+from shardwise.data import BatchStream, TokenWindows, load_corpus
+from shardwise.memory import peak_memory_bytes
+from shardwise.models import GPT, lm_loss
+
+MIB = 1024 * 1024
+
+
+@dataclass
+class TrainResult:
+    losses: dict[int, float] = field(default_factory=dict)  # step -> mean loss over ranks
+    val_start: float | None = None
+    val_end: float | None = None
+    peak_mib: list[float] = field(default_factory=list)  # per rank
+    tokens_per_s: float = 0.0
+    start_step: int = 0
+
+
+def train(cfg: TrainConfig, group: dist.ProcessGroup, device: torch.device) -> TrainResult:
+    """Train the demo GPT with ``cfg.strategy`` on ``group``; every rank calls this."""
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    corpus = load_corpus(cfg.corpus_bytes)
+    train_stream = BatchStream(TokenWindows(corpus.train, cfg.seq_len), cfg.batch_size, rank,
+                               world, seed=cfg.seed)
+    torch.manual_seed(cfg.seed)
+    prepared = get_builder(cfg.strategy)(GPT(cfg.model_config()), cfg, group, device)
+    result = TrainResult()
+    result.start_step = _maybe_resume(cfg, prepared, rank)
+    val = _val_windows(corpus.val, cfg, rank, world)
+    if result.start_step == 0:
+        result.val_start = evaluate(prepared, val, group, device)
+    _run_steps(cfg, prepared, train_stream, group, device, result)
+    result.val_end = evaluate(prepared, val, group, device)
+    if cfg.checkpoint_dir:
+        _save(cfg, prepared, cfg.steps, world, group)
+    return result
+
+
+def _run_steps(cfg, prepared: Prepared, stream: BatchStream, group, device, result) -> None:
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    bar = tqdm(total=cfg.steps, initial=result.start_step, disable=not (cfg.progress and rank == 0),
+               desc=f"{cfg.strategy} x{world}", unit="step", mininterval=0.5, dynamic_ncols=True)
+    tokens = cfg.batch_size * cfg.seq_len
+    t0 = time.perf_counter()
+    for counted, step in enumerate(range(result.start_step, cfg.steps), start=1):
+        loss = _step(prepared, stream, step, cfg, device)
+        dist.all_reduce(loss, group=group)
+        result.losses[step] = loss.item() / world
+        done = step + 1
+        if cfg.checkpoint_every and done % cfg.checkpoint_every == 0 and done < cfg.steps:
+            _save(cfg, prepared, done, world, group)
+        if done % cfg.log_every == 0 or done == cfg.steps:
+            result.tokens_per_s = counted * tokens / (time.perf_counter() - t0)
+            result.peak_mib = _peak_per_rank(group, device)
+            bar.set_postfix_str(_postfix(result.losses[step], result), refresh=False)
+        bar.update(1)
+    bar.close()
+
+
+def _step(prepared: Prepared, stream: BatchStream, step: int, cfg: TrainConfig,
+          device: torch.device) -> torch.Tensor:
+    for group in prepared.optimizer.param_groups:
+        group["lr"] = lr_at(step, cfg)
+    x, y = stream.batch(step)
+    loss = lm_loss(prepared.model(x.to(device)), y.to(device))
+    loss.backward()
+    prepared.optimizer.step()
+    prepared.optimizer.zero_grad(set_to_none=True)
+    return loss.detach().float().reshape(1)
+
+
+@torch.no_grad()
+def evaluate(prepared: Prepared, windows: list[tuple[torch.Tensor, torch.Tensor]],
+             group: dist.ProcessGroup, device: torch.device) -> float:
+    """Mean validation loss over every rank's windows (sum and count all-reduced)."""
+    prepared.model.eval()
+    totals = torch.zeros(2, dtype=torch.float64, device=device)
+    for x, y in windows:
+        totals[0] += lm_loss(prepared.model(x.to(device)), y.to(device)).double() * x.shape[0]
+        totals[1] += x.shape[0]
+    prepared.model.train()
+    dist.all_reduce(totals, group=group)
+    return (totals[0] / totals[1]).item()
+
+
+def _val_windows(data: torch.Tensor, cfg: TrainConfig, rank: int, world: int):
+    stream = BatchStream(TokenWindows(data, cfg.seq_len), cfg.batch_size, rank, world,
+                         seed=cfg.seed, shuffle=False)
+    steps = min(cfg.eval_batches, stream.steps_per_epoch)
+    return [stream.batch(k) for k in range(steps)]
+
+
+def _peak_per_rank(group: dist.ProcessGroup, device: torch.device) -> list[float]:
+    mine = torch.tensor([peak_memory_bytes(device) / MIB], dtype=torch.float64, device=device)
+    everyone = [torch.zeros_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(everyone, mine, group=group)
+    return [t.item() for t in everyone]
+
+
+def _postfix(loss: float, result: TrainResult) -> str:
+    mem = "/".join(f"{m:.0f}" for m in result.peak_mib)
+    return f"loss={loss:.4f} tok/s={result.tokens_per_s:,.0f} peak MiB/rank={mem}"
+
+
+def _save(cfg: TrainConfig, prepared: Prepared, step: int, world: int, group) -> None:
+    meta = {"model": asdict(cfg.model_config()), "strategy": cfg.strategy, "world_size": world,
+            "seed": cfg.seed, "batch_size": cfg.batch_size}
+    save_train_state(cfg.checkpoint_dir, step, prepared.state_dict(), meta,
+                     prepared.per_rank_state, group)
+
+
+def _maybe_resume(cfg: TrainConfig, prepared: Prepared, rank: int) -> int:
+    if not cfg.resume:
+        return 0
+    path = latest_checkpoint(cfg.checkpoint_dir)
+    prepared.load_state_dict(load_rank_state(path, rank))
+    return int(read_meta(path)["step"])
