@@ -33,8 +33,8 @@ def parse(extra: Callable[[argparse.ArgumentParser], None] | None = None) -> arg
     parser.add_argument("--steps", type=int, default=20, help="timed steps per round")
     parser.add_argument("--only", default=None, help="comma-separated implementations to run")
     parser.add_argument("--mmap-threshold", action="store_true",
-                        help="set MALLOC_MMAP_THRESHOLD_=131072 so freed blocks return to the OS "
-                             "and peak RSS tracks live memory (wall times then include page faults)")
+                        help="set MALLOC_MMAP_THRESHOLD_=131072 so freed blocks return to the "
+                             "OS and peak RSS tracks live memory (wall times include page faults)")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--out", default=None, help=argparse.SUPPRESS)
     if extra:
