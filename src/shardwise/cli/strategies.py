@@ -25,6 +25,13 @@ class Prepared:
     state_dict: Callable[[], dict[str, Any]]  # this rank's part of a checkpoint
     load_state_dict: Callable[[dict[str, Any]], None]
     per_rank_state: bool  # True: every rank saves its own part; False: rank 0 saves all
+    # (index, count): which of `count` equal slices of each global batch this rank trains and
+    # evaluates on. None means (rank, world size), as in data parallelism; a strategy whose
+    # ranks all work on the same batch (tensor parallelism) says (0, 1).
+    data_slice: tuple[int, int] | None = None
+    # forward + backward on one batch, returning the detached scalar loss; None means
+    # ``lm_loss(model(x), y).backward()``. For strategies whose step is not one module call.
+    train_step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
 
 # name -> (module:function of the builder, one-line description)

@@ -40,13 +40,14 @@ def train(cfg: TrainConfig, group: dist.ProcessGroup, device: torch.device) -> T
     """Train the demo GPT with ``cfg.strategy`` on ``group``; every rank calls this."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     corpus = load_corpus(cfg.corpus_bytes)
-    train_stream = BatchStream(TokenWindows(corpus.train, cfg.seq_len), cfg.batch_size, rank,
-                               world, seed=cfg.seed)
     torch.manual_seed(cfg.seed)
     prepared = get_builder(cfg.strategy)(GPT(cfg.model_config()), cfg, group, device)
+    index, count = prepared.data_slice or (rank, world)
+    train_stream = BatchStream(TokenWindows(corpus.train, cfg.seq_len), cfg.batch_size, index,
+                               count, seed=cfg.seed)
     result = TrainResult()
     result.start_step = _maybe_resume(cfg, prepared, rank)
-    val = _val_windows(corpus.val, cfg, rank, world)
+    val = _val_windows(corpus.val, cfg, index, count)
     if result.start_step == 0:
         result.val_start = evaluate(prepared, val, group, device)
     _run_steps(cfg, prepared, train_stream, group, device, result)
@@ -82,8 +83,12 @@ def _step(prepared: Prepared, stream: BatchStream, step: int, cfg: TrainConfig,
     for group in prepared.optimizer.param_groups:
         group["lr"] = lr_at(step, cfg)
     x, y = stream.batch(step)
-    loss = lm_loss(prepared.model(x.to(device)), y.to(device))
-    loss.backward()
+    x, y = x.to(device), y.to(device)
+    if prepared.train_step is not None:
+        loss = prepared.train_step(x, y)
+    else:
+        loss = lm_loss(prepared.model(x), y)
+        loss.backward()
     prepared.optimizer.step()
     prepared.optimizer.zero_grad(set_to_none=True)
     return loss.detach().float().reshape(1)
