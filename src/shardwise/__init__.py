@@ -5,10 +5,13 @@ The public API. Mechanisms live in subpackages; this module only names them.
 
 from shardwise import distributed
 from shardwise.ddp import DistributedDataParallel
+from shardwise.zero import ZeroDataParallel, ZeroRedundancyOptimizer
 
 __version__ = "0.1.0"
 
 __all__ = [
     "DistributedDataParallel",
+    "ZeroDataParallel",
+    "ZeroRedundancyOptimizer",
     "distributed",
 ]

@@ -13,6 +13,13 @@ become ready in a different order. At the end of backward (an autograd engine ca
 remaining buckets are launched, all are waited on, and a caller-supplied ``finish`` consumes each
 reduced bucket. A parameter that got no gradient is an error naming it, unless unused parameters
 are allowed, in which case it contributes zeros.
+
+Options for sharded gradients (ZeRO stage 2; DDP uses none of them): ``key_fn`` keeps
+parameters with different keys (their owning rank) in different buckets, so one collective
+delivers a bucket to its owner; ``release_grads`` drops ``param.grad`` once it is copied into its
+bucket; ``lazy_buffers`` allocates a bucket's buffer when its first gradient arrives and drops it
+after ``finish``; ``max_in_flight`` waits on and finishes the oldest launched bucket as soon as
+more than that many are in flight, so reduced buckets are freed during backward, not at its end.
 """
 
 from __future__ import annotations
@@ -38,13 +45,24 @@ class Bucket:
     params: list[nn.Parameter]
     names: list[str]
     offsets: list[int]  # element offset of each parameter in `buffer`
-    buffer: torch.Tensor  # 1D, sum of the parameters' numel (+ padding if asked)
+    buffer: torch.Tensor | None  # 1D, `numel`; None while a lazy bucket is not in use
+    numel: int = 0  # sum of the parameters' numel (+ padding if asked)
     ready: list[bool] = field(default_factory=list)
     state: BucketState = BucketState.FILLING
     work: dist.Work | None = None
 
+    def allocate(self) -> torch.Tensor:
+        """The buffer, allocated if absent (padding zeroed; slots are written by copies)."""
+        if self.buffer is None:
+            first = self.params[0]
+            self.buffer = torch.empty(self.numel, dtype=first.dtype, device=first.device)
+            used = self.offsets[-1] + self.params[-1].numel()
+            self.buffer[used:].zero_()
+        return self.buffer
+
     def slot(self, i: int) -> torch.Tensor:
         p = self.params[i]
+        assert self.buffer is not None, "bucket buffer not allocated"
         return self.buffer[self.offsets[i] : self.offsets[i] + p.numel()].view_as(p)
 
     def is_full(self) -> bool:
@@ -84,15 +102,26 @@ class GradBucketer:
 
     def __init__(self, named_params: Sequence[tuple[str, nn.Parameter]], cap_bytes: int,
                  launch: Launch, finish: Finish, *, allow_unused: bool = False,
-                 first_cap_bytes: int | None = None, pad_to_multiple: int = 1):
+                 first_cap_bytes: int | None = None, pad_to_multiple: int = 1,
+                 key_fn: Callable[[nn.Parameter], object] | None = None,
+                 release_grads: bool = False, lazy_buffers: bool = False,
+                 max_in_flight: int | None = None):
         named = [(n, p) for n, p in named_params if p.requires_grad]
         self.launch_fn, self.finish_fn, self.allow_unused = launch, finish, allow_unused
+        self.release_grads, self.lazy_buffers = release_grads, lazy_buffers
+        if max_in_flight is not None and max_in_flight < 1:
+            raise ValueError(f"max_in_flight must be at least 1, got {max_in_flight}")
+        self.max_in_flight = max_in_flight
         self.enabled = True
         self._in_backward = False
-        plan = plan_buckets([p.numel() * p.element_size() for _, p in named],
-                            [(p.dtype, p.device) for _, p in named], cap_bytes, first_cap_bytes)
+        keys = [(p.dtype, p.device, key_fn(p) if key_fn else None) for _, p in named]
+        plan = plan_buckets([p.numel() * p.element_size() for _, p in named], keys, cap_bytes,
+                            first_cap_bytes)
         self.buckets = [self._make_bucket(k, [named[i] for i in idx], pad_to_multiple)
                         for k, idx in enumerate(plan)]
+        if not lazy_buffers:
+            for bucket in self.buckets:
+                bucket.allocate()
         self._where: dict[nn.Parameter, tuple[Bucket, int]] = {}
         self._handles = []
         for bucket in self.buckets:
@@ -108,10 +137,8 @@ class GradBucketer:
             offsets.append(total)
             total += p.numel()
         total += (-total) % pad
-        first = named[0][1]
-        buffer = torch.zeros(total, dtype=first.dtype, device=first.device)
-        return Bucket(index, [p for _, p in named], [n for n, _ in named], offsets, buffer,
-                      [False] * len(named))
+        return Bucket(index, [p for _, p in named], [n for n, _ in named], offsets, None,
+                      total, [False] * len(named))
 
     def remove_hooks(self) -> None:
         for handle in self._handles:
@@ -127,7 +154,10 @@ class GradBucketer:
         bucket, i = self._where[param]
         if bucket.state is not BucketState.FILLING or bucket.ready[i]:
             return  # already launched (e.g. a parameter reached twice through reentrant code)
+        bucket.allocate()
         bucket.slot(i).copy_(param.grad)
+        if self.release_grads:
+            param.grad = None
         bucket.ready[i] = True
         self._launch_in_order()
 
@@ -139,16 +169,31 @@ class GradBucketer:
             bucket.work = self.launch_fn(bucket)
             bucket.state = BucketState.LAUNCHED
             self._next_launch += 1
+            if self.max_in_flight is not None:
+                self._finish_oldest_beyond(self.max_in_flight)
+
+    def _finish_oldest_beyond(self, limit: int) -> None:
+        launched = [b for b in self.buckets[: self._next_launch]
+                    if b.state is BucketState.LAUNCHED]
+        for bucket in launched[: max(0, len(launched) - limit)]:
+            self._finish(bucket)
+
+    def _finish(self, bucket: Bucket) -> None:
+        if bucket.work is not None:
+            bucket.work.wait()
+        self.finish_fn(bucket)
+        bucket.state, bucket.work = BucketState.REDUCED, None
+        if self.lazy_buffers:
+            bucket.buffer = None
 
     def _finalize(self) -> None:
         self._in_backward = False
         self._fill_unused()
         self._launch_in_order()
         for bucket in self.buckets:
-            if bucket.work is not None:
-                bucket.work.wait()
-            self.finish_fn(bucket)
-            bucket.state, bucket.work = BucketState.FILLING, None
+            if bucket.state is BucketState.LAUNCHED:
+                self._finish(bucket)
+            bucket.state = BucketState.FILLING
             bucket.ready = [False] * len(bucket.params)
         self._next_launch = 0
 
@@ -166,9 +211,11 @@ class GradBucketer:
                 "used, set requires_grad=False on them."
             )
         for bucket, i in unused:
-            grad = bucket.params[i].grad
-            slot = bucket.slot(i)
-            slot.copy_(grad) if grad is not None else slot.zero_()
+            param = bucket.params[i]
+            slot = bucket.allocate()[bucket.offsets[i] : bucket.offsets[i] + param.numel()]
+            slot.copy_(param.grad.reshape(-1)) if param.grad is not None else slot.zero_()
+            if self.release_grads:
+                param.grad = None
             bucket.ready[i] = True
 
     def _reset(self) -> None:
@@ -177,4 +224,6 @@ class GradBucketer:
                 bucket.work.wait()
             bucket.state, bucket.work = BucketState.FILLING, None
             bucket.ready = [False] * len(bucket.params)
+            if self.lazy_buffers:
+                bucket.buffer = None
         self._next_launch = 0

@@ -1,0 +1,253 @@
+"""ZeroRedundancyOptimizer: ZeRO stage 1, with the constructor and methods of torch's.
+
+Every rank sees all parameters (``param_groups`` holds them all, so LR schedulers and user code
+work as with any optimizer), but each rank's local optimizer, an ordinary ``optimizer_class``,
+holds only the parameters this rank owns (see [Note: ZeRO partition] in partition.py) and so
+only their state. ``step()`` updates the owned parameters locally, then every rank broadcasts
+its updated parameters to the others as flat buffers (see collectives.py): one broadcast per
+owner and dtype with ``parameters_as_bucket_view=True`` (parameters are views into persistent
+per-owner buffers, nothing is copied), or per chunk of at most 16 MiB otherwise (temporary
+buffers, at most three chunks in flight).
+
+Checkpoints: ``consolidate_state_dict(to)`` gathers every rank's state on rank ``to``, keyed by
+global parameter index exactly like a plain optimizer's state dict, so ``load_state_dict`` can
+re-partition it at any world size (or load it into a plain optimizer).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.optim import Optimizer
+
+from shardwise.zero import collectives as zc
+from shardwise.zero import state_dicts
+from shardwise.zero.partition import chunk_by_bytes, partition_params, rank_loads
+
+MIB = 1024 * 1024
+CHUNK_BYTES = 16 * MIB
+CHUNKS_IN_FLIGHT = 3
+
+
+class ZeroRedundancyOptimizer(Optimizer):
+    """Wraps ``optimizer_class`` so that each rank of ``process_group`` (default: the world)
+    keeps the optimizer state of its partition of the parameters only.
+
+    ``params``: tensors or param-group dicts, as for any optimizer. ``**defaults`` go to
+    ``optimizer_class`` (e.g. ``lr=1e-3``). ``parameters_as_bucket_view=True`` makes the
+    parameters views into one flat buffer per owning rank and dtype, which are broadcast in
+    place after each step. ``overlap_with_ddp`` is not supported (an error says what to use).
+    """
+
+    def __init__(self, params: Iterable[Any], optimizer_class: type[Optimizer],
+                 process_group: dist.ProcessGroup | None = None,
+                 parameters_as_bucket_view: bool = False, overlap_with_ddp: bool = False,
+                 **defaults: Any):
+        _check_optimizer_class(optimizer_class)
+        if overlap_with_ddp:
+            raise ValueError(
+                "overlap_with_ddp=True is not supported by shardwise.ZeroRedundancyOptimizer. "
+                "To reduce gradients during backward and keep only this rank's share of them, "
+                "wrap the model in shardwise.ZeroDataParallel(model, optimizer) (ZeRO stage 2)."
+            )
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError("ZeroRedundancyOptimizer needs an initialized process group: call "
+                               "shardwise.distributed.init() (or init_process_group) first")
+        self._initialized = False
+        super().__init__(params, defaults)
+        _check_devices([p for g in self.param_groups for p in g["params"]])
+        self.optimizer_class = optimizer_class
+        self.process_group = process_group or dist.group.WORLD
+        self.world_size = dist.get_world_size(self.process_group)
+        self.rank = dist.get_rank(self.process_group)
+        self.parameters_as_bucket_view = parameters_as_bucket_view
+        self._partition = partition_params(self._group_sizes(), self.world_size)
+        self.optim = optimizer_class(self._local_groups(), **defaults)
+        self.state = self.optim.state  # type: ignore[assignment]  # this rank's part
+        self._fill_missing_hyperparameters()
+        self._buffers: list[tuple[int, torch.Tensor]] = []  # (owner, 1D flat) for bucket view
+        self._consolidated: dict[str, Any] | None = None
+        self._initialized = True
+        self._build_buffers()
+
+    # -- partition ---------------------------------------------------------------------------
+
+    def _group_sizes(self) -> list[list[int]]:
+        # Frozen parameters get no optimizer state, so they weigh nothing in the balance.
+        return [[p.numel() * p.element_size() if p.requires_grad else 0 for p in g["params"]]
+                for g in self.param_groups]
+
+    def _local_groups(self) -> list[dict[str, Any]]:
+        mine = self._partition[self.rank]
+        return [{**_hyper(group), "params": [group["params"][i] for i in mine[g]]}
+                for g, group in enumerate(self.param_groups)]
+
+    def owner_of(self, param: torch.Tensor) -> int:
+        """The rank whose local optimizer updates ``param``."""
+        for rank, per_rank in enumerate(self._partition):
+            for g, indices in enumerate(per_rank):
+                if any(self.param_groups[g]["params"][i] is param for i in indices):
+                    return rank
+        raise KeyError("this parameter is not in the optimizer's param_groups")
+
+    def owners(self) -> dict[torch.Tensor, int]:
+        """Every parameter -> the rank that owns it."""
+        return {self.param_groups[g]["params"][i]: rank
+                for rank, per_rank in enumerate(self._partition)
+                for g, indices in enumerate(per_rank) for i in indices}
+
+    def owned_params(self, rank: int | None = None) -> list[torch.Tensor]:
+        """The parameters ``rank`` (default: this rank) owns, in group order."""
+        per_rank = self._partition[self.rank if rank is None else rank]
+        return [self.param_groups[g]["params"][i] for g, idx in enumerate(per_rank) for i in idx]
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a group on every rank (collectively: all ranks must add the same group). Its
+        parameters are partitioned after the existing ones, which keep their owners."""
+        super().add_param_group(param_group)
+        if not self._initialized:
+            return
+        _check_devices([p for g in self.param_groups for p in g["params"]])
+        sizes = self._group_sizes()
+        loads = rank_loads(self._partition, sizes[:-1])
+        new = partition_params(sizes[-1:], self.world_size, loads)
+        for rank in range(self.world_size):
+            self._partition[rank].append(new[rank][0])
+        group = self.param_groups[-1]
+        self.optim.add_param_group(
+            {**_hyper(group), "params": [group["params"][i] for i in new[self.rank][0]]})
+        self._fill_missing_hyperparameters()
+        self._build_buffers()
+
+    # -- step --------------------------------------------------------------------------------
+
+    def step(self, closure: Callable[[], float] | None = None, **kwargs: Any) -> Any:
+        """Step the local optimizer on this rank's parameters, then broadcast every rank's
+        updated parameters (collective: all ranks call it)."""
+        self._push_hyperparameters()
+        loss = self.optim.step(closure=closure, **kwargs)
+        self._sync_params()
+        return loss
+
+    def _sync_params(self) -> None:
+        if self.world_size == 1:
+            return
+        if self.parameters_as_bucket_view:
+            zc.broadcast_buffers(self._buffers, self.process_group)
+        else:
+            zc.broadcast_chunks(self._chunks(), self.process_group, CHUNKS_IN_FLIGHT)
+
+    def _chunks(self) -> list[tuple[int, list[torch.Tensor]]]:
+        chunks = []
+        for rank in range(self.world_size):
+            trained = [p.detach() for p in self.owned_params(rank) if p.requires_grad]
+            for same in _by_dtype(trained):
+                runs = chunk_by_bytes([t.numel() * t.element_size() for t in same], CHUNK_BYTES)
+                chunks += [(rank, [same[i] for i in run]) for run in runs]
+        return chunks
+
+    def _build_buffers(self) -> None:
+        """With ``parameters_as_bucket_view``: one flat buffer per owner and dtype, parameters
+        re-pointed at slices of it (their values copied in)."""
+        self._buffers = []
+        if not self.parameters_as_bucket_view:
+            return
+        for rank in range(self.world_size):
+            for same in _by_dtype(self.owned_params(rank)):
+                flat = torch.cat([p.detach().reshape(-1) for p in same])  # 1D, owner's params
+                offset = 0
+                for p in same:
+                    p.data = flat[offset : offset + p.numel()].view_as(p)
+                    offset += p.numel()
+                self._buffers.append((rank, flat))
+
+    # -- hyper-parameters --------------------------------------------------------------------
+
+    def _push_hyperparameters(self) -> None:
+        """Copy every group's hyper-parameters (lr set by a scheduler...) to the local one."""
+        for group, local in zip(self.param_groups, self.optim.param_groups):
+            local.update(_hyper(group))
+
+    def _fill_missing_hyperparameters(self) -> None:
+        """Give the public groups the optimizer class's defaults (betas, eps, ...)."""
+        for group, local in zip(self.param_groups, self.optim.param_groups):
+            for key, value in _hyper(local).items():
+                group.setdefault(key, value)
+        for key, value in self.optim.defaults.items():
+            self.defaults.setdefault(key, value)
+
+    # -- state dicts -------------------------------------------------------------------------
+
+    def consolidate_state_dict(self, to: int = 0) -> None:
+        """Gather every rank's optimizer state on rank ``to`` (collective: all ranks call it).
+        Afterwards ``state_dict()`` on rank ``to`` returns the whole state, keyed by global
+        parameter index like a plain optimizer's."""
+        if not 0 <= to < self.world_size:
+            raise ValueError(f"to={to} is not a rank of this group (world size {self.world_size})")
+        self._push_hyperparameters()
+        mine = state_dicts.to_global(self.optim.state_dict(), self._partition[self.rank],
+                                     [len(g["params"]) for g in self.param_groups])
+        gathered = zc.gather_to(mine, to, self.process_group)
+        self._consolidated = None
+        if gathered is not None:
+            self._consolidated = state_dicts.merge(gathered, self.param_groups)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The whole optimizer state, on the rank that ``consolidate_state_dict`` gathered it
+        to; it reflects the state at that call."""
+        if self._consolidated is None:
+            raise RuntimeError(
+                "ZeroRedundancyOptimizer.state_dict() needs the state gathered first: call "
+                "consolidate_state_dict(to=rank) on every rank, then state_dict() on that rank"
+            )
+        return self._consolidated
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a whole-optimizer state dict (from ``consolidate_state_dict`` at any world size,
+        or from a plain optimizer over the same parameters); each rank keeps its partition."""
+        params = [g["params"] for g in self.param_groups]
+        state_dicts.check_fits(state_dict, params)
+        for group, saved in zip(self.param_groups, state_dict["param_groups"]):
+            group.update(_hyper(saved))
+        local = state_dicts.to_local(state_dict, self._partition[self.rank], params)
+        self.optim.load_state_dict(local)
+        self.state = self.optim.state  # type: ignore[assignment]
+        self._push_hyperparameters()
+
+    def __repr__(self) -> str:
+        return (f"ZeroRedundancyOptimizer({self.optimizer_class.__name__}, rank {self.rank} of "
+                f"{self.world_size}, {len(self.owned_params())} of "
+                f"{sum(len(g['params']) for g in self.param_groups)} parameters owned)")
+
+
+def _hyper(group: dict[str, Any]) -> dict[str, Any]:
+    return {k: copy.copy(v) if isinstance(v, list) else v
+            for k, v in group.items() if k != "params"}
+
+
+def _by_dtype(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    groups: dict[tuple, list[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault((t.dtype, t.device), []).append(t)
+    return list(groups.values())
+
+
+def _check_optimizer_class(optimizer_class: Any) -> None:
+    if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, Optimizer)):
+        raise TypeError(
+            "optimizer_class must be a torch.optim.Optimizer subclass such as "
+            f"torch.optim.AdamW (the class, not an instance), got {optimizer_class!r}"
+        )
+
+
+def _check_devices(params: list[torch.Tensor]) -> None:
+    kinds = sorted({p.device.type for p in params})
+    if len(kinds) > 1:
+        raise ValueError(
+            f"ZeroRedundancyOptimizer needs all parameters on one device type, found {kinds}: "
+            "move the model to one device before building the optimizer"
+        )

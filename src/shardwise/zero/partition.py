@@ -1,0 +1,84 @@
+"""Which rank owns which parameter, and how owned parameters are cut into broadcast chunks.
+
+Pure functions over sizes, no processes and no tensors: every rank computes the same answer
+from the same parameter shapes, so no collective is needed to agree on a partition.
+
+[Note: ZeRO partition]
+ZeRO stages 1 and 2 shard whole parameters (not slices of them): each parameter is owned by one
+rank, whose local optimizer alone keeps its state and updates it. Ownership is decided greedily,
+largest parameter first, each going to the rank that holds the fewest bytes so far (ties: the
+lowest rank). Param groups are walked in order and loads carry over from one group to the next,
+so the byte balance is over the whole model, and a group added later (``add_param_group``) never
+moves a parameter of an earlier group. The greedy bound: no rank holds more than
+``total / world_size + largest parameter`` bytes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+# partition[rank][group] -> indices (within the group, ascending) of the parameters rank owns
+Partition = list[list[list[int]]]
+
+
+def partition_params(group_sizes: Sequence[Sequence[int]], world_size: int,
+                     loads: Sequence[int] | None = None) -> Partition:
+    """Assign every parameter (given as its bytes, per param group) to one rank.
+
+    ``loads`` are the bytes each rank already holds (from earlier groups); default zeros.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be at least 1, got {world_size}")
+    load = list(loads) if loads is not None else [0] * world_size
+    if len(load) != world_size:
+        raise ValueError(f"loads has {len(load)} entries for world size {world_size}")
+    result: Partition = [[[] for _ in group_sizes] for _ in range(world_size)]
+    for g, sizes in enumerate(group_sizes):
+        for i in sorted(range(len(sizes)), key=lambda k: (-sizes[k], k)):
+            if sizes[i] < 0:
+                raise ValueError(f"parameter {i} of group {g} has negative size {sizes[i]}")
+            rank = min(range(world_size), key=lambda r: (load[r], r))
+            result[rank][g].append(i)
+            load[rank] += sizes[i]
+    for per_rank in result:
+        for indices in per_rank:
+            indices.sort()
+    return result
+
+
+def rank_loads(partition: Partition, group_sizes: Sequence[Sequence[int]]) -> list[int]:
+    """Bytes each rank owns under ``partition``."""
+    return [sum(group_sizes[g][i] for g, idx in enumerate(per_rank) for i in idx)
+            for per_rank in partition]
+
+
+def owners(partition: Partition) -> dict[tuple[int, int], int]:
+    """(group, index within group) -> owning rank."""
+    return {(g, i): rank for rank, per_rank in enumerate(partition)
+            for g, idx in enumerate(per_rank) for i in idx}
+
+
+def global_indices(group_lengths: Sequence[int]) -> list[list[int]]:
+    """The index a plain optimizer's ``state_dict`` gives each parameter: consecutive over the
+    param groups in order. ``result[g][i]`` is the global index of group g's i-th parameter."""
+    out, start = [], 0
+    for n in group_lengths:
+        out.append(list(range(start, start + n)))
+        start += n
+    return out
+
+
+def chunk_by_bytes(sizes: Sequence[int], cap_bytes: int) -> list[list[int]]:
+    """Split positions ``0..len(sizes)-1`` into consecutive runs of at most ``cap_bytes`` each
+    (a single item larger than the cap gets a run of its own). Empty input: no runs."""
+    if cap_bytes <= 0:
+        raise ValueError(f"chunk cap must be positive, got {cap_bytes} bytes")
+    runs: list[list[int]] = []
+    used = 0
+    for i, size in enumerate(sizes):
+        if not runs or used + size > cap_bytes:
+            runs.append([])
+            used = 0
+        runs[-1].append(i)
+        used += size
+    return runs

@@ -1,0 +1,198 @@
+"""ZeroDataParallel: ZeRO stage 2, gradients sharded like the optimizer state.
+
+Used like DistributedDataParallel plus ZeroRedundancyOptimizer, with the optimizer handed to
+the wrapper so that it knows who owns which parameter::
+
+    optimizer = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW,
+                                        lr=1e-3)
+    model = ZeroDataParallel(model, optimizer)      # stage 2
+    loss_fn(model(x), y).backward()                 # each rank keeps only its owned gradients
+    model.clip_grad_norm_(1.0)                      # norm over all shards
+    optimizer.step()
+
+[Note: stage 2 buckets]
+Gradients are bucketed as in DDP (shardwise/distributed/grad_buckets.py), but every bucket
+holds parameters of a single owner (the bucket key includes the owning rank). When a bucket is
+full it is reduced to its owner only (``reduce_to_owner``: a per-owner ``dist.reduce``, which
+fits partitions of any shape; see collectives.py for why not a reduce-scatter on gloo). Each
+parameter's ``.grad`` is dropped as soon as it is copied into its bucket, a bucket's buffer exists
+only from its first gradient until it is reduced, and at most two buckets are in flight, so
+during backward a rank holds its owned gradients plus a few buckets, and after backward only
+its owned gradients (views into its reduced buckets): at most 1/N of all gradients plus one
+parameter (see [Note: ZeRO partition]). ``no_sync()`` accumulates full local gradients (no
+collective), as DDP does; the next backward outside it reduces the sums.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from shardwise.distributed.collectives import broadcast_coalesced
+from shardwise.distributed.grad_buckets import Bucket, GradBucketer
+from shardwise.zero import collectives as zc
+from shardwise.zero.optimizer import ZeroRedundancyOptimizer
+
+MIB = 1024 * 1024
+FIRST_BUCKET_MB = 1.0
+BUCKETS_IN_FLIGHT = 2
+
+
+class ZeroDataParallel(nn.Module):
+    """Data parallelism with sharded gradients (ZeRO stage 2) over ``optimizer``'s group.
+
+    ``optimizer`` must be a ZeroRedundancyOptimizer over this module's trainable parameters; it
+    decides which rank owns which gradient. ``bucket_cap_mb`` (default 25),
+    ``find_unused_parameters``, ``broadcast_buffers`` and ``init_sync`` mean what they mean for
+    DistributedDataParallel. After backward, ``param.grad`` is set (averaged over ranks) on the
+    owning rank only and is ``None`` elsewhere.
+    """
+
+    def __init__(self, module: nn.Module, optimizer: ZeroRedundancyOptimizer, stage: int = 2,
+                 bucket_cap_mb: float | None = None, find_unused_parameters: bool = False,
+                 broadcast_buffers: bool = True, init_sync: bool = True):
+        super().__init__()
+        _check_args(module, optimizer, stage)
+        self.module = module
+        self.optimizer = optimizer
+        self.stage = stage
+        self.process_group = optimizer.process_group
+        self.world_size = dist.get_world_size(self.process_group)
+        self.rank = dist.get_rank(self.process_group)
+        self.broadcast_buffers = broadcast_buffers
+        self._owner = optimizer.owners()
+        _check_coverage(module, self._owner)
+        if init_sync:
+            broadcast_coalesced([p.detach() for p in module.parameters()] + list(module.buffers()),
+                                0, self.process_group)
+        cap = int((25.0 if bucket_cap_mb is None else bucket_cap_mb) * MIB)
+        first_cap = min(cap, int(FIRST_BUCKET_MB * MIB))
+        self.reducer = GradBucketer(
+            list(module.named_parameters()), cap, self._launch, self._finish,
+            allow_unused=find_unused_parameters, first_cap_bytes=first_cap,
+            key_fn=self._owner.__getitem__, release_grads=True, lazy_buffers=True,
+            max_in_flight=BUCKETS_IN_FLIGHT,
+        )
+        self._holds_reduced = False  # owned grads hold a reduced (averaged) sum
+
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        if torch.is_grad_enabled():
+            self._check_grads_cleared()
+        if self.broadcast_buffers and self.world_size > 1:
+            buffers = list(self.module.buffers())
+            if buffers:
+                broadcast_coalesced(buffers, 0, self.process_group)
+        return self.module(*inputs, **kwargs)
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Skip gradient reduction inside the block; full gradients accumulate locally."""
+        previous = self.reducer.enabled
+        self.reducer.enabled = False
+        try:
+            yield
+        finally:
+            self.reducer.enabled = previous
+
+    def owned_parameters(self) -> list[nn.Parameter]:
+        """The trainable parameters whose gradients this rank keeps."""
+        return [p for p in self.module.parameters() if self._owner.get(p) == self.rank]
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
+                        error_if_nonfinite: bool = False) -> torch.Tensor:
+        """Clip all gradients by their global norm, as torch.nn.utils.clip_grad_norm_ would on
+        the unsharded gradients. Each rank computes the norm of its owned gradients and one
+        all-reduce (sum of p-th powers, or max for inf) combines them; returns the total norm."""
+        grads = [p.grad for p in self.owned_parameters() if p.grad is not None]
+        total = _global_norm(grads, float(norm_type), self.process_group, self._device())
+        if error_if_nonfinite and not torch.isfinite(total):
+            raise RuntimeError(f"the total norm of order {norm_type} of the gradients is "
+                               f"non-finite ({total.item()}), so it cannot be clipped")
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for g in grads:
+            g.mul_(coef.to(g.dtype))
+        return total
+
+    def _device(self) -> torch.device:
+        return next(iter(self._owner)).device
+
+    def _launch(self, bucket: Bucket) -> dist.Work | None:
+        if self.world_size == 1:
+            return None
+        return zc.reduce_to_owner(bucket.allocate(), self._owner[bucket.params[0]],
+                                  self.process_group)
+
+    def _finish(self, bucket: Bucket) -> None:
+        if self._owner[bucket.params[0]] != self.rank:
+            for param in bucket.params:
+                param.grad = None
+            return
+        buffer = bucket.allocate()
+        if self.world_size > 1:
+            buffer.div_(self.world_size)
+        for i, param in enumerate(bucket.params):
+            param.grad = bucket.slot(i)
+        self._holds_reduced = True
+
+    def _check_grads_cleared(self) -> None:
+        """Reduced gradients must be cleared before the next backward: a rank's reduced sum
+        would otherwise enter the next reduction as if it were its own local gradient."""
+        if not self._holds_reduced:
+            return
+        if any(p.grad is not None and bool(p.grad.any()) for p in self.owned_parameters()):
+            raise RuntimeError(
+                "ZeroDataParallel: the gradients reduced by the last backward are still set. "
+                "Call optimizer.zero_grad() after optimizer.step(); to accumulate gradients "
+                "over micro-batches, run all but the last inside model.no_sync()."
+            )
+        self._holds_reduced = False
+
+
+def _global_norm(grads: list[torch.Tensor], norm_type: float, group: dist.ProcessGroup,
+                 device: torch.device) -> torch.Tensor:
+    if math.isinf(norm_type):
+        local = max((g.detach().abs().max().float() for g in grads),
+                    default=torch.zeros((), device=device))
+        total = local.reshape(1).clone()
+        zc.all_reduce_max(total, group)
+        return total[0]
+    powers = [torch.linalg.vector_norm(g.detach(), norm_type).float() ** norm_type
+              for g in grads]
+    total = torch.stack(powers).sum().reshape(1) if powers else torch.zeros(1, device=device)
+    zc.all_reduce_sum(total, group)
+    return total[0] ** (1.0 / norm_type)
+
+
+def _check_args(module: Any, optimizer: Any, stage: int) -> None:
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"ZeroDataParallel wraps an nn.Module, got {type(module).__name__}")
+    if not isinstance(optimizer, ZeroRedundancyOptimizer):
+        raise TypeError(
+            "ZeroDataParallel needs the shardwise.ZeroRedundancyOptimizer over the module's "
+            f"parameters (it says which rank owns which gradient), got {type(optimizer).__name__}"
+        )
+    if stage != 2:
+        hint = {1: "for stage 1 use DistributedDataParallel with ZeroRedundancyOptimizer",
+                3: "for stage 3 use FullyShardedDataParallel"}.get(stage, "")
+        raise ValueError(f"ZeroDataParallel implements ZeRO stage 2, got stage={stage}"
+                         + (f"; {hint}" if hint else ""))
+
+
+def _check_coverage(module: nn.Module, owner: dict[torch.Tensor, int]) -> None:
+    named = dict(module.named_parameters())
+    missing = [n for n, p in named.items() if p.requires_grad and p not in owner]
+    if missing:
+        raise ValueError(f"ZeroDataParallel: these trainable parameters are not in the "
+                         f"optimizer, so no rank would own their gradients: {missing}")
+    kept = {id(p) for p in named.values()}
+    foreign = sum(1 for p in owner if id(p) not in kept)
+    if foreign:
+        raise ValueError(f"ZeroDataParallel: the optimizer holds {foreign} parameters that are "
+                         "not this module's")
