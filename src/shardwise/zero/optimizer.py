@@ -108,10 +108,14 @@ class ZeroRedundancyOptimizer(Optimizer):
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a group on every rank (collectively: all ranks must add the same group). Its
         parameters are partitioned after the existing ones, which keep their owners."""
+        params = param_group["params"]
+        params = [params] if isinstance(params, torch.Tensor) else list(params)
+        param_group = {**param_group, "params": params}
+        if self._initialized:
+            _check_devices([p for g in self.param_groups for p in g["params"]] + params)
         super().add_param_group(param_group)
         if not self._initialized:
             return
-        _check_devices([p for g in self.param_groups for p in g["params"]])
         sizes = self._group_sizes()
         loads = rank_loads(self._partition, sizes[:-1])
         new = partition_params(sizes[-1:], self.world_size, loads)

@@ -1,0 +1,166 @@
+"""ZeroDataParallel (stage 2) against one process training on the whole batch."""
+
+import math
+
+import pytest
+import torch
+
+from shardwise import ZeroDataParallel, ZeroRedundancyOptimizer
+from shardwise.memory import state_bytes
+from tests.harness import WORLD_SIZES, assert_rel_close, run_on_ranks
+from tests.zero.common import (
+    RTOL,
+    assert_params_equal,
+    global_batch,
+    loss_fn,
+    make_net,
+    optimizer_kwargs,
+    param_groups,
+    rank_slice,
+    schedule,
+)
+
+BUCKET_MB = 0.001  # ~1 KiB buckets: many buckets, several per owner
+
+
+def _backward(model, x, y, ctx, micro):
+    xr, yr = rank_slice(x, ctx.rank, ctx.world_size), rank_slice(y, ctx.rank, ctx.world_size)
+    for m in range(micro):
+        loss = loss_fn(model(xr[m]), yr[m]) / micro
+        if m < micro - 1:
+            with model.no_sync():
+                loss.backward()
+        else:
+            loss.backward()
+
+
+def _check_grads(net, reference, model, step):
+    for (name, p), (_, q) in zip(net.named_parameters(), reference.named_parameters()):
+        if not p.requires_grad:
+            assert p.grad is None and q.grad is None
+        elif any(p is o for o in model.owned_parameters()):
+            assert_rel_close(p.grad, q.grad, RTOL, f"step {step}: grad of {name}")
+        else:
+            assert p.grad is None, f"step {step}: {name} is not owned but kept its gradient"
+
+
+def _train(ctx, opt_name, steps, micro, clip):
+    cls, kwargs = optimizer_kwargs(opt_name)
+    reference = make_net()
+    ref_opt = cls(param_groups(reference), **kwargs)
+    ref_sched = torch.optim.lr_scheduler.LambdaLR(ref_opt, schedule)
+    net = make_net(seed=ctx.rank)  # replicas start different: the wrap syncs them
+    opt = ZeroRedundancyOptimizer(param_groups(net), optimizer_class=cls, **kwargs)
+    model = ZeroDataParallel(net, opt, bucket_cap_mb=BUCKET_MB)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
+    for step in range(steps):
+        x, y = global_batch(step, micro)
+        _backward(model, x, y, ctx, micro)
+        sum(loss_fn(reference(x[m]), y[m]) / micro for m in range(micro)).backward()
+        if clip:
+            norm = model.clip_grad_norm_(clip, norm_type=2.0)
+            ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), clip)
+            assert_rel_close(norm, ref_norm, RTOL, f"step {step}: total norm")
+        _check_grads(net, reference, model, step)
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        ref_opt.step()
+        ref_sched.step()
+        ref_opt.zero_grad()
+        assert_params_equal(net, reference, f"{opt_name} step {step}")
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+@pytest.mark.parametrize("opt_name", ("adamw", "sgd"))
+def test_ten_steps_equal_single_process(world_size, opt_name):
+    run_on_ranks(world_size, _train, opt_name, 10, 1, None)
+
+
+@pytest.mark.parametrize("world_size", (2, 4))
+def test_no_sync_accumulation_with_clipping(world_size):
+    # clip at 0.05, well under the gradients' norm, so clipping changes every step
+    run_on_ranks(world_size, _train, "adamw", 4, 3, 0.05)
+
+
+def _inf_norm(ctx):
+    reference = make_net()
+    net = make_net()
+    opt = ZeroRedundancyOptimizer(net.parameters(), torch.optim.SGD, lr=0.1)
+    model = ZeroDataParallel(net, opt, bucket_cap_mb=BUCKET_MB)
+    x, y = global_batch(0)
+    _backward(model, x, y, ctx, 1)
+    loss_fn(reference(x[0]), y[0]).backward()
+    norm = model.clip_grad_norm_(1e-3, norm_type=math.inf)
+    ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), 1e-3, norm_type=math.inf)
+    assert_rel_close(norm, ref_norm, RTOL, "inf norm")
+    _check_grads(net, reference, model, 0)
+
+
+@pytest.mark.parametrize("world_size", (1, 2))
+def test_clip_by_inf_norm(world_size):
+    run_on_ranks(world_size, _inf_norm)
+
+
+def _deep_net():
+    torch.manual_seed(0)
+    layers = [m for _ in range(8) for m in (torch.nn.Linear(32, 32), torch.nn.Tanh())]
+    return torch.nn.Sequential(torch.nn.Linear(6, 32), *layers, torch.nn.Linear(32, 3))
+
+
+def _grad_bytes(ctx):
+    net = _deep_net()
+    opt = ZeroRedundancyOptimizer(net.parameters(), torch.optim.AdamW, lr=1e-2)
+    model = ZeroDataParallel(net, opt, bucket_cap_mb=0.004)  # about one 32x32 layer per bucket
+    live = []
+
+    def record(_):  # during backward: gradients still set plus every allocated bucket buffer
+        buffers = [b.buffer for b in model.reducer.buckets if b.buffer is not None]
+        grads = [p.grad for p in net.parameters() if p.grad is not None]
+        live.append(state_bytes(grads + buffers).params)
+
+    for p in net.parameters():
+        if p.requires_grad:
+            p.register_post_accumulate_grad_hook(record)
+    x, y = global_batch(0)
+    _backward(model, x, y, ctx, 1)
+    after = state_bytes(net).grads
+    opt.step()  # and the step works on the sharded gradients
+    total = sum(p.numel() * p.element_size() for p in net.parameters() if p.requires_grad)
+    bucket = max(b.numel * p.element_size() for b in model.reducer.buckets for p in b.params)
+    return after, total, bucket, max(live)
+
+
+@pytest.mark.parametrize("world_size", (2, 4))
+def test_gradient_bytes_after_backward_are_sharded(world_size):
+    results = run_on_ranks(world_size, _grad_bytes)
+    total, bucket = results[0][1], results[0][2]
+    after = [r[0] for r in results]
+    assert sum(after) == total  # every gradient kept once, on its owner
+    assert max(after) <= total / world_size + bucket, (after, total, bucket)
+    # during backward a rank never holds a full set of gradients (buffers included)
+    assert max(r[3] for r in results) < 0.8 * total, ([r[3] for r in results], total)
+
+
+def _errors(ctx):
+    net = make_net()
+    with pytest.raises(TypeError, match="needs the shardwise.ZeroRedundancyOptimizer"):
+        ZeroDataParallel(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    opt = ZeroRedundancyOptimizer(net.parameters(), torch.optim.SGD, lr=0.1)
+    with pytest.raises(ValueError, match="stage=1; for stage 1 use DistributedDataParallel"):
+        ZeroDataParallel(net, opt, stage=1)
+    partial = ZeroRedundancyOptimizer(net.inp.parameters(), torch.optim.SGD, lr=0.1)
+    with pytest.raises(ValueError, match=r"not in the optimizer.*mid\.weight"):
+        ZeroDataParallel(net, partial)
+    model = ZeroDataParallel(net, opt)
+    x, y = global_batch(0)
+    _backward(model, x, y, ctx, 1)
+    opt.step()
+    with pytest.raises(RuntimeError, match="Call optimizer.zero_grad"):
+        model(x[0])  # forgot zero_grad: the reduced gradients would be reduced again
+    opt.zero_grad()
+    model(x[0])
+
+
+def test_bad_input_errors():
+    run_on_ranks(1, _errors)
