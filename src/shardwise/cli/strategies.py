@@ -37,6 +37,9 @@ class Prepared:
 # name -> (module:function of the builder, one-line description)
 STRATEGIES: dict[str, tuple[str, str]] = {
     "ddp": ("shardwise.cli.strategy_ddp:build", "DistributedDataParallel, AdamW replicated"),
+    "zero1": ("shardwise.cli.strategy_zero:build_zero1", "DDP + ZeRO stage 1: AdamW state sharded"),
+    "zero2": ("shardwise.cli.strategy_zero:build_zero2", "ZeRO stage 2: AdamW state and gradients "
+              "sharded"),
 }
 
 
