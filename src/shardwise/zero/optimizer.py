@@ -6,8 +6,8 @@ holds only the parameters this rank owns (see [Note: ZeRO partition] in partitio
 only their state. ``step()`` updates the owned parameters locally, then every rank broadcasts
 its updated parameters to the others as flat buffers (see collectives.py): one broadcast per
 owner and dtype with ``parameters_as_bucket_view=True`` (parameters are views into persistent
-per-owner buffers, nothing is copied), or per chunk of at most 16 MiB otherwise (temporary
-buffers, at most three chunks in flight).
+per-owner buffers, nothing is copied), or per chunk of at most 4 MiB otherwise (temporary
+buffers, at most four chunks in flight, so at most 16 MiB extra).
 
 Checkpoints: ``consolidate_state_dict(to)`` gathers every rank's state on rank ``to``, keyed by
 global parameter index exactly like a plain optimizer's state dict, so ``load_state_dict`` can
@@ -29,8 +29,8 @@ from shardwise.zero import state_dicts
 from shardwise.zero.partition import chunk_by_bytes, partition_params, rank_loads
 
 MIB = 1024 * 1024
-CHUNK_BYTES = 16 * MIB
-CHUNKS_IN_FLIGHT = 3
+CHUNK_BYTES = 4 * MIB
+CHUNKS_IN_FLIGHT = 4
 
 
 class ZeroRedundancyOptimizer(Optimizer):
