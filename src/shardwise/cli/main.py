@@ -1,4 +1,4 @@
-"""`shardwise train` and `shardwise run`.
+"""`shardwise train`, `shardwise run` and `shardwise plan`.
 
 ``shardwise train`` started by hand validates its arguments, then starts ``--nproc`` local ranks
 of itself through the launcher. Started by a launcher (ours or torchrun: RANK and WORLD_SIZE are
@@ -21,6 +21,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "train":
         return _train(parser, args, argv)
+    if args.command == "plan":
+        return _plan(parser, args)
     return _run(parser, args)
 
 
@@ -33,6 +35,9 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("-m", dest="module", action="store_true", help="run a module, as python -m")
     run.add_argument("script", help="the script (or module with -m) to run")
     run.add_argument("script_args", nargs=argparse.REMAINDER)
+    from shardwise.cli.plan import build_parser as plan_parser
+
+    plan_parser(sub.add_parser("plan", help="model-state memory per rank of each strategy"))
     return parser
 
 
@@ -54,3 +59,13 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         parser.exit(2, f"shardwise run: error: --nproc must be at least 1, got {args.nproc}\n")
     target = ["-m", args.script] if args.module else [args.script]
     return launch(args.nproc, [sys.executable, *target, *args.script_args])
+
+
+def _plan(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    from shardwise.cli.plan import plan
+
+    try:
+        print(plan(args))
+    except ValueError as exc:
+        parser.exit(2, f"shardwise plan: error: {exc}\n")
+    return 0

@@ -8,6 +8,7 @@ the group a timeout, and checks that every rank joined before returning: a missi
 
 from __future__ import annotations
 
+import atexit
 from datetime import timedelta
 
 import torch
@@ -61,6 +62,9 @@ def init(
     dist.init_process_group(
         backend, store=store, rank=env.rank, world_size=env.world_size, timeout=timeout
     )
+    # A process that exits with its group alive dies in c10d's destructors ("terminate called
+    # without an active exception", SIGABRT): tear the group down at exit if the script did not.
+    atexit.register(destroy)
     return dist.group.WORLD
 
 

@@ -1,15 +1,20 @@
 """Relaying a rank's output with its rank in front of every line.
 
 Lines end at ``\\n`` or ``\\r``; a segment that ended with ``\\r`` (a progress bar redrawing
-itself) is written back with ``\\r`` so a terminal still redraws it in place.
+itself) is written back with ``\\r`` so a terminal still redraws it in place. A sink that is not
+a terminal (a log file, a pipe, CI) cannot redraw: there a redraw becomes an ordinary line, at
+most one every ``REDRAW_EVERY_S`` seconds, instead of thousands of segments run together.
 """
 
 from __future__ import annotations
 
 import os
 import threading
+import time
 from collections import deque
 from typing import TextIO
+
+REDRAW_EVERY_S = 10.0
 
 
 class PrefixedRelay(threading.Thread):
@@ -25,6 +30,8 @@ class PrefixedRelay(threading.Thread):
         self.sink = sink
         self.lock = lock
         self.tail: deque[str] = deque(maxlen=keep)
+        self.redraws_in_place = _is_terminal(sink)
+        self._last_redraw = float("-inf")
 
     def run(self) -> None:
         pending = b""
@@ -49,9 +56,21 @@ class PrefixedRelay(threading.Thread):
     def _write(self, text: str, end: str) -> None:
         if end == "\n":
             self.tail.append(text)
+        elif not self.redraws_in_place:
+            now = time.monotonic()
+            if now - self._last_redraw < REDRAW_EVERY_S:
+                return
+            self._last_redraw, end = now, "\n"
         with self.lock:
             self.sink.write(f"{self.prefix}{text}{end}")
             self.sink.flush()
+
+
+def _is_terminal(sink: TextIO) -> bool:
+    try:
+        return sink.isatty()
+    except (AttributeError, ValueError):
+        return False
 
 
 def last_traceback(lines: list[str]) -> str:
