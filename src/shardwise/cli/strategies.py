@@ -37,6 +37,7 @@ class Prepared:
 # name -> (module:function of the builder, one-line description)
 STRATEGIES: dict[str, tuple[str, str]] = {
     "ddp": ("shardwise.cli.strategy_ddp:build", "DistributedDataParallel, AdamW replicated"),
+    "tp": ("shardwise.cli.strategy_tp:build", "tensor parallel (sharded tensors), AdamW on shards"),
 }
 
 
