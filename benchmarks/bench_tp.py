@@ -37,6 +37,10 @@ class MLP(nn.Module):
         return self.fc2(F.gelu(self.fc1(x)))
 
 
+_COLLECTIVES = {"all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor",
+                "all_to_all_single", "broadcast", "all_reduce_coalesced"}
+
+
 class _CountCollectives(TorchDispatchMode):
     """Payload bytes of every c10d functional collective torch's DTensor issues."""
 
@@ -46,7 +50,7 @@ class _CountCollectives(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = str(func)
-        if "_c10d_functional" in name and "wait" not in name:
+        if name.startswith("_c10d_functional.") and name.split(".")[1] in _COLLECTIVES:
             t = args[0]
             tensors = t if isinstance(t, (list, tuple)) else [t]
             self.bytes[name.split(".")[1]] += sum(x.numel() * x.element_size() for x in tensors)

@@ -107,7 +107,10 @@ class _CopyToParallel(Function):
 class _ReduceFromParallel(Function):
     @staticmethod
     def forward(ctx, x, group):
-        return all_reduce(x.contiguous().clone(), group)
+        if not x.is_contiguous() or x._base is not None:
+            return all_reduce(x.contiguous().clone(), group)
+        ctx.mark_dirty(x)  # a fresh partial result: reduce it in place, no copy
+        return all_reduce(x, group)
 
     @staticmethod
     def backward(ctx, grad):
