@@ -47,6 +47,8 @@ class Traffic:
 
 
 TRAFFIC = Traffic()
+# torch 2.13 deprecates all_gather_into_tensor in favour of all_gather_single (same semantics)
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def world(group: dist.ProcessGroup | None) -> int:
@@ -76,7 +78,7 @@ def all_to_all_flat(send: torch.Tensor, send_counts: Sequence[int], recv_counts:
 def all_gather_dim(x: torch.Tensor, dim: int, offsets: Sequence[int], sizes: Sequence[int],
                    group) -> torch.Tensor:
     """The whole of ``dim`` on every rank: rank r's ``x`` holds ``sizes[r]`` rows of it starting
-    at ``offsets[r]``. Uneven pieces are padded to the largest so one ``all_gather_into_tensor``
+    at ``offsets[r]``. Uneven pieces are padded to the largest so one all-gather
     carries them all; pieces are put in offset order."""
     if world(group) == 1:
         return x
@@ -87,7 +89,7 @@ def all_gather_dim(x: torch.Tensor, dim: int, offsets: Sequence[int], sizes: Seq
     padded[: front.shape[0]] = front
     out = padded.new_empty((pad * len(sizes), *front.shape[1:]))
     TRAFFIC.add("all_gather", padded)
-    dist.all_gather_into_tensor(out, padded, group=group)
+    _all_gather_single(out, padded, group=group)
     order = sorted(range(len(sizes)), key=lambda r: offsets[r])
     pieces = [out[r * pad : r * pad + sizes[r]] for r in order]
     return torch.cat(pieces).movedim(0, dim)
