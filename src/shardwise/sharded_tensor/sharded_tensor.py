@@ -252,8 +252,9 @@ class ShardedTensor:
     def __getattr__(self, name: str):
         # Tensor methods (st.sum(), st.relu(), st.mul_(2), ...) go through the same dispatch.
         method = getattr(torch.Tensor, name, None)
-        if method is None or name.startswith("_"):
-            raise AttributeError(f"ShardedTensor has no attribute {name!r}")
+        if method is None or name.startswith("_") or not callable(method):
+            raise AttributeError(f"ShardedTensor has no attribute {name!r} (a tensor attribute "
+                                 "such as .grad belongs to each local shard: local_shards())")
         return lambda *a, **k: dispatch(method, (self, *a), k)
 
     def __getstate__(self) -> dict:
