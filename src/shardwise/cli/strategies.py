@@ -40,6 +40,7 @@ STRATEGIES: dict[str, tuple[str, str]] = {
     "zero1": ("shardwise.cli.strategy_zero:build_zero1", "DDP + ZeRO stage 1: AdamW state sharded"),
     "zero2": ("shardwise.cli.strategy_zero:build_zero2", "ZeRO stage 2: AdamW state and gradients "
               "sharded"),
+    "tp": ("shardwise.cli.strategy_tp:build", "tensor parallel (sharded tensors), AdamW on shards"),
 }
 
 

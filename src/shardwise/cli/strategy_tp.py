@@ -1,0 +1,67 @@
+"""`--strategy tp`: tensor parallelism (Megatron style) of the demo GPT through shard_module.
+
+Every rank trains on the same batch (``data_slice=(0, 1)``) and holds its shards of the sharded
+weights; the rest (layer norms, row-wise biases) is replicated and stays identical on every rank
+because every rank computes the same thing. Per block: the attention's ``qkv`` column-wise (whole
+heads per rank) and ``proj`` row-wise; the MLP's ``fc1`` column-wise and ``fc2`` row-wise: one
+all-reduce forward and one backward for each pair. The token embedding is sharded on the
+vocabulary, the position embedding on the embedding dim, the LM head column-wise on the
+vocabulary with its logits gathered for the loss. Checkpoints are per rank (each rank saves its
+shards and its AdamW state for them).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from shardwise.cli.optim import make_adamw
+from shardwise.cli.strategies import Prepared
+from shardwise.cli.train_args import TrainConfig
+from shardwise.sharded_tensor import ChunkShardingSpec, shard_module
+
+
+def gpt_plan(world_size: int) -> tuple[dict[str, ChunkShardingSpec], list[str]]:
+    """The demo GPT's sharding plan and the modules whose output is gathered."""
+    ranks = list(range(world_size))
+    colwise, rowwise = ChunkShardingSpec(0, ranks), ChunkShardingSpec(1, ranks)
+    plan = {
+        "tok_emb": colwise,  # chunked on the vocabulary
+        "pos_emb": rowwise,  # chunked on the embedding dim
+        "blocks.*.attn.qkv": colwise,
+        "blocks.*.attn.proj": rowwise,
+        "blocks.*.mlp.fc1": colwise,
+        "blocks.*.mlp.fc2": rowwise,
+        "head": colwise,
+    }
+    return plan, ["head"]
+
+
+def check_gpt(model: nn.Module, world_size: int) -> None:
+    cfg = model.cfg
+    if cfg.n_head % world_size:
+        raise ValueError(f"--strategy tp: n_head ({cfg.n_head}) must be divisible by the world "
+                         f"size ({world_size}) so that every rank holds whole attention heads")
+    if cfg.tie_weights:
+        raise ValueError("--strategy tp: tied embedding and head weights are not supported")
+
+
+def build(model: nn.Module, cfg: TrainConfig, group: dist.ProcessGroup,
+          device: torch.device) -> Prepared:
+    world = dist.get_world_size(group)
+    check_gpt(model, world)
+    model.to(device)  # before sharding: see [Note: how a sharded parameter appears]
+    plan, gathered = gpt_plan(world)
+    shard_module(model, plan, gather_output=gathered, process_group=group)
+    optimizer = make_adamw(model.parameters(), cfg)  # this rank's shards + replicated params
+
+    def state_dict() -> dict:
+        return {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+
+    def load_state_dict(state: dict) -> None:
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+
+    return Prepared(model, optimizer, state_dict, load_state_dict, per_rank_state=True,
+                    data_slice=(0, 1))

@@ -1,0 +1,192 @@
+"""Sharding metadata as pure values: placements, shard boxes, chunk math and validation.
+
+Nothing here starts a process or touches a tensor's data: every function is unit-tested on its own.
+A shard is a box of the global tensor (``shard_offsets`` + ``shard_sizes``) placed on one rank of
+the process group (ranks are ranks *within the group*, as c10d's group collectives number them).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+
+class ShardingError(ValueError):
+    """A sharding spec, its metadata or a set of shards is invalid; the message says how."""
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a shard lives: a rank of the group and, optionally, a device on that rank.
+
+    ``device`` None means "the rank's default device" (CPU under gloo, the current CUDA device
+    under NCCL), resolved when the shard is created.
+    """
+
+    rank: int
+    device: torch.device | None = None
+
+    def __str__(self) -> str:
+        return f"rank:{self.rank}" + (f"/{self.device}" if self.device is not None else "")
+
+
+def parse_placement(value: str | int | Placement) -> Placement:
+    """``"rank:0/cpu"``, ``"rank:1/cuda:1"``, ``"rank:2"``, an int rank, or a Placement."""
+    if isinstance(value, Placement):
+        return value
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise ShardingError(f"placement {value!r}: expected 'rank:R/device', 'rank:R' or an int")
+    if isinstance(value, int):
+        if value < 0:
+            raise ShardingError(f"placement {value}: a rank cannot be negative")
+        return Placement(value)
+    head, _, device = value.partition("/")
+    kind, _, rank = head.partition(":")
+    if kind != "rank" or not rank.isdigit():
+        raise ShardingError(
+            f"placement {value!r}: expected 'rank:R/device' (e.g. 'rank:0/cpu', 'rank:1/cuda:1')"
+        )
+    if device:
+        try:
+            return Placement(int(rank), torch.device(device))
+        except RuntimeError as err:
+            raise ShardingError(f"placement {value!r}: bad device {device!r} ({err})") from None
+    return Placement(int(rank))
+
+
+@dataclass(frozen=True)
+class ShardMetadata:
+    """One shard: its offsets and sizes in the global tensor and where it lives.
+
+    Same fields as ``torch.distributed._shard.metadata.ShardMetadata``; ``placement`` accepts a
+    string such as ``"rank:0/cpu"`` and is stored parsed.
+    """
+
+    shard_offsets: tuple[int, ...]
+    shard_sizes: tuple[int, ...]
+    placement: Placement | None = field(default=None)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "shard_offsets", tuple(int(o) for o in self.shard_offsets))
+        object.__setattr__(self, "shard_sizes", tuple(int(s) for s in self.shard_sizes))
+        if self.placement is not None:
+            object.__setattr__(self, "placement", parse_placement(self.placement))
+        if len(self.shard_offsets) != len(self.shard_sizes):
+            raise ShardingError(
+                f"shard offsets {self.shard_offsets} and sizes {self.shard_sizes} have different "
+                "numbers of dimensions"
+            )
+        if any(o < 0 for o in self.shard_offsets) or any(s < 0 for s in self.shard_sizes):
+            raise ShardingError(f"shard {self.describe()}: offsets and sizes must be >= 0")
+
+    @property
+    def rank(self) -> int:
+        if self.placement is None:
+            raise ShardingError(f"shard {self.describe()} has no placement")
+        return self.placement.rank
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shard_sizes)
+
+    def describe(self) -> str:
+        box = ", ".join(f"{o}:{o + s}" for o, s in zip(self.shard_offsets, self.shard_sizes))
+        return f"[{box}] on {self.placement}"
+
+    def region(self) -> tuple[slice, ...]:
+        """The index of this shard's box in the global tensor."""
+        return tuple(slice(o, o + s) for o, s in zip(self.shard_offsets, self.shard_sizes))
+
+
+def split_size(dim_size: int, chunks: int) -> int:
+    """Rows per chunk when ``dim_size`` rows are cut into ``chunks`` pieces, as torch.chunk does."""
+    if chunks < 1:
+        raise ShardingError(f"cannot split into {chunks} chunks")
+    return -(-dim_size // chunks)
+
+
+def chunk_sizes(dim_size: int, chunks: int) -> list[int]:
+    """Sizes of the ``chunks`` pieces of a dimension of ``dim_size``, like ``torch.chunk``.
+
+    Every piece but the trailing ones holds ``ceil(dim_size / chunks)``; the last non-empty one
+    holds what is left, and pieces past the end are empty (torch.chunk returns fewer chunks; a
+    sharding still gives those ranks a shard, of size 0). ``chunk_sizes(5, 4) == [2, 2, 1, 0]``.
+    """
+    step = split_size(dim_size, chunks)
+    return [max(0, min(dim_size, step * (i + 1)) - step * i) for i in range(chunks)]
+
+
+def chunk_offsets(dim_size: int, chunks: int) -> list[int]:
+    step = split_size(dim_size, chunks)
+    return [min(dim_size, step * i) for i in range(chunks)]
+
+
+def overlap(a: ShardMetadata, b: ShardMetadata) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """The box two shards share, as (offsets, sizes), or None when they share no element."""
+    offsets, sizes = [], []
+    for ao, as_, bo, bs in zip(a.shard_offsets, a.shard_sizes, b.shard_offsets, b.shard_sizes):
+        lo, hi = max(ao, bo), min(ao + as_, bo + bs)
+        if hi <= lo:
+            return None
+        offsets.append(lo)
+        sizes.append(hi - lo)
+    return tuple(offsets), tuple(sizes)
+
+
+def validate_shards(shards: Sequence[ShardMetadata], size: Sequence[int],
+                    world_size: int | None = None) -> None:
+    """Shards must lie inside ``size``, not overlap, cover every element, and sit on ranks of the
+    group; the error names the offending shards or ranks."""
+    size = tuple(size)
+    for s in shards:
+        if len(s.shard_sizes) != len(size):
+            raise ShardingError(f"shard {s.describe()} has {len(s.shard_sizes)} dims, the tensor "
+                                f"{tuple(size)} has {len(size)}")
+        if any(o + n > d for o, n, d in zip(s.shard_offsets, s.shard_sizes, size)):
+            raise ShardingError(f"shard {s.describe()} reaches outside the tensor {size}")
+        if world_size is not None and s.placement is not None and s.rank >= world_size:
+            raise ShardingError(f"shard {s.describe()} is placed on rank {s.rank}, outside the "
+                                f"group of {world_size} ranks (0..{world_size - 1})")
+    for a, b in itertools.combinations(shards, 2):
+        if overlap(a, b) is not None:
+            raise ShardingError(f"shards {a.describe()} and {b.describe()} overlap")
+    covered, total = sum(s.numel for s in shards), math.prod(size)
+    if covered != total:
+        raise ShardingError(f"shards cover {covered} of the {total} elements of a tensor of size "
+                            f"{size}: pieces are missing")
+
+
+def check_ranks(placements: Sequence[Placement], world_size: int, what: str) -> None:
+    bad = sorted({p.rank for p in placements if p.rank >= world_size})
+    if bad:
+        raise ShardingError(f"{what} places shards on ranks {bad}, outside the group of "
+                            f"{world_size} ranks (0..{world_size - 1})")
+
+
+@dataclass(frozen=True)
+class TensorProperties:
+    dtype: torch.dtype = torch.float32
+    requires_grad: bool = False
+
+
+@dataclass(frozen=True)
+class ShardedTensorMetadata:
+    """The global view of a sharded tensor: every shard's box and placement, and the size."""
+
+    shards_metadata: tuple[ShardMetadata, ...]
+    size: torch.Size
+    tensor_properties: TensorProperties = TensorProperties()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "shards_metadata", tuple(self.shards_metadata))
+        object.__setattr__(self, "size", torch.Size(self.size))
+
+    def on_rank(self, rank: int) -> list[ShardMetadata]:
+        return [s for s in self.shards_metadata if s.rank == rank]
+
+    def same_layout(self, other: ShardedTensorMetadata) -> bool:
+        return self.size == other.size and self.shards_metadata == other.shards_metadata
