@@ -145,3 +145,31 @@ def forward(module_rref, x):
 def nested_square(t, via: str):
     """t + (t * t computed on ``via``): a nested RPC inside a distributed autograd context."""
     return t + rpc.rpc_sync(via, torch.mul, args=(t, t))
+
+
+def pass_on_held(index: int, to: str) -> str:
+    return rpc.rpc_sync(to, hold, args=(_held[index],))
+
+
+_kept: list = []
+
+
+def make_and_keep(value):
+    rref = rpc.RRef(Tracked(value))
+    _kept.append(rref)
+    return rref
+
+
+def drop_kept() -> None:
+    _kept.clear()
+    gc.collect()
+
+
+def forward_rref(module_rref, x_rref):
+    """A pipeline stage: fetch the input from wherever it lives, run the local module."""
+    return module_rref.local_value()(x_rref.to_here())
+
+
+def params_are(module_rref, param_rrefs) -> bool:
+    mine = list(module_rref.local_value().parameters())
+    return all(r.local_value() is p for r, p in zip(param_rrefs, mine))

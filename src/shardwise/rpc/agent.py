@@ -261,7 +261,7 @@ class RpcAgent:
 
     def _handle_remote(self, peer: int, msg_id: int, ctx_id, body) -> None:
         fname, args, kwargs, reply_map, rref_id, fork_id = body
-        entry = self.rrefs.create_owned(rref_id, (peer, fork_id))  # in order, on the reader
+        entry = self.rrefs.create_owned(tuple(rref_id), tuple(fork_id))  # in order, on reader
 
         def run() -> None:
             try:

@@ -86,7 +86,7 @@ class RRefContext:
             entry = self._table.get(tuple(rref_id))
             if entry is None:
                 return RuntimeError(f"worker {self._agent.name!r} owns no RRef {rref_id}")
-            entry.forks.add(fork)
+            entry.forks.add(tuple(fork))
             return None
 
     def add_local_fork(self, entry: OwnerEntry, fork: Any) -> None:
@@ -99,7 +99,7 @@ class RRefContext:
             entry = self._table.get(tuple(rref_id))
             if entry is None:
                 return
-            entry.forks.discard(fork)
+            entry.forks.discard(tuple(fork))
             if not entry.forks:
                 del self._table[entry.rref_id]
 
