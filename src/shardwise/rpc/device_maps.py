@@ -24,7 +24,10 @@ class DeviceMapError(ValueError):
 def as_device(d: Any) -> torch.device:
     if isinstance(d, int):
         return torch.device("cuda", d)  # torch's convention for bare integers
-    dev = torch.device(d)
+    try:
+        dev = torch.device(d)
+    except (RuntimeError, TypeError) as exc:
+        raise DeviceMapError(f"unknown device {d!r}: {exc}") from exc
     if dev.type == "cuda" and dev.index is None:
         dev = torch.device("cuda", 0)
     if dev.type not in ("cpu", "cuda"):
