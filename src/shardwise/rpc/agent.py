@@ -387,8 +387,8 @@ def _copy_future(src: torch.futures.Future, dst: torch.futures.Future) -> None:
             dst.set_exception(exc)
 
 
-def start_agent(name: str, rank: int, world_size: int,
-                options: TensorPipeRpcBackendOptions) -> RpcAgent:
+def start_agent(name: str, rank: int, world_size: int, options: TensorPipeRpcBackendOptions,
+                publish=None) -> RpcAgent:
     """Rendezvous, connect to every peer, check device maps, and return a running agent."""
     from shardwise.rpc.device_maps import as_device, local_devices, validate_device_maps
 
@@ -422,6 +422,8 @@ def start_agent(name: str, rank: int, world_size: int,
     holder["agent"] = agent
     agent.peer_devices = [[as_device(d) for d in r["devices"]] for r in records]
     agent.cuda.set_peer_hosts([r["host"] for r in records])
+    if publish is not None:  # current before any peer can call in: RRef() needs it
+        publish(agent)
     try:
         for peer in range(rank):
             transport.connect(peer, records[peer]["host"], records[peer]["port"],
@@ -433,6 +435,8 @@ def start_agent(name: str, rank: int, world_size: int,
             raise rendezvous.RendezvousError(f"ranks {missing} did not finish connecting")
     except BaseException:
         agent.shutdown(graceful=False)
+        if publish is not None:
+            publish(None)
         raise
     return agent
 

@@ -36,7 +36,7 @@ def init_rpc(name: str, backend: Any = None, rank: int = -1, world_size: int | N
     if current.maybe_agent() is not None:
         raise RuntimeError(f"RPC is already initialised in this process (as "
                            f"{current.maybe_agent().name!r}); call shutdown() first")
-    current.set_agent(start_agent(name, rank, world_size, options))
+    start_agent(name, rank, world_size, options, publish=current.set_agent)
 
 
 def shutdown(graceful: bool = True, timeout: float | None = None) -> None:
