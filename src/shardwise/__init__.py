@@ -3,7 +3,7 @@
 The public API. Mechanisms live in subpackages; this module only names them.
 """
 
-from shardwise import distributed
+from shardwise import distributed, rpc
 from shardwise.ddp import DistributedDataParallel
 
 __version__ = "0.1.0"
@@ -11,4 +11,5 @@ __version__ = "0.1.0"
 __all__ = [
     "DistributedDataParallel",
     "distributed",
+    "rpc",
 ]
