@@ -3,7 +3,7 @@
 The public API. Mechanisms live in subpackages; this module only names them.
 """
 
-from shardwise import distributed, sharded_tensor
+from shardwise import distributed, rpc, sharded_tensor
 from shardwise.ddp import DistributedDataParallel
 from shardwise.zero import ZeroDataParallel, ZeroRedundancyOptimizer
 
@@ -14,5 +14,6 @@ __all__ = [
     "ZeroDataParallel",
     "ZeroRedundancyOptimizer",
     "distributed",
+    "rpc",
     "sharded_tensor",
 ]

@@ -1,0 +1,53 @@
+"""RPC: rpc_sync / rpc_async / remote, RRefs, device maps, distributed autograd.
+
+Same names and signatures as ``torch.distributed.rpc``; ``shardwise.rpc.autograd`` mirrors
+``torch.distributed.autograd``. One agent per process (init_rpc ... shutdown). Layout: agent.py
+(requests, serving, shutdown), transport.py / wire.py / auth.py (sockets, frames, handshake),
+serialization.py / callables.py (payloads, what peers may name), rref.py / rref_context.py
+(references and their counting), device_maps.py / cuda_transfer.py, autograd/, optimizer.py.
+"""
+
+from shardwise.rpc import autograd
+from shardwise.rpc.agent import WorkerDied
+from shardwise.rpc.api import (
+    get_worker_info,
+    init_rpc,
+    remote,
+    rpc_async,
+    rpc_sync,
+    set_device_map,
+    shutdown,
+)
+from shardwise.rpc.callables import ForbiddenCallable, register_module
+from shardwise.rpc.device_maps import DeviceMapError
+from shardwise.rpc.messages import RemoteException
+from shardwise.rpc.optimizer import DistributedOptimizer
+from shardwise.rpc.options import (
+    RpcBackendOptions,
+    TensorPipeRpcBackendOptions,
+    WorkerInfo,
+)
+from shardwise.rpc.rendezvous import RendezvousError
+from shardwise.rpc.rref import RRef
+
+__all__ = [
+    "DeviceMapError",
+    "DistributedOptimizer",
+    "ForbiddenCallable",
+    "RRef",
+    "RemoteException",
+    "RendezvousError",
+    "RpcBackendOptions",
+    "TensorPipeRpcBackendOptions",
+    "WorkerDied",
+    "WorkerInfo",
+    "autograd",
+    "get_worker_info",
+    "init_rpc",
+    "register_module",
+    "remote",
+    "rpc_async",
+    "rpc_sync",
+    "set_device_map",
+    "shutdown",
+]

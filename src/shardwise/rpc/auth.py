@@ -1,0 +1,75 @@
+"""Mutual authentication of a new connection with the group's token (HMAC challenge-response).
+
+The token is 32 random bytes that rank 0 writes to the rendezvous store; only processes that
+joined the rendezvous can read it. On connect:
+
+    acceptor  -> connector : "SWA1" | acceptor nonce (16 bytes)
+    connector -> acceptor  : "SWA1" | connector rank (u32) | connector nonce | HMAC(token, ...)
+    acceptor  -> connector : HMAC(token, "acceptor" | both nonces | rank)
+
+Each side proves it knows the token without sending it, over fresh nonces, so a recorded
+handshake cannot be replayed. Anything else (wrong magic, unknown rank, bad MAC, silence past
+the handshake timeout) is an :class:`AuthError` and the socket is closed by the caller.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import secrets
+import socket
+import struct
+
+from shardwise.rpc.wire import PeerClosed, recv_exact
+
+MAGIC = b"SWA1"
+NONCE = 16
+_DIGEST = hashlib.sha256().digest_size
+_HELLO = struct.Struct(f"!4s{NONCE}s")
+_REPLY = struct.Struct(f"!4sI{NONCE}s{_DIGEST}s")
+
+
+class AuthError(ConnectionError):
+    """A connection failed the group's handshake."""
+
+
+def new_token() -> bytes:
+    return secrets.token_bytes(32)
+
+
+def _mac(token: bytes, role: bytes, a: bytes, b: bytes, rank: int) -> bytes:
+    return hmac.new(token, role + a + b + struct.pack("!I", rank), hashlib.sha256).digest()
+
+
+def accept_handshake(sock: socket.socket, token: bytes, world_size: int, me: int) -> int:
+    """Run the acceptor's side; returns the authenticated peer's rank."""
+    nonce = secrets.token_bytes(NONCE)
+    sock.sendall(_HELLO.pack(MAGIC, nonce))
+    try:
+        magic, rank, peer_nonce, mac = _REPLY.unpack(recv_exact(sock, _REPLY.size))
+    except PeerClosed as exc:
+        raise AuthError(f"connection closed during the handshake: {exc}") from exc
+    if magic != MAGIC:
+        raise AuthError(f"not a shardwise RPC peer (handshake magic {bytes(magic)!r})")
+    if not 0 <= rank < world_size or rank == me:
+        raise AuthError(f"handshake names rank {rank}, not a peer in a world of {world_size}")
+    if not hmac.compare_digest(mac, _mac(token, b"connector", nonce, peer_nonce, rank)):
+        raise AuthError(f"peer claiming rank {rank} failed authentication (wrong group token)")
+    sock.sendall(_mac(token, b"acceptor", nonce, peer_nonce, rank))
+    return rank
+
+
+def connect_handshake(sock: socket.socket, token: bytes, me: int) -> None:
+    """Run the connector's side; raises AuthError if the acceptor is not of our group."""
+    try:
+        magic, nonce = _HELLO.unpack(recv_exact(sock, _HELLO.size))
+        peer_nonce = secrets.token_bytes(NONCE)
+        mac = _mac(token, b"connector", nonce, peer_nonce, me)
+        sock.sendall(_REPLY.pack(MAGIC, me, peer_nonce, mac))
+        answer = recv_exact(sock, _DIGEST)
+    except PeerClosed as exc:
+        raise AuthError(f"peer closed the connection during the handshake: {exc}") from exc
+    if magic != MAGIC:
+        raise AuthError(f"not a shardwise RPC peer (handshake magic {bytes(magic)!r})")
+    if not hmac.compare_digest(bytes(answer), _mac(token, b"acceptor", nonce, peer_nonce, me)):
+        raise AuthError("the peer failed authentication (wrong group token)")

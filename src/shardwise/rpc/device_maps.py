@@ -1,0 +1,119 @@
+"""Device maps: where a tensor sent to a worker lands, and the checks made at init.
+
+A device map for peer ``w`` maps this worker's devices to ``w``'s devices: a tensor on local
+``cuda:0`` sent with ``{"cuda:0": "cuda:1"}`` arrives on ``w``'s ``cuda:1``, and results come
+back through the inverse map. CPU tensors go to CPU unless the map says otherwise; a CUDA tensor
+whose device is not in the map is an error (never a silent copy through host memory). Maps are
+checked when the agent starts, against the devices every worker published: each key must be one
+of this agent's devices, each value one of the peer's, and the map must be one-to-one.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+DeviceMap = dict[torch.device, torch.device]
+
+
+class DeviceMapError(ValueError):
+    """A device map or device list that cannot work; the message says which entry and why."""
+
+
+def as_device(d: Any) -> torch.device:
+    if isinstance(d, int):
+        return torch.device("cuda", d)  # torch's convention for bare integers
+    try:
+        dev = torch.device(d)
+    except (RuntimeError, TypeError) as exc:
+        raise DeviceMapError(f"unknown device {d!r}: {exc}") from exc
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", 0)
+    if dev.type not in ("cpu", "cuda"):
+        raise DeviceMapError(f"device {dev} is not supported by RPC (cpu or cuda only)")
+    return dev
+
+
+def normalize_device_map(device_map: dict) -> DeviceMap:
+    if not isinstance(device_map, dict):
+        raise DeviceMapError(f"a device map is a dict of local -> remote devices, got "
+                             f"{type(device_map).__name__}")
+    out: DeviceMap = {}
+    for k, v in device_map.items():
+        out[as_device(k)] = as_device(v)
+    check_bijective(out)
+    return out
+
+
+def normalize_devices(devices: list) -> list[torch.device]:
+    out = [as_device(d) for d in devices]
+    if len(set(out)) != len(out):
+        raise DeviceMapError(f"devices lists a device twice: {[str(d) for d in out]}")
+    return out
+
+
+def check_bijective(device_map: DeviceMap) -> None:
+    seen: dict[torch.device, torch.device] = {}
+    for src, dst in device_map.items():
+        if dst in seen:
+            raise DeviceMapError(f"device map is not one-to-one: {seen[dst]} and {src} both map "
+                                 f"to {dst}")
+        seen[dst] = src
+
+
+def available_devices() -> list[torch.device]:
+    """Devices that exist in this process: cpu and every visible CUDA device."""
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return [torch.device("cpu")] + [torch.device("cuda", i) for i in range(count)]
+
+
+def local_devices(devices: list[torch.device] | None,
+                  device_maps: dict[str, DeviceMap]) -> list[torch.device]:
+    """This agent's devices: the ``devices`` option, else cpu and every device a map names."""
+    present = set(available_devices())
+    chosen = list(devices) if devices is not None else sorted(
+        {torch.device("cpu")} | {k for m in device_maps.values() for k in m}, key=str)
+    for dev in chosen:
+        if dev not in present:
+            raise DeviceMapError(f"device {dev} does not exist on this worker (it has "
+                                 f"{', '.join(str(d) for d in sorted(present, key=str))})")
+    if torch.device("cpu") not in chosen:
+        chosen.append(torch.device("cpu"))
+    return chosen
+
+
+def validate_device_maps(device_maps: dict[str, DeviceMap], mine: list[torch.device],
+                         peers: dict[str, list[torch.device]], my_name: str) -> None:
+    """Check every map of this worker against its devices and the peers' (raises DeviceMapError)."""
+    for peer, device_map in device_maps.items():
+        if peer not in peers:
+            raise DeviceMapError(f"device map for unknown worker {peer!r}; workers: "
+                                 f"{sorted(peers)}")
+        if peer == my_name:
+            raise DeviceMapError(f"worker {my_name!r} has a device map to itself")
+        check_bijective(device_map)
+        for src, dst in device_map.items():
+            if src not in mine:
+                raise DeviceMapError(f"device map to {peer!r}: local device {src} is not one of "
+                                     f"this worker's devices {[str(d) for d in mine]}")
+            if dst not in peers[peer]:
+                raise DeviceMapError(f"device map to {peer!r}: {src} -> {dst}, but {peer!r} has "
+                                     f"no device {dst} (its devices: "
+                                     f"{[str(d) for d in peers[peer]]})")
+
+
+def target_device(device: torch.device, device_map: DeviceMap, peer: str) -> torch.device:
+    """Where a tensor on local ``device`` lands on ``peer`` under ``device_map``."""
+    if device in device_map:
+        return device_map[device]
+    if device.type == "cpu":
+        return device
+    raise DeviceMapError(
+        f"tensor on {device} sent to {peer!r} but the device map to {peer!r} has no entry for "
+        f"{device}; call options.set_device_map({peer!r}, {{'{device}': '<remote device>'}})"
+    )
+
+
+def inverse(device_map: DeviceMap) -> DeviceMap:
+    return {dst: src for src, dst in device_map.items()}

@@ -1,0 +1,63 @@
+"""Options of an RPC agent (named like torch's TensorPipeRpcBackendOptions) and WorkerInfo."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch.distributed as dist
+
+from shardwise.rpc.device_maps import DeviceMap, normalize_device_map, normalize_devices
+
+DEFAULT_RPC_TIMEOUT = 60.0  # seconds, as torch's
+UNSET_RPC_TIMEOUT = -1.0  # "use the agent's rpc_timeout"; 0 means no timeout (torch's rule)
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    """A worker of the group: its unique name and its rank (``id``, as in torch)."""
+
+    name: str
+    id: int
+
+
+@dataclass
+class TensorPipeRpcBackendOptions:
+    """Agent options with torch's names; ``store`` and ``shutdown_timeout`` are ours.
+
+    ``init_method``: ``"env://"`` (MASTER_ADDR / MASTER_PORT, as torchrun sets them) or
+    ``"tcp://host:port"``; rank 0 hosts the c10d TCPStore there. ``store``: an existing c10d
+    store to rendezvous through instead. ``device_maps``: ``{worker_name: {local: remote}}``;
+    ``devices``: the local devices this agent may use (default: those the maps name).
+    """
+
+    num_worker_threads: int = 16
+    rpc_timeout: float = DEFAULT_RPC_TIMEOUT
+    init_method: str = "env://"
+    device_maps: dict[str, DeviceMap] = field(default_factory=dict)
+    devices: list[Any] | None = None
+    store: dist.Store | None = None
+    shutdown_timeout: float = 60.0
+    connect_timeout: float = 60.0
+
+    def __post_init__(self) -> None:
+        if self.num_worker_threads < 1:
+            raise ValueError(f"num_worker_threads must be >= 1, got {self.num_worker_threads}")
+        if self.rpc_timeout < 0:
+            raise ValueError(f"rpc_timeout must be >= 0 seconds (0: none), got {self.rpc_timeout}")
+        self.device_maps = {str(k): normalize_device_map(v)
+                            for k, v in (self.device_maps or {}).items()}
+        if self.devices is not None:
+            self.devices = normalize_devices(self.devices)
+
+    def set_device_map(self, to: str, device_map: dict) -> None:
+        """Add ``device_map`` (local device -> device on ``to``) for calls to worker ``to``."""
+        merged = dict(self.device_maps.get(to, {}))
+        merged.update(normalize_device_map(device_map))
+        self.device_maps[to] = merged
+
+    def set_devices(self, devices: list) -> None:
+        self.devices = normalize_devices(devices)
+
+
+RpcBackendOptions = TensorPipeRpcBackendOptions

@@ -1,0 +1,118 @@
+"""RRef: a reference to a value owned by one worker, usable from any worker.
+
+See [Note: RRef reference counting] in rref_context.py for how the owner knows when to free.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Generic, TypeVar
+
+import torch
+
+from shardwise.rpc.current import get_agent
+from shardwise.rpc.messages import Kind
+from shardwise.rpc.options import UNSET_RPC_TIMEOUT, WorkerInfo
+from shardwise.rpc.serialization import current_session
+
+T = TypeVar("T")
+
+
+class RRef(Generic[T]):
+    """``RRef(value)`` makes an owner reference to a local value; ``remote()`` makes others."""
+
+    def __init__(self, value: T, type_hint: Any = None) -> None:
+        agent = get_agent()
+        entry = agent.rrefs.new_local(value)
+        self._setup(agent, entry.rref_id, agent.rank, entry, None)
+
+    def _setup(self, agent, rref_id, owner: int, entry, fork) -> None:
+        self._agent, self._id, self._owner_rank = agent, tuple(rref_id), owner
+        self._entry, self._fork = entry, fork
+        self._created: torch.futures.Future | None = None
+
+    @classmethod
+    def _make(cls, agent, rref_id, owner: int, entry=None, fork=None) -> RRef:
+        rref = cls.__new__(cls)
+        rref._setup(agent, rref_id, owner, entry, fork)
+        return rref
+
+    def __del__(self) -> None:
+        fork = getattr(self, "_fork", None)
+        if fork is not None:
+            self._agent.rrefs.user_deleted(self._id, self._owner_rank, fork)
+
+    def __repr__(self) -> str:
+        kind = "OwnerRRef" if self.is_owner() else "UserRRef"
+        return f"{kind}(id={self._id}, owner={self.owner_name()!r})"
+
+    # ---------------------------------------------------------------- identity
+    def is_owner(self) -> bool:
+        return self._entry is not None
+
+    def owner(self) -> WorkerInfo:
+        return self._agent.workers[self._owner_rank]
+
+    def owner_name(self) -> str:
+        return self.owner().name
+
+    def confirmed_by_owner(self) -> bool:
+        return self.is_owner() or self._created is None or self._created.done()
+
+    # ---------------------------------------------------------------- values
+    def local_value(self) -> T:
+        if self._entry is None:
+            raise RuntimeError(f"local_value() on a user RRef; the value lives on "
+                               f"{self.owner_name()!r}: use to_here()")
+        return self._entry.future.wait()
+
+    def to_here(self, timeout: float = UNSET_RPC_TIMEOUT) -> T:
+        """The value, fetched from the owner (a copy) unless this worker owns it."""
+        if self._entry is not None:
+            return self.local_value()
+        agent = self._agent
+        fut = agent.request(self._owner_rank, Kind.FETCH, (self._id,), agent.timeout_of(timeout),
+                            f"to_here() from {self.owner_name()!r}")
+        return fut.wait()
+
+    # ---------------------------------------------------------------- proxies
+    def rpc_sync(self, timeout: float = UNSET_RPC_TIMEOUT) -> _Proxy:
+        return _Proxy(self, "rpc_sync", timeout)
+
+    def rpc_async(self, timeout: float = UNSET_RPC_TIMEOUT) -> _Proxy:
+        return _Proxy(self, "rpc_async", timeout)
+
+    def remote(self, timeout: float = UNSET_RPC_TIMEOUT) -> _Proxy:
+        return _Proxy(self, "remote", timeout)
+
+
+class _Proxy:
+    def __init__(self, rref: RRef, how: str, timeout: float):
+        self._rref, self._how, self._timeout = rref, how, timeout
+
+    def __getattr__(self, method: str):
+        from shardwise.rpc import api
+
+        call = getattr(api, self._how)
+        rref, timeout = self._rref, self._timeout
+
+        def invoke(*args, **kwargs):
+            return call(rref.owner(), invoke_method, args=(method, rref, args, kwargs),
+                        timeout=timeout)
+
+        return invoke
+
+
+def invoke_method(method: str, rref: RRef, args: tuple, kwargs: dict) -> Any:
+    """Runs on the owner: ``rref.local_value().method(*args, **kwargs)``."""
+    return getattr(rref.local_value(), method)(*args, **kwargs)
+
+
+def rebuild_rref(rref_id, owner: int, fork) -> RRef:
+    agent = current_session().hooks
+    if owner == agent.rank:
+        entry = agent.rrefs.owned(rref_id)
+        if entry is None:
+            raise RuntimeError(f"received RRef {tuple(rref_id)} owned here, but it is unknown "
+                               "(already freed?)")
+        return RRef._make(agent, rref_id, owner, entry=entry)
+    return RRef._make(agent, rref_id, owner, fork=tuple(fork))

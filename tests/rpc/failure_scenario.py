@@ -1,0 +1,50 @@
+"""worker1 dies in the middle of a call from worker0; run as ``python -m`` by test_failure.
+
+Prints what worker0 saw: the exception type of the pending call (WorkerDied, not a timeout),
+of a new call to the dead worker, and that graceful shutdown returned.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import shardwise.rpc as rpc
+from tests.rpc import helpers
+from tests.rpc.conftest import ROOT, free_port
+
+
+def victim() -> None:
+    opts = rpc.TensorPipeRpcBackendOptions(init_method=os.environ["INIT"], rpc_timeout=30)
+    rpc.init_rpc("victim", rank=1, world_size=2, rpc_backend_options=opts)
+    helpers.STOP.wait(60)
+
+
+def main() -> None:
+    if sys.argv[1:] == ["victim"]:
+        victim()
+        return
+    init = f"tcp://127.0.0.1:{free_port()}"
+    proc = subprocess.Popen([sys.executable, "-m", "tests.rpc.failure_scenario", "victim"],
+                            cwd=ROOT, env=dict(os.environ, INIT=init, PYTHONPATH=str(ROOT)))
+    opts = rpc.TensorPipeRpcBackendOptions(init_method=init, rpc_timeout=30, shutdown_timeout=20)
+    rpc.init_rpc("survivor", rank=0, world_size=2, rpc_backend_options=opts)
+    pending = rpc.rpc_async("victim", helpers.die_soon, args=(0.5,))
+    try:
+        pending.wait()
+        print("pending: returned")
+    except Exception as exc:  # noqa: BLE001
+        print(f"pending: {type(exc).__name__}: {exc}".splitlines()[0])
+    try:
+        rpc.rpc_sync("victim", helpers.my_name)
+        print("after: returned")
+    except Exception as exc:  # noqa: BLE001
+        print(f"after: {type(exc).__name__}")
+    rpc.shutdown(graceful=True)
+    print("shutdown: returned")
+    proc.wait(10)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,175 @@
+"""Functions the RPC tests call on remote workers (importable by name on every worker)."""
+
+from __future__ import annotations
+
+import gc
+import os
+import threading
+import time
+
+import torch
+from torch import nn
+
+import shardwise.rpc as rpc
+from shardwise.rpc.current import get_agent
+
+STOP = threading.Event()
+_held: list = []
+
+
+def stop() -> None:
+    STOP.set()
+
+
+def echo(*args, **kwargs):
+    return args, kwargs
+
+
+def identity(x):
+    return x
+
+
+def add(a, b=1, *, scale=1):
+    return (a + b) * scale
+
+
+def boom(message: str) -> None:
+    raise ValueError(message)
+
+
+def sleep_then(seconds: float, value=None):
+    time.sleep(seconds)
+    return value
+
+
+def die_soon(after: float) -> None:
+    threading.Timer(after, os._exit, args=(3,)).start()
+    time.sleep(60)
+
+
+def my_port() -> int:
+    return get_agent().transport.port
+
+
+def my_name() -> str:
+    return rpc.get_worker_info().name
+
+
+def call_other(to: str, func, args=()):
+    return rpc.rpc_sync(to, func, args=args)
+
+
+class Tracked:
+    """Counts live instances on this worker (the RRef lifetime tests read the count)."""
+
+    live = 0
+
+    def __init__(self, value):
+        self.value = value
+        Tracked.live += 1
+
+    def __del__(self):
+        Tracked.live -= 1
+
+    def get(self):
+        return self.value
+
+    def add(self, x, *, times=1):
+        return self.value + x * times
+
+
+def live_tracked() -> int:
+    gc.collect()
+    return Tracked.live
+
+
+def hold(rref) -> str:
+    _held.append(rref)
+    return rref.owner_name()
+
+
+def pass_on(rref, to: str) -> str:
+    """Fork a user RRef this worker holds to another worker."""
+    return rpc.rpc_sync(to, hold, args=(rref,))
+
+
+def drop_held() -> None:
+    _held.clear()
+    gc.collect()
+    get_agent().rrefs.flush(10.0)
+
+
+def fetch_held(index: int):
+    return _held[index].to_here()
+
+
+def make_rref(value):
+    return rpc.RRef(Tracked(value))
+
+
+def owned_count() -> int:
+    return get_agent().rrefs.owned_count()
+
+
+def rref_value(rref):
+    return rref.to_here()
+
+
+def is_owner_here(rref) -> bool:
+    return rref.is_owner()
+
+
+# ---------------------------------------------------------------- autograd and optimizer
+def make_linear(seed: int, n_in: int, n_out: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Linear(n_in, n_out)
+
+
+def param_rrefs(module_rref) -> list:
+    return [rpc.RRef(p) for p in module_rref.local_value().parameters()]
+
+
+def state_of(module_rref) -> dict:
+    return {k: v.detach().clone() for k, v in module_rref.local_value().state_dict().items()}
+
+
+def grads_of(module_rref, context_id: int) -> dict:
+    grads = rpc.autograd.get_gradients(context_id)
+    return {n: grads[p] for n, p in module_rref.local_value().named_parameters() if p in grads}
+
+
+def forward(module_rref, x):
+    return module_rref.local_value()(x)
+
+
+def nested_square(t, via: str):
+    """t + (t * t computed on ``via``): a nested RPC inside a distributed autograd context."""
+    return t + rpc.rpc_sync(via, torch.mul, args=(t, t))
+
+
+def pass_on_held(index: int, to: str) -> str:
+    return rpc.rpc_sync(to, hold, args=(_held[index],))
+
+
+_kept: list = []
+
+
+def make_and_keep(value):
+    rref = rpc.RRef(Tracked(value))
+    _kept.append(rref)
+    return rref
+
+
+def drop_kept() -> None:
+    _kept.clear()
+    gc.collect()
+
+
+def forward_rref(module_rref, x_rref):
+    """A pipeline stage: fetch the input from wherever it lives, run the local module."""
+    return module_rref.local_value()(x_rref.to_here())
+
+
+def params_are(module_rref, param_rrefs) -> bool:
+    mine = list(module_rref.local_value().parameters())
+    return all(r.local_value() is p for r, p in zip(param_rrefs, mine))
