@@ -1,0 +1,115 @@
+"""What the root unit coordinates for the whole tree of units: order, prefetch, end of backward.
+
+[Note: FSDP schedule]
+Forward: each unit's pre-forward issues its own all-gather (unless a prefetch already did), then
+the all-gather of the unit that followed it in the previous forward (the forward order is
+recorded every iteration), and only then waits for its own. So while one unit computes, the
+next unit's parameters arrive on gloo's threads (or NCCL's stream). At most
+``max_inflight_gathers`` all-gathers are outstanding, which bounds the unsharded memory to the
+current unit, the prefetched ones and the root.
+
+Backward: units run in reverse forward order. A unit's pre-backward (a hook on its outputs'
+gradients) waits for its parameters and prefetches the next unit in that reverse order. When a
+unit's flat gradient is complete (post-accumulate-grad hook on its flat leaf) its reduce-scatter
+is issued and the unit reshards at once; at most ``max_inflight_reductions`` reductions are
+outstanding (the oldest is finished when a new one would exceed that), so reductions overlap the
+backward of earlier units without keeping every full gradient alive. A callback queued on
+autograd's engine finishes the remaining reductions and reshards whatever is still unsharded
+when the backward pass ends.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import TYPE_CHECKING
+
+from shardwise.fsdp.collectives import queue_end_of_backward
+from shardwise.fsdp.flat_param import GradReduction, ShardState
+
+if TYPE_CHECKING:
+    from shardwise.fsdp.unit import FSDPUnit
+
+
+class RootState:
+    """Shared by every unit under one root; see [Note: FSDP schedule]."""
+
+    def __init__(self, units: list[FSDPUnit], max_inflight_gathers: int = 2,
+                 max_inflight_reductions: int = 2):
+        self.units = units  # root first
+        self.max_inflight_gathers = max_inflight_gathers
+        self.max_inflight_reductions = max_inflight_reductions
+        self.forward_order: list[FSDPUnit] = []  # this iteration's pre-forward calls
+        self.previous_order: list[FSDPUnit] = []
+        self.reductions: deque[tuple[FSDPUnit, GradReduction]] = deque()
+        self.callback_queued = False
+
+    # ---- forward ------------------------------------------------------------------------
+    def start_forward(self) -> None:
+        """Called by the root's pre-forward: a new iteration's order starts."""
+        if self.forward_order:
+            self.previous_order = self.forward_order
+        self.forward_order = []
+
+    def unshard_for_forward(self, unit: FSDPUnit) -> None:
+        """Issue ``unit``'s all-gather, prefetch the next unit's, then wait for ``unit``'s."""
+        k = len(self.forward_order)
+        self.forward_order.append(unit)
+        if unit.handle is not None:
+            unit.handle.start_unshard()
+        prev = self.previous_order
+        if k + 1 < len(prev) and prev[k] is unit:
+            self._prefetch(prev[k + 1])
+        if unit.handle is not None:
+            unit.handle.finish_unshard()
+
+    def _prefetch(self, unit: FSDPUnit) -> None:
+        handle = unit.handle
+        if handle is None or handle.state is not ShardState.SHARDED:
+            return
+        if self._gathers_in_flight() < self.max_inflight_gathers:
+            handle.start_unshard()
+
+    def _gathers_in_flight(self) -> int:
+        return sum(1 for u in self.units
+                   if u.handle is not None and u.handle.state is ShardState.GATHERING)
+
+    # ---- backward -----------------------------------------------------------------------
+    def enter_backward(self) -> None:
+        """First pre-backward of a backward pass: queue the end-of-backward callback."""
+        if not self.callback_queued:
+            self.callback_queued = True
+            queue_end_of_backward(self.end_of_backward)
+
+    def prefetch_for_backward(self, unit: FSDPUnit) -> None:
+        """Prefetch the unit that runs backward after ``unit`` (reverse forward order)."""
+        order = list(dict.fromkeys(reversed(self.forward_order)))
+        if unit not in order:
+            return
+        for nxt in order[order.index(unit) + 1 :]:
+            if not nxt.backward_done and not nxt.backward_ready and nxt.needs_gradients():
+                self._prefetch(nxt)
+                return
+
+    def add_reduction(self, unit: FSDPUnit, reduction: GradReduction) -> None:
+        self.reductions.append((unit, reduction))
+        while len(self.reductions) > self.max_inflight_reductions:
+            self._finish_oldest_reduction()
+
+    def _finish_oldest_reduction(self) -> None:
+        unit, reduction = self.reductions.popleft()
+        unit.handle.finish_grad_reduction(reduction)
+
+    def end_of_backward(self) -> None:
+        """Finish every reduction, reshard every unit, reset per-backward state."""
+        while self.reductions:
+            self._finish_oldest_reduction()
+        for unit in self.units:
+            if unit.handle is not None:
+                unit.handle.reshard()
+            unit.backward_ready = unit.backward_done = False
+        self.callback_queued = False
+
+    # ---- measurement --------------------------------------------------------------------
+    def unsharded_bytes(self) -> int:
+        """Bytes of full (unsharded) parameter buffers alive right now over all units."""
+        return sum(u.handle.unsharded_bytes() for u in self.units if u.handle is not None)
