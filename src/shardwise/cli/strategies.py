@@ -37,6 +37,7 @@ class Prepared:
 # name -> (module:function of the builder, one-line description)
 STRATEGIES: dict[str, tuple[str, str]] = {
     "ddp": ("shardwise.cli.strategy_ddp:build", "DistributedDataParallel, AdamW replicated"),
+    "fsdp": ("shardwise.cli.strategy_fsdp:build", "FullyShardedDataParallel, one unit per block"),
 }
 
 
