@@ -6,7 +6,8 @@ the all-gather of the unit that followed it in the previous forward (the forward
 recorded every iteration), and only then waits for its own. So while one unit computes, the
 next unit's parameters arrive on gloo's threads (or NCCL's stream). At most
 ``max_inflight_gathers`` all-gathers are outstanding, which bounds the unsharded memory to the
-current unit, the prefetched ones and the root.
+current unit, the prefetched ones and the root. The root, and the unit that ran last in forward,
+stay unsharded after forward: backward starts with them.
 
 Backward: units run in reverse forward order. A unit's pre-backward (a hook on its outputs'
 gradients) waits for its parameters and prefetches the next unit in that reverse order. When a
@@ -54,6 +55,7 @@ class RootState:
         """Issue ``unit``'s all-gather, prefetch the next unit's, then wait for ``unit``'s."""
         k = len(self.forward_order)
         self.forward_order.append(unit)
+        unit.forward_index = k
         if unit.handle is not None:
             unit.handle.start_unshard()
         prev = self.previous_order
@@ -61,6 +63,13 @@ class RootState:
             self._prefetch(prev[k + 1])
         if unit.handle is not None:
             unit.handle.finish_unshard()
+
+    def runs_last(self, unit: FSDPUnit) -> bool:
+        """Whether ``unit``'s current forward call was the last unit call of the previous
+        forward: backward needs its parameters first, so resharding them would only mean
+        gathering them again at once."""
+        prev = self.previous_order
+        return bool(prev) and unit.forward_index == len(prev) - 1 and prev[-1] is unit
 
     def _prefetch(self, unit: FSDPUnit) -> None:
         handle = unit.handle

@@ -46,6 +46,7 @@ class FSDPUnit:
         self.rank0_only_state_dict = False  # set by full_state_dict(rank0_only=True)
         self.no_sync = False  # keep unsharded gradients, no reduce-scatter (no_sync())
         self.state = TrainingState.IDLE
+        self.forward_index = -1  # position of the current call in the forward order
         self.backward_ready = False  # parameters gathered for this backward
         self.backward_done = False  # gradient reduction issued for this backward
         for child in children:
@@ -91,7 +92,8 @@ class FSDPUnit:
         self.state = TrainingState.IDLE
         grad = torch.is_grad_enabled()
         if self.handle is not None:
-            keep = grad and (self.is_root or not self.reshard_after_forward)
+            keep = grad and (self.is_root or not self.reshard_after_forward
+                             or self.root_state.runs_last(self))
             if not keep:
                 self.handle.reshard()
         register_pre_backward(output, self._pre_backward)
