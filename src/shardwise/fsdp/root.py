@@ -12,9 +12,11 @@ stay unsharded after forward: backward starts with them.
 Backward: units run in reverse forward order. A unit's pre-backward (a hook on its outputs'
 gradients) waits for its parameters and prefetches the next unit in that reverse order. When a
 unit's flat gradient is complete (post-accumulate-grad hook on its flat leaf) its reduce-scatter
-is issued and the unit reshards at once; at most ``max_inflight_reductions`` reductions are
-outstanding (the oldest is finished when a new one would exceed that), so reductions overlap the
-backward of earlier units without keeping every full gradient alive. A callback queued on
+is issued and the unit reshards at once; at most ``max_inflight_reductions`` (default 1)
+reductions are outstanding: the previous unit's reduction is finished (it has had this unit's
+whole backward to run, so it is normally done) before the next is issued, so reductions overlap
+the backward of earlier units without keeping several full gradients alive (memory at or below
+torch's FSDP2, which reduces synchronously). A callback queued on
 autograd's engine finishes the remaining reductions and reshards whatever is still unsharded
 when the backward pass ends.
 """
@@ -35,7 +37,7 @@ class RootState:
     """Shared by every unit under one root; see [Note: FSDP schedule]."""
 
     def __init__(self, units: list[FSDPUnit], max_inflight_gathers: int = 2,
-                 max_inflight_reductions: int = 2):
+                 max_inflight_reductions: int = 1):
         self.units = units  # root first
         self.max_inflight_gathers = max_inflight_gathers
         self.max_inflight_reductions = max_inflight_reductions
@@ -99,10 +101,14 @@ class RootState:
                 self._prefetch(nxt)
                 return
 
+    def make_room_for_reduction(self) -> None:
+        """Finish the oldest reductions until a new one fits under the cap (their buffers are
+        freed before the new one allocates its own)."""
+        while len(self.reductions) >= self.max_inflight_reductions:
+            self._finish_oldest_reduction()
+
     def add_reduction(self, unit: FSDPUnit, reduction: GradReduction) -> None:
         self.reductions.append((unit, reduction))
-        while len(self.reductions) > self.max_inflight_reductions:
-            self._finish_oldest_reduction()
 
     def _finish_oldest_reduction(self) -> None:
         unit, reduction = self.reductions.popleft()

@@ -121,11 +121,12 @@ class FSDPUnit:
         """``full``'s gradient is complete: this unit's backward is over (see the Note)."""
         self.backward_done = True
         handle = self.handle
+        handle.reshard()  # parameters first: free their buffer before reduction buffers
         if not self.no_sync:
             grad = handle.take_full_grad()
             if grad is not None:
+                self.root_state.make_room_for_reduction()
                 self.root_state.add_reduction(self, handle.start_grad_reduction(grad))
-        handle.reshard()
 
 
 def _cast_floats(tree: Any, dtype: torch.dtype) -> Any:
