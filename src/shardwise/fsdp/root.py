@@ -10,7 +10,9 @@ current unit, the prefetched ones and the root. The root, and the unit that ran 
 stay unsharded after forward: backward starts with them.
 
 Backward: units run in reverse forward order. A unit's pre-backward (a hook on its outputs'
-gradients) waits for its parameters and prefetches the next unit in that reverse order. When a
+gradients) waits for its parameters and prefetches the next unit in that reverse order, unless
+``max_unsharded_units`` (default 2) non-root units are already unsharded, in which case the
+prefetch is issued when the unit before it frees its parameters (its post-backward). When a
 unit's flat gradient is complete (post-accumulate-grad hook on its flat leaf) its reduce-scatter
 is issued and the unit reshards at once; at most ``max_inflight_reductions`` (default 1)
 reductions are outstanding: the previous unit's reduction is finished (it has had this unit's
@@ -37,10 +39,11 @@ class RootState:
     """Shared by every unit under one root; see [Note: FSDP schedule]."""
 
     def __init__(self, units: list[FSDPUnit], max_inflight_gathers: int = 2,
-                 max_inflight_reductions: int = 1):
+                 max_inflight_reductions: int = 1, max_unsharded_units: int = 2):
         self.units = units  # root first
         self.max_inflight_gathers = max_inflight_gathers
         self.max_inflight_reductions = max_inflight_reductions
+        self.max_unsharded_units = max_unsharded_units  # in backward, the root not counted
         self.forward_order: list[FSDPUnit] = []  # this iteration's pre-forward calls
         self.previous_order: list[FSDPUnit] = []
         self.reductions: deque[tuple[FSDPUnit, GradReduction]] = deque()
@@ -92,14 +95,23 @@ class RootState:
             queue_end_of_backward(self.end_of_backward)
 
     def prefetch_for_backward(self, unit: FSDPUnit) -> None:
-        """Prefetch the unit that runs backward after ``unit`` (reverse forward order)."""
+        """Prefetch the first unit after ``unit`` in backward order (reverse forward order)
+        that is still sharded and still needs its backward, unless ``max_unsharded_units``
+        non-root units are already gathered or gathering. Called from a unit's pre-backward and
+        again from its post-backward (when it has just freed its parameters)."""
         order = list(dict.fromkeys(reversed(self.forward_order)))
-        if unit not in order:
+        if unit not in order or self._unsharded_units() >= self.max_unsharded_units:
             return
         for nxt in order[order.index(unit) + 1 :]:
-            if not nxt.backward_done and not nxt.backward_ready and nxt.needs_gradients():
+            if nxt.backward_done or not nxt.needs_gradients():
+                continue
+            if nxt.handle.state is ShardState.SHARDED:
                 self._prefetch(nxt)
                 return
+
+    def _unsharded_units(self) -> int:
+        return sum(1 for u in self.units if not u.is_root and u.handle is not None
+                   and u.handle.state is not ShardState.SHARDED)
 
     def make_room_for_reduction(self) -> None:
         """Finish the oldest reductions until a new one fits under the cap (their buffers are

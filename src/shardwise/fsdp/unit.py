@@ -122,6 +122,7 @@ class FSDPUnit:
         self.backward_done = True
         handle = self.handle
         handle.reshard()  # parameters first: free their buffer before reduction buffers
+        self.root_state.prefetch_for_backward(self)
         if not self.no_sync:
             grad = handle.take_full_grad()
             if grad is not None:
