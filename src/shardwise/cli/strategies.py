@@ -42,6 +42,7 @@ STRATEGIES: dict[str, tuple[str, str]] = {
               "sharded"),
     "tp": ("shardwise.cli.strategy_tp:build", "tensor parallel (sharded tensors), AdamW on shards"),
     "pipeline": ("shardwise.cli.strategy_pipeline:build", "GPT stages per rank, RPC micro-batches"),
+    "fsdp": ("shardwise.cli.strategy_fsdp:build", "FullyShardedDataParallel, one unit per block"),
 }
 
 

@@ -1,0 +1,51 @@
+"""Fully Sharded Data Parallel (ZeRO stage 3): parameters, gradients and optimizer state sharded
+across ranks; each unit's parameters gathered just for its forward and backward.
+
+Start with [Note: flat parameters] (flat_param.py) and [Note: FSDP schedule] (root.py).
+"""
+
+from shardwise.fsdp.clip_grad import clip_grad_norm_
+from shardwise.fsdp.flat_param import ShardState
+from shardwise.fsdp.fully_shard import fully_shard
+from shardwise.fsdp.mixed_precision import CPUOffload, MixedPrecision
+from shardwise.fsdp.policies import (
+    ModuleWrapPolicy,
+    SizeBasedWrapPolicy,
+    size_based_auto_wrap_policy,
+    transformer_auto_wrap_policy,
+)
+from shardwise.fsdp.state_dict import (
+    full_state_dict,
+    load_full_state_dict,
+    load_sharded_state_dict,
+    sharded_state_dict,
+)
+from shardwise.fsdp.sync import no_sync, set_requires_gradient_sync
+from shardwise.fsdp.unit import units_of
+from shardwise.fsdp.wrapper import FullyShardedDataParallel
+
+
+def unsharded_bytes(module) -> int:
+    """Bytes of unsharded (gathered) parameter buffers alive right now in ``module``'s units."""
+    return sum(u.handle.unsharded_bytes() for u in units_of(module) if u.handle is not None)
+
+
+__all__ = [
+    "CPUOffload",
+    "FullyShardedDataParallel",
+    "MixedPrecision",
+    "ModuleWrapPolicy",
+    "ShardState",
+    "SizeBasedWrapPolicy",
+    "clip_grad_norm_",
+    "full_state_dict",
+    "fully_shard",
+    "load_full_state_dict",
+    "load_sharded_state_dict",
+    "no_sync",
+    "set_requires_gradient_sync",
+    "sharded_state_dict",
+    "size_based_auto_wrap_policy",
+    "transformer_auto_wrap_policy",
+    "unsharded_bytes",
+]

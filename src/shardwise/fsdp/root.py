@@ -1,0 +1,142 @@
+"""What the root unit coordinates for the whole tree of units: order, prefetch, end of backward.
+
+[Note: FSDP schedule]
+Forward: each unit's pre-forward issues its own all-gather (unless a prefetch already did), then
+the all-gather of the unit that followed it in the previous forward (the forward order is
+recorded every iteration), and only then waits for its own. So while one unit computes, the
+next unit's parameters arrive on gloo's threads (or NCCL's stream). At most
+``max_inflight_gathers`` all-gathers are outstanding, which bounds the unsharded memory to the
+current unit, the prefetched ones and the root. The root, and the unit that ran last in forward,
+stay unsharded after forward: backward starts with them.
+
+Backward: units run in reverse forward order. A unit's pre-backward (a hook on its outputs'
+gradients) waits for its parameters and prefetches the next unit in that reverse order, unless
+``max_unsharded_units`` (default 2) non-root units are already unsharded, in which case the
+prefetch is issued when the unit before it frees its parameters (its post-backward). When a
+unit's flat gradient is complete (post-accumulate-grad hook on its flat leaf) its reduce-scatter
+is issued and the unit reshards at once; at most ``max_inflight_reductions`` (default 1)
+reductions are outstanding: the previous unit's reduction is finished (it has had this unit's
+whole backward to run, so it is normally done) before the next is issued, so reductions overlap
+the backward of earlier units without keeping several full gradients alive (memory at or below
+torch's FSDP2, which reduces synchronously). A callback queued on
+autograd's engine finishes the remaining reductions and reshards whatever is still unsharded
+when the backward pass ends.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import TYPE_CHECKING
+
+from shardwise.fsdp.collectives import queue_end_of_backward
+from shardwise.fsdp.flat_param import GradReduction, ShardState
+
+if TYPE_CHECKING:
+    from shardwise.fsdp.unit import FSDPUnit
+
+
+class RootState:
+    """Shared by every unit under one root; see [Note: FSDP schedule]."""
+
+    def __init__(self, units: list[FSDPUnit], max_inflight_gathers: int = 2,
+                 max_inflight_reductions: int = 1, max_unsharded_units: int = 2):
+        self.units = units  # root first
+        self.max_inflight_gathers = max_inflight_gathers
+        self.max_inflight_reductions = max_inflight_reductions
+        self.max_unsharded_units = max_unsharded_units  # in backward, the root not counted
+        self.forward_order: list[FSDPUnit] = []  # this iteration's pre-forward calls
+        self.previous_order: list[FSDPUnit] = []
+        self.reductions: deque[tuple[FSDPUnit, GradReduction]] = deque()
+        self.callback_queued = False
+
+    # ---- forward ------------------------------------------------------------------------
+    def start_forward(self) -> None:
+        """Called by the root's pre-forward: a new iteration's order starts."""
+        if self.forward_order:
+            self.previous_order = self.forward_order
+        self.forward_order = []
+
+    def unshard_for_forward(self, unit: FSDPUnit) -> None:
+        """Issue ``unit``'s all-gather, prefetch the next unit's, then wait for ``unit``'s."""
+        k = len(self.forward_order)
+        self.forward_order.append(unit)
+        unit.forward_index = k
+        if unit.handle is not None:
+            unit.handle.start_unshard()
+        prev = self.previous_order
+        if k + 1 < len(prev) and prev[k] is unit:
+            self._prefetch(prev[k + 1])
+        if unit.handle is not None:
+            unit.handle.finish_unshard()
+
+    def runs_last(self, unit: FSDPUnit) -> bool:
+        """Whether ``unit``'s current forward call was the last unit call of the previous
+        forward: backward needs its parameters first, so resharding them would only mean
+        gathering them again at once."""
+        prev = self.previous_order
+        return bool(prev) and unit.forward_index == len(prev) - 1 and prev[-1] is unit
+
+    def _prefetch(self, unit: FSDPUnit) -> None:
+        handle = unit.handle
+        if handle is None or handle.state is not ShardState.SHARDED:
+            return
+        if self._gathers_in_flight() < self.max_inflight_gathers:
+            handle.start_unshard()
+
+    def _gathers_in_flight(self) -> int:
+        return sum(1 for u in self.units
+                   if u.handle is not None and u.handle.state is ShardState.GATHERING)
+
+    # ---- backward -----------------------------------------------------------------------
+    def enter_backward(self) -> None:
+        """First pre-backward of a backward pass: queue the end-of-backward callback."""
+        if not self.callback_queued:
+            self.callback_queued = True
+            queue_end_of_backward(self.end_of_backward)
+
+    def prefetch_for_backward(self, unit: FSDPUnit) -> None:
+        """Prefetch the first unit after ``unit`` in backward order (reverse forward order)
+        that is still sharded and still needs its backward, unless ``max_unsharded_units``
+        non-root units are already gathered or gathering. Called from a unit's pre-backward and
+        again from its post-backward (when it has just freed its parameters)."""
+        order = list(dict.fromkeys(reversed(self.forward_order)))
+        if unit not in order or self._unsharded_units() >= self.max_unsharded_units:
+            return
+        for nxt in order[order.index(unit) + 1 :]:
+            if nxt.backward_done or not nxt.needs_gradients():
+                continue
+            if nxt.handle.state is ShardState.SHARDED:
+                self._prefetch(nxt)
+                return
+
+    def _unsharded_units(self) -> int:
+        return sum(1 for u in self.units if not u.is_root and u.handle is not None
+                   and u.handle.state is not ShardState.SHARDED)
+
+    def make_room_for_reduction(self) -> None:
+        """Finish the oldest reductions until a new one fits under the cap (their buffers are
+        freed before the new one allocates its own)."""
+        while len(self.reductions) >= self.max_inflight_reductions:
+            self._finish_oldest_reduction()
+
+    def add_reduction(self, unit: FSDPUnit, reduction: GradReduction) -> None:
+        self.reductions.append((unit, reduction))
+
+    def _finish_oldest_reduction(self) -> None:
+        unit, reduction = self.reductions.popleft()
+        unit.handle.finish_grad_reduction(reduction)
+
+    def end_of_backward(self) -> None:
+        """Finish every reduction, reshard every unit, reset per-backward state."""
+        while self.reductions:
+            self._finish_oldest_reduction()
+        for unit in self.units:
+            if unit.handle is not None:
+                unit.handle.reshard()
+            unit.backward_ready = unit.backward_done = False
+        self.callback_queued = False
+
+    # ---- measurement --------------------------------------------------------------------
+    def unsharded_bytes(self) -> int:
+        """Bytes of full (unsharded) parameter buffers alive right now over all units."""
+        return sum(u.handle.unsharded_bytes() for u in self.units if u.handle is not None)

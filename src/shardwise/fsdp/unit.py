@@ -1,0 +1,149 @@
+"""One FSDP unit: the module whose parameters are gathered and freed together, and its hooks.
+
+The hooks (forward pre/post on the module, pre-backward on its outputs, post-backward on its
+flat gradient) move the unit between SHARDED and UNSHARDED at the points described in
+[Note: FSDP schedule] (root.py); the root of a tree of units coordinates ordering and prefetch.
+"""
+
+from __future__ import annotations
+
+from enum import Enum, auto
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils._pytree import tree_map
+
+from shardwise.fsdp.collectives import register_pre_backward
+from shardwise.fsdp.flat_param import FlatParamHandle
+from shardwise.fsdp.mixed_precision import MixedPrecision
+from shardwise.fsdp.root import RootState
+
+UNIT_ATTR = "_shardwise_fsdp_unit"
+
+
+class TrainingState(Enum):
+    IDLE = auto()
+    FORWARD = auto()  # inside the unit's forward
+
+
+class FSDPUnit:
+    """Runtime state of one unit (stored on its module as ``_shardwise_fsdp_unit``)."""
+
+    def __init__(self, module: nn.Module, handle: FlatParamHandle | None,
+                 group: dist.ProcessGroup, reshard_after_forward: bool,
+                 mixed_precision: MixedPrecision | None, children: list[FSDPUnit]):
+        self.module = module
+        self.handle = handle
+        self.group = group
+        self.reshard_after_forward = reshard_after_forward
+        self.mixed_precision = mixed_precision
+        self.children = children
+        self.parent: FSDPUnit | None = None
+        self.root_state: RootState | None = None
+        self.is_root = False
+        self.rank0_only_state_dict = False  # set by full_state_dict(rank0_only=True)
+        self.no_sync = False  # keep unsharded gradients, no reduce-scatter (no_sync())
+        self.state = TrainingState.IDLE
+        self.forward_index = -1  # position of the current call in the forward order
+        self.backward_ready = False  # parameters gathered for this backward
+        self.backward_done = False  # gradient reduction issued for this backward
+        for child in children:
+            child.parent = self
+        module.register_forward_pre_hook(self._pre_forward, with_kwargs=True)
+        module.register_forward_hook(self._post_forward)
+        if handle is not None and handle.full.requires_grad:
+            handle.full.register_post_accumulate_grad_hook(self._post_backward)
+
+    def subtree(self) -> list[FSDPUnit]:
+        """This unit and every unit below it, parents first."""
+        out = [self]
+        for child in self.children:
+            out += child.subtree()
+        return out
+
+    def needs_gradients(self) -> bool:
+        return self.handle is not None and self.handle.full.requires_grad
+
+    # ---- forward ------------------------------------------------------------------------
+    def _lazy_init(self) -> None:
+        self.is_root = True
+        units = self.subtree()
+        state = RootState(units)
+        for unit in units:
+            unit.root_state = state
+
+    def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if self.root_state is None:
+            self._lazy_init()
+        if self.is_root:
+            self.root_state.start_forward()
+        self.state = TrainingState.FORWARD
+        self.root_state.unshard_for_forward(self)
+        if self.handle is not None:
+            self.handle.use_unsharded_views()
+        mp = self.mixed_precision
+        if mp is not None and mp.param_dtype is not None and mp.cast_forward_inputs:
+            args, kwargs = _cast_floats((args, kwargs), mp.param_dtype)
+        return args, kwargs
+
+    def _post_forward(self, module: nn.Module, args: tuple, output: Any) -> Any:
+        self.state = TrainingState.IDLE
+        grad = torch.is_grad_enabled()
+        if self.handle is not None:
+            keep = grad and (self.is_root or not self.reshard_after_forward
+                             or self.root_state.runs_last(self))
+            if not keep:
+                self.handle.reshard()
+        register_pre_backward(output, self._pre_backward)
+        return output
+
+    # ---- backward -----------------------------------------------------------------------
+    def _pre_backward(self) -> None:
+        self.root_state.enter_backward()
+        if self.backward_ready:
+            return
+        self.backward_ready = True
+        if self.handle is not None:
+            handle = self.handle
+            needs_views = not handle.views_set
+            handle.start_unshard()
+            self.root_state.prefetch_for_backward(self)
+            handle.finish_unshard()
+            if needs_views:
+                # views that require grad, so that activation checkpointing recomputes the same
+                # graph (and saves the same tensors) as the original forward did
+                with torch.enable_grad():
+                    handle.use_unsharded_views()
+
+    def _post_backward(self, full: torch.Tensor) -> None:
+        """``full``'s gradient is complete: this unit's backward is over (see the Note)."""
+        self.backward_done = True
+        handle = self.handle
+        handle.reshard()  # parameters first: free their buffer before reduction buffers
+        self.root_state.prefetch_for_backward(self)
+        if not self.no_sync:
+            grad = handle.take_full_grad()
+            if grad is not None:
+                self.root_state.make_room_for_reduction()
+                self.root_state.add_reduction(self, handle.start_grad_reduction(grad))
+
+
+def _cast_floats(tree: Any, dtype: torch.dtype) -> Any:
+    def cast(x: Any) -> Any:
+        if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != dtype:
+            return x.to(dtype)
+        return x
+
+    return tree_map(cast, tree)
+
+
+def get_unit(module: nn.Module) -> FSDPUnit | None:
+    """The FSDP unit whose module is ``module`` (None if it is not one)."""
+    return getattr(module, UNIT_ATTR, None)
+
+
+def units_of(module: nn.Module) -> list[FSDPUnit]:
+    """Every unit at or below ``module``, parents before children."""
+    return [u for m in module.modules() if (u := get_unit(m)) is not None]

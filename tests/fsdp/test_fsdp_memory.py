@@ -1,0 +1,84 @@
+"""Memory: sharded state between steps, and the unsharded bytes alive during forward."""
+
+import pytest
+import torch
+
+from shardwise import fully_shard
+from shardwise.fsdp import units_of, unsharded_bytes
+from shardwise.memory import state_bytes
+from shardwise.models import GPT, GPTConfig, lm_loss
+from tests.harness import WORLD_SIZES, run_on_ranks
+
+CFG = GPTConfig(vocab_size=64, seq_len=16, n_layer=4, n_head=2, d_model=32)
+
+
+def _shard(model):
+    for block in model.blocks:
+        fully_shard(block)
+    return fully_shard(model)
+
+
+def _between_steps(ctx):
+    torch.manual_seed(0)
+    reference = GPT(CFG)
+    model = _shard(GPT(CFG))
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x = torch.randint(0, CFG.vocab_size, (2, CFG.seq_len + 1))
+    for net, o in ((reference, ref_opt), (model, opt)):
+        for _ in range(2):
+            o.zero_grad()
+            lm_loss(net(x[:, :-1]), x[:, 1:]).backward()
+            o.step()
+    ours, full = state_bytes(model, opt), state_bytes(reference, ref_opt)
+    n_params = len(list(reference.parameters()))
+    n_units = len(units_of(model))
+    pad = n_units * (ctx.world_size - 1) * 4  # padding elements per unit, fp32
+    # AdamW's per-parameter `step` counters (4-byte scalars) are replicated, not sharded
+    steps = n_params * 4
+    assert ours.params <= full.params / ctx.world_size + pad, (ours, full)
+    assert ours.grads <= full.grads / ctx.world_size + pad, (ours, full)
+    assert ours.optimizer <= (full.optimizer - steps) / ctx.world_size + 2 * pad + steps
+    assert unsharded_bytes(model) == 0  # nothing gathered between steps
+    return ours.total, full.total
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_each_rank_holds_one_nth_of_params_grads_and_adamw_state(world_size):
+    totals = run_on_ranks(world_size, _between_steps)
+    full = totals[0][1]
+    # together the ranks hold the whole state once (plus padding and replicated step counters)
+    assert sum(t for t, _ in totals) >= full
+
+
+def _unsharded_peak(ctx):
+    torch.manual_seed(0)
+    model = _shard(GPT(CFG))
+    peaks = {"forward": 0, "backward": 0}
+    phase = ["forward"]
+
+    def record(*_):
+        peaks[phase[0]] = max(peaks[phase[0]], unsharded_bytes(model))
+
+    for m in model.modules():  # every module's entry and exit, forward and backward
+        m.register_forward_pre_hook(record)
+        m.register_forward_hook(record)
+        m.register_full_backward_pre_hook(lambda *a: record())
+        m.register_full_backward_hook(lambda *a: record())
+    x = torch.randint(0, CFG.vocab_size, (2, CFG.seq_len + 1))
+    for _ in range(3):  # the first forward records the order that later ones prefetch by
+        phase[0] = "forward"
+        loss = lm_loss(model(x[:, :-1]), x[:, 1:])
+        phase[0] = "backward"
+        loss.backward()
+    root, block = (u.handle.padded * 4 for u in units_of(model)[:2])
+    return peaks, root, block
+
+
+@pytest.mark.parametrize("world_size", (1, 2))
+def test_unsharded_bytes_during_forward_stay_within_the_prefetch_limit(world_size):
+    peaks, root, block = run_on_ranks(world_size, _unsharded_peak)[0]
+    # forward: the root, the running block and one prefetched block, never all four blocks
+    assert peaks["forward"] == root + 2 * block, peaks
+    # backward: the same bound (a prefetch waits until the block before it has freed its own)
+    assert peaks["backward"] <= root + 2 * block, peaks
