@@ -40,7 +40,7 @@ def _check_group(members: list[int], group, me: int, dtype, integral: bool) -> N
             full = fulls[me].clone()
             shard_out = torch.empty(SHARD, dtype=dtype)
             # a caller's workspace (larger than needed) on one of the fast calls
-            space = torch.zeros(world * SHARD + 3, dtype=dtype) if average else None
+            space = torch.zeros((world - 1) * SHARD + 3, dtype=dtype) if average else None
             pending = reduce_scatter_flat(shard_out, full, group, average=average,
                                           async_op=True, impl=impl, workspace=space)
             assert isinstance(pending, Pending)
@@ -85,11 +85,21 @@ def _many_in_flight(ctx):
         shard = torch.full((SHARD,), float(100 * k + ctx.rank))
         pend.append(all_gather_flat(out, shard, ctx.group, async_op=True))
         outs.append(out)
+    reduced = []
+    for k in range(5):  # reduce-scatters in flight together too (point-to-point on gloo)
+        shard = torch.empty(SHARD)
+        full = torch.arange(world * SHARD, dtype=torch.float32) * (ctx.rank + 1) + k
+        pend.append(reduce_scatter_flat(shard, full, ctx.group, average=False, async_op=True))
+        reduced.append(shard)
     for p in reversed(pend):
         p.wait()
     for k, out in enumerate(outs):
         expected = torch.cat([torch.full((SHARD,), float(100 * k + r)) for r in range(world)])
         assert torch.equal(out, expected), f"collective {k}"
+    mine = torch.arange(ctx.rank * SHARD, (ctx.rank + 1) * SHARD, dtype=torch.float32)
+    for k, shard in enumerate(reduced):
+        expected = mine * (world * (world + 1) // 2) + k * world
+        assert torch.equal(shard, expected), f"reduce-scatter {k}"
 
 
 @pytest.mark.parametrize("world_size", (2, 4))

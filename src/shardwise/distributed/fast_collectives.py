@@ -7,10 +7,11 @@ rank, reduced, each rank keeping its own part). On NCCL the plain c10d collectiv
 there is. On gloo they are not (see shared/notes/measured-baselines.md): gloo's
 ``all_gather_into_tensor`` is about 3x slower than ``world_size`` broadcasts, one from each rank
 into its slice of the output, and its ``reduce_scatter_tensor`` is a clone, a full all-reduce and
-a copy, about 3x slower than an ``all_to_all_single`` (each rank receives every rank's copy of its
-own part) followed by a local sum. The results are the same: every rank sums the same values,
-and the local sum adds the ranks' contributions in rank order (tests check both against the plain
-collectives, exactly for all-gather and to rounding for reduce-scatter).
+a copy, about 3x slower than an all-to-all (each rank receives every other rank's copy of its
+own part, by point-to-point sends and receives) followed by a local sum. The results are the
+same: every rank sums the same values, and the local sum adds the ranks' contributions in rank
+order (tests check both against the plain collectives, exactly for all-gather and to rounding for
+reduce-scatter).
 
 Both functions take ``async_op``. Asynchronous calls return a ``Pending`` whose ``wait()`` waits
 for the underlying work and then does the local part (the sum and the averaging), so a caller can
@@ -95,10 +96,12 @@ def reduce_scatter_flat(shard_out: torch.Tensor, full: torch.Tensor,
     """Set ``shard_out`` (1D, n) to the sum (or mean, ``average=True``) over ranks of their
     ``full[r*n:(r+1)*n]``, where r is this rank. Collective over ``group``.
 
-    ``full`` is not modified. Fast path: one ``all_to_all_single`` brings every rank's copy of
-    this rank's part into a buffer the size of ``full`` (``workspace`` if given, so that a caller
-    reducing the same sizes every step does not pay for a fresh allocation), then a local sum in
-    rank order when the result is waited for.
+    ``full`` is not modified, and must not be until the result is waited for. Fast path:
+    point-to-point sends and receives (an all-to-all that skips this rank's own part) bring the
+    other ranks' copies of this rank's part into a buffer of
+    ``(world_size - 1) * n`` elements (``workspace`` if given, so that a caller reducing the same
+    sizes every step does not pay for a fresh allocation), then a local sum in rank order when the
+    result is waited for.
     """
     world, n = _check_flat(full, shard_out, group, "reduce_scatter_flat")
     if world == 1:
@@ -110,28 +113,43 @@ def reduce_scatter_flat(shard_out: torch.Tensor, full: torch.Tensor,
         divide = average and op == dist.ReduceOp.SUM
         return _result(Pending([work], (lambda: shard_out.div_(world)) if divide else None),
                        async_op)
-    parts = _workspace(workspace, full)  # 1D, world * n: rank r's copy of this rank's part at r
-    work = dist.all_to_all_single(parts, full, group=group, async_op=True)
+    rank = dist.get_rank(group)
+    # Only the other ranks' parts travel: this rank's own part stays where it is, so the receive
+    # buffer is (world - 1) * n, and rank r's copy of this rank's part lands at slot r (r < rank)
+    # or r - 1 (r > rank).
+    parts = _workspace(workspace, (world - 1) * n, full)
+    ops = []
+    for r in range(world):
+        if r != rank:
+            slot = r - (r > rank)
+            ops.append(dist.P2POp(dist.isend, full[r * n : (r + 1) * n], _global(group, r), group))
+            ops.append(dist.P2POp(dist.irecv, parts[slot * n : (slot + 1) * n], _global(group, r),
+                                  group))
+    works = dist.batch_isend_irecv(ops)
 
     def finish() -> None:
-        # pairwise adds in rank order: twice as fast as torch.sum over a (world, n) view on CPU
-        torch.add(parts[:n], parts[n : 2 * n], out=shard_out)
-        for r in range(2, world):
-            shard_out.add_(parts[r * n : (r + 1) * n])
+        # adds in rank order (the same order on every rank), pairwise: twice as fast as
+        # torch.sum over a (world, n) view on CPU
+        pieces = [full[rank * n : (rank + 1) * n] if r == rank
+                  else parts[(r - (r > rank)) * n : (r - (r > rank) + 1) * n]
+                  for r in range(world)]
+        torch.add(pieces[0], pieces[1], out=shard_out)
+        for piece in pieces[2:]:
+            shard_out.add_(piece)
         if average:
             shard_out.div_(world)
 
-    return _result(Pending([work], finish), async_op)
+    return _result(Pending(works, finish), async_op)
 
 
-def _workspace(workspace: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+def _workspace(workspace: torch.Tensor | None, numel: int, like: torch.Tensor) -> torch.Tensor:
     if workspace is None:
-        return torch.empty_like(like)
-    if (workspace.numel() < like.numel() or workspace.dtype != like.dtype
+        return torch.empty(numel, dtype=like.dtype, device=like.device)
+    if (workspace.numel() < numel or workspace.dtype != like.dtype
             or workspace.device != like.device or not workspace.is_contiguous()):
         raise ValueError(f"reduce_scatter_flat: workspace must be a contiguous {like.dtype} "
-                         f"buffer of at least {like.numel()} elements on {like.device}")
-    return workspace.view(-1)[: like.numel()]
+                         f"buffer of at least {numel} elements on {like.device}")
+    return workspace.view(-1)[:numel]
 
 
 def _check_flat(full: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup | None,
