@@ -22,7 +22,8 @@ from shardwise.data import BatchStream, TokenWindows, load_corpus
 from shardwise.memory import state_bytes
 from shardwise.models import GPT, GPTConfig, lm_loss
 
-IMPLS = ["torch-fsdp2", "shardwise-fsdp", "shardwise-ddp", "torch-ddp"]
+IMPLS = ["torch-fsdp2", "shardwise-fsdp", "shardwise-fsdp-prefetch", "shardwise-ddp",
+         "torch-ddp"]
 
 
 def _model_args(parser) -> None:
@@ -44,10 +45,11 @@ def _wrap(impl: str, model: GPT, group: dist.ProcessGroup, reshard: bool):
         for block in model.blocks:
             torch_fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
         return torch_fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
-    if impl == "shardwise-fsdp":
+    if impl.startswith("shardwise-fsdp"):
         for block in model.blocks:
             fully_shard(block, process_group=group, reshard_after_forward=reshard)
-        return fully_shard(model, process_group=group, reshard_after_forward=reshard)
+        return fully_shard(model, process_group=group, reshard_after_forward=reshard,
+                           forward_prefetch=impl.endswith("-prefetch"))
     if impl == "torch-ddp":
         return torch.nn.parallel.DistributedDataParallel(model, process_group=group)
     return DistributedDataParallel(model, process_group=group)

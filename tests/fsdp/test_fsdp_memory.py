@@ -12,10 +12,10 @@ from tests.harness import WORLD_SIZES, run_on_ranks
 CFG = GPTConfig(vocab_size=64, seq_len=16, n_layer=4, n_head=2, d_model=32)
 
 
-def _shard(model):
+def _shard(model, forward_prefetch=False):
     for block in model.blocks:
         fully_shard(block)
-    return fully_shard(model)
+    return fully_shard(model, forward_prefetch=forward_prefetch)
 
 
 def _between_steps(ctx):
@@ -51,9 +51,9 @@ def test_each_rank_holds_one_nth_of_params_grads_and_adamw_state(world_size):
     assert sum(t for t, _ in totals) >= full
 
 
-def _unsharded_peak(ctx):
+def _unsharded_peak(ctx, forward_prefetch):
     torch.manual_seed(0)
-    model = _shard(GPT(CFG))
+    model = _shard(GPT(CFG), forward_prefetch)
     peaks = {"forward": 0, "backward": 0}
     phase = ["forward"]
 
@@ -76,9 +76,12 @@ def _unsharded_peak(ctx):
 
 
 @pytest.mark.parametrize("world_size", (1, 2))
-def test_unsharded_bytes_during_forward_stay_within_the_prefetch_limit(world_size):
-    peaks, root, block = run_on_ranks(world_size, _unsharded_peak)[0]
-    # forward: the root, the running block and one prefetched block, never all four blocks
-    assert peaks["forward"] == root + 2 * block, peaks
+@pytest.mark.parametrize("forward_prefetch", (False, True))
+def test_unsharded_bytes_during_forward_stay_within_the_prefetch_limit(world_size,
+                                                                       forward_prefetch):
+    peaks, root, block = run_on_ranks(world_size, _unsharded_peak, forward_prefetch)[0]
+    # forward: the root and the running block, plus one prefetched block with forward_prefetch;
+    # never all four blocks
+    assert peaks["forward"] == root + (2 if forward_prefetch else 1) * block, peaks
     # backward: the same bound (a prefetch waits until the block before it has freed its own)
     assert peaks["backward"] <= root + 2 * block, peaks

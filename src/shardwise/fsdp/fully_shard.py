@@ -26,13 +26,17 @@ def fully_shard(module: nn.Module, *, process_group: dist.ProcessGroup | None = 
                 reshard_after_forward: bool = True,
                 mixed_precision: MixedPrecision | None = None,
                 cpu_offload: CPUOffload | None = None,
-                auto_wrap_policy: WrapPolicy | None = None) -> nn.Module:
+                auto_wrap_policy: WrapPolicy | None = None,
+                forward_prefetch: bool = False) -> nn.Module:
     """Shard ``module``'s parameters over ``process_group`` (default: the world group) and
     gather them around its forward and backward; returns ``module``.
 
     ``reshard_after_forward=False`` keeps the gathered parameters from forward until the end of
     backward (one all-gather per step instead of two, more memory). ``auto_wrap_policy`` first
     applies ``fully_shard`` (same options) to each submodule the policy picks.
+    ``forward_prefetch=True`` (read on the root) issues the next unit's all-gather while the
+    current unit computes its forward: faster where communication is slow, one unit more memory
+    (see [Note: FSDP schedule]). Backward always prefetches.
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"fully_shard needs an nn.Module, got {type(module).__name__}")
@@ -41,12 +45,14 @@ def fully_shard(module: nn.Module, *, process_group: dist.ProcessGroup | None = 
     if auto_wrap_policy is not None:
         for sub in modules_to_wrap(module, auto_wrap_policy):
             fully_shard(sub, process_group=group, reshard_after_forward=reshard_after_forward,
-                        mixed_precision=mixed_precision, cpu_offload=cpu_offload)
+                        mixed_precision=mixed_precision, cpu_offload=cpu_offload,
+                        forward_prefetch=forward_prefetch)
     children = list(_child_units(module))
     params = _unit_params(module, children)
     handle = _make_handle(module, params, group, mixed_precision, cpu_offload)
     _cast_buffers(module, mixed_precision)
     unit = FSDPUnit(module, handle, group, reshard_after_forward, mixed_precision, children)
+    unit.forward_prefetch = forward_prefetch
     setattr(module, UNIT_ATTR, unit)
     register_state_dict_hooks(unit)
     return module

@@ -40,6 +40,7 @@ class FSDPUnit:
         self.reshard_after_forward = reshard_after_forward
         self.mixed_precision = mixed_precision
         self.children = children
+        self.forward_prefetch = False  # on the root: prefetch the next unit during forward
         self.parent: FSDPUnit | None = None
         self.root_state: RootState | None = None
         self.is_root = False
@@ -70,7 +71,7 @@ class FSDPUnit:
     def _lazy_init(self) -> None:
         self.is_root = True
         units = self.subtree()
-        state = RootState(units)
+        state = RootState(units, max_inflight_gathers=2 if self.forward_prefetch else 1)
         for unit in units:
             unit.root_state = state
 

@@ -43,7 +43,7 @@ class FullyShardedDataParallel(nn.Module):
                  mixed_precision: MixedPrecision | None = None,
                  reshard_after_forward: bool = True, sync_module_states: bool = False,
                  device_id: int | torch.device | None = None, use_orig_params: bool = True,
-                 **ignored: Any):
+                 forward_prefetch: bool = False, **ignored: Any):
         super().__init__()
         if not isinstance(module, nn.Module):
             raise TypeError(f"FullyShardedDataParallel wraps an nn.Module, got "
@@ -58,7 +58,7 @@ class FullyShardedDataParallel(nn.Module):
                                 + list(module.buffers()), 0, group)
         fully_shard(module, process_group=group, reshard_after_forward=reshard_after_forward,
                     mixed_precision=mixed_precision, cpu_offload=cpu_offload,
-                    auto_wrap_policy=auto_wrap_policy)
+                    auto_wrap_policy=auto_wrap_policy, forward_prefetch=forward_prefetch)
         self._fsdp_wrapped_module = module
         self.process_group = group
         self.register_state_dict_post_hook(_strip_prefix)
