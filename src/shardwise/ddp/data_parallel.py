@@ -10,8 +10,7 @@ reduces the accumulated sum.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
@@ -83,15 +82,9 @@ class DistributedDataParallel(nn.Module):
             inputs, kwargs = _to_device(inputs, device), _to_device(kwargs, device)
         return self.module(*inputs, **kwargs)
 
-    @contextmanager
-    def no_sync(self) -> Iterator[None]:
+    def no_sync(self) -> AbstractContextManager[None]:
         """Skip gradient reduction inside the block; gradients accumulate locally."""
-        previous = self.reducer.enabled
-        self.reducer.enabled = False
-        try:
-            yield
-        finally:
-            self.reducer.enabled = previous
+        return self.reducer.paused()
 
     def _launch(self, bucket: Bucket) -> dist.Work | None:
         if self.world_size == 1:

@@ -24,7 +24,8 @@ more than that many are in flight, so reduced buckets are freed during backward,
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -139,6 +140,17 @@ class GradBucketer:
         total += (-total) % pad
         return Bucket(index, [p for _, p in named], [n for n, _ in named], offsets, None,
                       total, [False] * len(named))
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """Gradients produced inside the block stay in ``param.grad`` and are not bucketed or
+        reduced (``no_sync`` of the wrappers that use this bucketer)."""
+        previous = self.enabled
+        self.enabled = False
+        try:
+            yield
+        finally:
+            self.enabled = previous
 
     def remove_hooks(self) -> None:
         for handle in self._handles:

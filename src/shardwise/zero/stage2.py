@@ -26,8 +26,7 @@ collective), as DDP does; the next backward outside it reduces the sums.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
@@ -90,15 +89,9 @@ class ZeroDataParallel(nn.Module):
                 broadcast_coalesced(buffers, 0, self.process_group)
         return self.module(*inputs, **kwargs)
 
-    @contextmanager
-    def no_sync(self) -> Iterator[None]:
+    def no_sync(self) -> AbstractContextManager[None]:
         """Skip gradient reduction inside the block; full gradients accumulate locally."""
-        previous = self.reducer.enabled
-        self.reducer.enabled = False
-        try:
-            yield
-        finally:
-            self.reducer.enabled = previous
+        return self.reducer.paused()
 
     def owned_parameters(self) -> list[nn.Parameter]:
         """The trainable parameters whose gradients this rank keeps."""
