@@ -173,3 +173,14 @@ def forward_rref(module_rref, x_rref):
 def params_are(module_rref, param_rrefs) -> bool:
     mine = list(module_rref.local_value().parameters())
     return all(r.local_value() is p for r, p in zip(param_rrefs, mine))
+
+
+_meetings: dict[str, threading.Barrier] = {}
+_meetings_lock = threading.Lock()
+
+
+def meet(key: str, parties: int) -> int:
+    """Block until ``parties`` calls with this key are running here at once (RPC pool threads)."""
+    with _meetings_lock:
+        barrier = _meetings.setdefault(key, threading.Barrier(parties, timeout=30))
+    return barrier.wait()

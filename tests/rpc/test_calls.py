@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 
 import pytest
 import torch
@@ -94,6 +95,38 @@ def test_many_calls_in_flight(rpc_world):
     futs = [rpc.rpc_async(f"worker{1 + i % 2}", helpers.add, args=(torch.tensor(float(i)),))
             for i in range(300)]
     assert [f.wait().item() for f in futs] == [i + 1.0 for i in range(300)]
+
+
+def test_concurrent_callers_with_mixed_sizes_each_get_their_own_answer(rpc_world):
+    # Frames from several threads share one connection (queued and sent together) and arrive
+    # in batches (small ones through the reader's buffer, large ones straight into tensors).
+    sizes = [0, 1, 256, 20_000, 300_000, 3]
+    errors: list[BaseException] = []
+
+    def caller(thread: int) -> None:
+        try:
+            futs = []
+            for i in range(60):
+                x = torch.full((sizes[i % len(sizes)],), float(thread * 1000 + i))
+                futs.append((x, rpc.rpc_async(f"worker{1 + i % 2}", helpers.add, args=(x,))))
+            for x, fut in futs:
+                got = fut.wait()
+                assert got.shape == x.shape and torch.equal(got, x + 1)
+        except BaseException as exc:  # noqa: BLE001 - reported by the test thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=caller, args=(t,)) for t in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+
+
+def test_blocking_calls_get_threads_of_their_own(rpc_world):
+    # Eight calls that each wait until all eight run: the callee's pool must run them at once.
+    futs = [rpc.rpc_async("worker1", helpers.meet, args=("eight", 8)) for _ in range(8)]
+    assert sorted(f.wait() for f in futs) == list(range(8))
 
 
 def test_call_to_self_runs_locally(rpc_world):

@@ -1,9 +1,9 @@
 """The RPC agent of one worker: sends requests, serves peers, owns the worker's RPC state.
 
 Threads: one reader per connection (transport.py) decodes frames, completes reply futures and
-applies the order-sensitive part of RRef bookkeeping; a pool of ``num_worker_threads`` runs
-user functions and sends every reply (a reader never sends); one thread times calls out
-(pending.py); one sends RRef deletions (rref_context.py).
+applies the order-sensitive part of RRef bookkeeping; a pool of ``num_worker_threads``
+(workers.py) runs user functions and sends every reply (a reader never sends); one thread times
+calls out (pending.py); one sends RRef deletions (rref_context.py).
 
 [Note: shutdown] ``shutdown(graceful=True)``: (1) send queued RRef deletions and wait for this
 worker's outstanding calls, (2) a store barrier that every live worker reaches once its own
@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
-from concurrent.futures import ThreadPoolExecutor
 from enum import Enum
 from typing import Any
 
@@ -40,6 +39,7 @@ from shardwise.rpc.pending import PendingCall, PendingCalls
 from shardwise.rpc.rref_context import RRefContext
 from shardwise.rpc.serialization import Session, dumps, loads
 from shardwise.rpc.transport import PeerUnavailable, Transport
+from shardwise.rpc.workers import WorkerPool
 
 log = logging.getLogger("shardwise.rpc")
 
@@ -69,8 +69,7 @@ class RpcAgent:
         self.pending = PendingCalls()
         self._ids = itertools.count(1)
         self._grad_keys = itertools.count(1)
-        self.pool = ThreadPoolExecutor(options.num_worker_threads,
-                                       thread_name_prefix=f"shardwise-rpc-{name}")
+        self.pool = WorkerPool(options.num_worker_threads, f"shardwise-rpc-{name}")
         self.rrefs = RRefContext(self)
         self.autograd = AutogradContainer(self)
         self.cuda = CudaTransfer(self)
@@ -357,7 +356,7 @@ class RpcAgent:
         self.rrefs.close()
         self.transport.close()
         self.pending.close()
-        self.pool.shutdown(wait=False, cancel_futures=True)
+        self.pool.shutdown()
 
     def _drain(self, timeout: float) -> None:
         self.rrefs.flush(timeout)

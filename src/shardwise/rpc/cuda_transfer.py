@@ -24,11 +24,15 @@ from shardwise.rpc.serialization import cpu_buffer, current_session, tensor_from
 log = logging.getLogger("shardwise.rpc")
 
 
+class _ThreadState(threading.local):
+    override: tuple[int, DeviceMap] | None = None  # (peer, map) while replying to peer
+
+
 class CudaTransfer:
     def __init__(self, agent) -> None:
         self._agent = agent
         self._hosts: list[str] = []
-        self._tls = threading.local()
+        self._tls = _ThreadState()
         self._warned = False
 
     def set_peer_hosts(self, hosts: list[str]) -> None:
@@ -37,7 +41,7 @@ class CudaTransfer:
     @contextlib.contextmanager
     def reply_map(self, peer: int, device_map: DeviceMap | None) -> Iterator[None]:
         """Within this block, tensors sent to ``peer`` use ``device_map`` (a reply's map)."""
-        outer = getattr(self._tls, "override", None)
+        outer = self._tls.override
         self._tls.override = (peer, device_map or {})
         try:
             yield
@@ -45,7 +49,7 @@ class CudaTransfer:
             self._tls.override = outer
 
     def map_for(self, dest: int) -> DeviceMap:
-        override = getattr(self._tls, "override", None)
+        override = self._tls.override
         if override is not None and override[0] == dest:
             return override[1]
         return self._agent.device_maps.get(self._agent.workers[dest].name, {})

@@ -41,6 +41,12 @@ class RRef(Generic[T]):
         if fork is not None:
             self._agent.rrefs.user_deleted(self._id, self._owner_rank, fork)
 
+    def __reduce__(self) -> tuple:
+        session = current_session()  # RRefs are pickled only inside RPC messages
+        if session.hooks is None:
+            raise RuntimeError("an RRef can only be sent inside an RPC message")
+        return session.hooks.reduce_rref(self, session.peer)
+
     def __repr__(self) -> str:
         kind = "OwnerRRef" if self.is_owner() else "UserRRef"
         return f"{kind}(id={self._id}, owner={self.owner_name()!r})"

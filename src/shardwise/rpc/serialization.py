@@ -31,7 +31,6 @@ class SerializationHooks(Protocol):
 
     def reduce_rref(self, rref: Any, dest: int) -> tuple: ...
     def reduce_cuda_tensor(self, tensor: torch.Tensor, dest: int) -> tuple: ...
-    def is_rref(self, obj: Any) -> bool: ...
 
 
 @dataclass
@@ -44,67 +43,91 @@ class Session:
     pending: list[Any] = field(default_factory=list)  # futures to wait for before sending
 
 
-_current = threading.local()
+class _ThreadState(threading.local):
+    session: Session | None = None  # (a class default: no AttributeError to catch per call)
+
+
+_current = _ThreadState()
 
 
 def current_session() -> Session:
-    session = getattr(_current, "session", None)
+    session = _current.session
     if session is None:
         raise RuntimeError("shardwise.rpc object (un)pickled outside an RPC message")
     return session
 
 
-class _Pickler(pickle.Pickler):
-    def __init__(self, file: io.BytesIO, session: Session, buffers: list):
-        super().__init__(file, protocol=5, buffer_callback=buffers.append)
-        self._session = session
+def _reduce_tensor_hook(t: torch.Tensor) -> Any:
+    """The pickler's reducer for exact ``Tensor`` / ``Parameter`` (its ``dispatch_table``)."""
+    session = current_session()
+    reduced = _reduce_tensor(t, session)
+    return t.__reduce_ex__(5) if reduced is NotImplemented else reduced
 
-    def reducer_override(self, obj: Any) -> Any:
-        kind = type(obj)
-        if kind is torch.Tensor or kind is nn.Parameter:
-            return _reduce_tensor(obj, self._session)
-        hooks = self._session.hooks
-        if hooks is not None and hooks.is_rref(obj):
-            return hooks.reduce_rref(obj, self._session.peer)
-        return NotImplemented
+
+class _Pickler(pickle.Pickler):
+    # [Note: fast pickling] A per-type table is looked up in C, so only tensors call back into
+    # Python; a ``reducer_override`` would be called for every object of the message. RRefs
+    # reduce themselves (``RRef.__reduce__``) through the current session.
+    dispatch_table = {torch.Tensor: _reduce_tensor_hook, nn.Parameter: _reduce_tensor_hook}
 
 
 def _reduce_tensor(t: torch.Tensor, session: Session) -> Any:
-    if t.layout != torch.strided or t.is_quantized or t.is_nested:
+    if t.layout is not torch.strided or t.is_quantized or t.is_nested:
         return NotImplemented  # torch's own (in-band) pickling
     if t.requires_grad:
         session.grad_tensors.append(t)
+    if t.is_cpu:
+        return _rebuild_tensor, (*cpu_buffer(t), t.requires_grad, type(t) is nn.Parameter)
     if t.device.type == "cuda":
         if session.hooks is None:
             raise RuntimeError("cannot send a CUDA tensor outside an RPC agent")
         return session.hooks.reduce_cuda_tensor(t, session.peer)
-    if t.device.type != "cpu":
-        raise RuntimeError(f"RPC cannot send tensors on device {t.device}")
-    return _rebuild_tensor, (*cpu_buffer(t), t.requires_grad, type(t) is nn.Parameter)
+    raise RuntimeError(f"RPC cannot send tensors on device {t.device}")
 
 
 def cpu_buffer(t: torch.Tensor) -> tuple[pickle.PickleBuffer, str, tuple[int, ...]]:
     """A zero-copy byte view of a CPU tensor (contiguous first if it is not), dtype, shape."""
-    data = t.detach()
+    data = t.detach() if t.requires_grad else t
+    if data.is_conj() or data.is_neg():
+        data = data.resolve_conj().resolve_neg()
     if not data.is_contiguous():
         data = data.contiguous()
-    raw = data.reshape(-1).view(torch.uint8)
-    return pickle.PickleBuffer(raw.numpy()), str(data.dtype).removeprefix("torch."), \
-        tuple(data.shape)
+    name = _DTYPE_NAMES.get(data.dtype) or str(data.dtype).removeprefix("torch.")
+    # numpy() is the fast way to the bytes; bfloat16 and friends (no numpy dtype) go as raw bytes
+    arr = data.numpy() if name in _NUMPY_DTYPES else data.reshape(-1).view(torch.uint8).numpy()
+    return pickle.PickleBuffer(arr), name, tuple(data.shape)
 
 
 def tensor_from_buffer(buf: Any, dtype: str, shape: tuple[int, ...]) -> torch.Tensor:
     """Rebuild a tensor as a view of a received buffer (no copy)."""
-    torch_dtype = getattr(torch, dtype, None)
-    if not isinstance(torch_dtype, torch.dtype):
-        raise pickle.UnpicklingError(f"unknown tensor dtype {dtype!r}")
+    torch_dtype = _torch_dtype(dtype)
     if len(buf) == 0:
         return torch.empty(shape, dtype=torch_dtype)
-    if isinstance(buf, np.ndarray):
-        flat = torch.from_numpy(buf)
-    else:  # in-band buffer (only when pickled without buffer_callback)
-        flat = torch.frombuffer(bytearray(buf), dtype=torch.uint8)
-    return flat.view(torch_dtype).reshape(shape)
+    if not isinstance(buf, np.ndarray):  # in-band buffer (only when pickled without callback)
+        buf = np.frombuffer(bytearray(buf), dtype=np.uint8)
+    np_dtype = _NUMPY_DTYPES.get(dtype)
+    if np_dtype is not None:
+        arr = buf.view(np_dtype)
+        if arr.flags.aligned:
+            return torch.from_numpy(arr.reshape(shape))
+    return torch.from_numpy(buf).view(torch_dtype).reshape(shape)
+
+
+def _torch_dtype(name: str) -> torch.dtype:
+    torch_dtype = _DTYPES.get(name)
+    if torch_dtype is None:
+        torch_dtype = getattr(torch, name, None)
+        if not isinstance(torch_dtype, torch.dtype):
+            raise pickle.UnpicklingError(f"unknown tensor dtype {name!r}")
+        _DTYPES[name] = torch_dtype
+    return torch_dtype
+
+
+_NUMPY_DTYPES = {name: np.dtype(name) for name in (
+    "float16", "float32", "float64", "complex64", "complex128", "int8", "int16", "int32",
+    "int64", "uint8", "bool")}
+_DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in _NUMPY_DTYPES}
+_DTYPE_NAMES = {dtype: name for name, dtype in _DTYPES.items()}
 
 
 def _rebuild_tensor(buf: Any, dtype: str, shape: tuple[int, ...], requires_grad: bool,
@@ -114,7 +137,7 @@ def _rebuild_tensor(buf: Any, dtype: str, shape: tuple[int, ...], requires_grad:
         return nn.Parameter(t, requires_grad=requires_grad)
     if requires_grad:
         t.requires_grad_(True)
-        session = getattr(_current, "session", None)
+        session = _current.session
         if session is not None:
             session.grad_tensors.append(t)
     return t
@@ -138,9 +161,9 @@ def dumps(obj: Any, session: Session) -> tuple[bytes, list[memoryview]]:
     """Pickle ``obj``; returns the payload and the raw tensor buffers to send beside it."""
     buffers: list[pickle.PickleBuffer] = []
     out = io.BytesIO()
-    outer, _current.session = getattr(_current, "session", None), session
+    outer, _current.session = _current.session, session
     try:
-        _Pickler(out, session, buffers).dump(obj)
+        _Pickler(out, protocol=5, buffer_callback=buffers.append).dump(obj)
     finally:
         _current.session = outer
     return out.getvalue(), [b.raw() for b in buffers]
@@ -148,7 +171,7 @@ def dumps(obj: Any, session: Session) -> tuple[bytes, list[memoryview]]:
 
 def loads(payload: bytes | bytearray, buffers: list[np.ndarray], session: Session) -> Any:
     """Unpickle a payload whose out-of-band buffers arrived as uint8 arrays."""
-    outer, _current.session = getattr(_current, "session", None), session
+    outer, _current.session = _current.session, session
     try:
         return _Unpickler(io.BytesIO(payload), buffers=buffers).load()
     finally:

@@ -2,12 +2,20 @@
 
 [Note: transport] Plain stdlib sockets and threads, no event loop: every pair of workers shares
 one bidirectional connection (the higher rank connects to the lower), each connection has one
-reader thread that reads whole frames and hands them to the agent, and senders write under a
-per-connection lock with ``sendmsg`` (wire.py). A reader thread never sends, so two workers
-sending large tensors to each other cannot both block with nobody reading. Compared with an
-asyncio loop this saves two thread hops per message (the loop thread and back) and lets the
-kernel copy tensor memory straight from and into tensors, which is where RPC latency and
-throughput are decided in Python.
+reader thread that reads whole frames (in batches, [Note: batched reads] in wire.py) and hands
+them to the agent, and senders write with ``sendmsg`` (wire.py). A reader thread never sends, so
+two workers sending large tensors to each other cannot both block with nobody reading.
+
+Sending combines frames: a sender appends its frame to the connection's queue and, if no other
+thread is sending on that connection, sends everything queued; if another thread is sending,
+that thread sends the new frame too before it lets go (see ``Connection.send``). So frames leave
+in the order they were queued, frames queued during a write go out together in one ``sendmsg``,
+and no sender sleeps on a lock behind another one. A frame may therefore still be queued when
+``send`` returns (the queue keeps its tensors alive), as with TensorPipe's asynchronous writes.
+A failed write loses the connection: every call waiting on the peer fails at once (the agent's
+``_on_lost``). Compared with an asyncio loop this saves two thread hops per message (the loop
+thread and back) and lets the kernel copy tensor memory straight from and into tensors, which is
+where RPC latency and throughput are decided in Python.
 
 Connections that fail the handshake (auth.py) or send frames that do not parse are logged and
 closed; the acceptor keeps accepting and the other connections are unaffected.
@@ -15,6 +23,7 @@ closed; the acceptor keeps accepting and the other connections are unaffected.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import socket
@@ -23,7 +32,7 @@ import time
 from collections.abc import Callable
 
 from shardwise.rpc.auth import AuthError, accept_handshake, connect_handshake
-from shardwise.rpc.wire import FrameError, PeerClosed, recv_frame, send_frame, tune
+from shardwise.rpc.wire import FrameError, FrameReader, PeerClosed, frame_parts, send_all, tune
 
 log = logging.getLogger("shardwise.rpc")
 
@@ -39,24 +48,49 @@ class Connection:
     def __init__(self, sock: socket.socket, peer: int, on_frame: FrameHandler,
                  on_lost: LostHandler):
         self.sock, self.peer = sock, peer
-        self.send_lock = threading.Lock()
+        self.send_lock = threading.Lock()  # held by the one thread writing to the socket
+        self._queue: collections.deque[list] = collections.deque()  # frames' parts, in order
         self._on_frame, self._on_lost = on_frame, on_lost
+        self._state_lock = threading.Lock()
         self.closed = False
         self._reader = threading.Thread(target=self._read_loop, daemon=True,
                                         name=f"shardwise-rpc-reader-{peer}")
         self._reader.start()
 
     def send(self, payload: bytes, buffers: list[memoryview]) -> None:
-        with self.send_lock:
-            if self.closed:
-                raise PeerUnavailable(f"connection to rank {self.peer} is closed")
-            send_frame(self.sock, payload, buffers)
+        """Queue a frame and send what is queued unless another thread is sending already."""
+        if self.closed:
+            raise PeerUnavailable(f"connection to rank {self.peer} is closed")
+        self._queue.append(frame_parts(payload, buffers))
+        # Whoever holds the lock sends until the queue is empty, lets go, and looks again:
+        # a frame queued while the lock was held is either seen then or sent by its own thread.
+        while self._queue and self.send_lock.acquire(blocking=False):
+            try:
+                self._send_queued()
+            finally:
+                self.send_lock.release()
+        if self.closed:
+            raise PeerUnavailable(f"connection to rank {self.peer} closed while sending")
+
+    def _send_queued(self) -> None:
+        queue = self._queue
+        while queue:
+            parts = queue.popleft()
+            while queue and len(parts) < _BATCH_PARTS:
+                parts += queue.popleft()
+            try:
+                send_all(self.sock, parts)
+            except OSError as exc:
+                queue.clear()
+                self._lost(exc, clean=False)
+                return
 
     def _read_loop(self) -> None:
+        reader = FrameReader(self.sock)
         while True:
             try:
-                payload, buffers = recv_frame(self.sock)
-                self._on_frame(self.peer, payload, buffers)
+                for payload, buffers in reader.next_batch():
+                    self._on_frame(self.peer, payload, buffers)
             except PeerClosed as exc:
                 self._lost(exc, clean=not exc.truncated)
                 return
@@ -70,7 +104,8 @@ class Connection:
                 return
 
     def _lost(self, exc: BaseException, clean: bool) -> None:
-        was_closed = self.closed
+        with self._state_lock:
+            was_closed, self.closed = self.closed, True
         self.close()
         if not was_closed:
             self._on_lost(self.peer, exc, clean)
@@ -81,6 +116,9 @@ class Connection:
             self.sock.shutdown(socket.SHUT_RDWR)
         with contextlib.suppress(OSError):
             self.sock.close()
+
+
+_BATCH_PARTS = 256  # frames' parts gathered into one send_all
 
 
 class Transport:

@@ -4,9 +4,11 @@
     payload (pickle) | buffer 0 | buffer 1 | ...
 
 Sending gathers all parts into ``sendmsg`` calls (no concatenation, so tensor memory goes from
-the tensor to the kernel); receiving reads each buffer with ``recv_into`` straight into a fresh
-uninitialised tensor. Headers are checked before anything is allocated: a frame with the wrong
-magic or absurd sizes is a :class:`FrameError` and the connection is dropped.
+the tensor to the kernel); receiving reads small frames many at a time through one buffer
+([Note: batched reads]) and the buffers of a large frame with ``recv_into`` straight into fresh
+uninitialised memory that becomes the tensors. Headers are checked before anything is
+allocated: a frame with the wrong magic or absurd sizes is a :class:`FrameError` and the
+connection is dropped.
 """
 
 from __future__ import annotations
@@ -15,7 +17,6 @@ import socket
 import struct
 
 import numpy as np
-import torch
 
 MAGIC = b"SWR1"
 _FIXED = struct.Struct("!4sIQ")
@@ -23,6 +24,9 @@ MAX_BUFFERS = 1 << 16
 MAX_PAYLOAD = 1 << 32  # 4 GiB of pickle is not a message, it is an attack or a bug
 MAX_BUFFER = 1 << 40
 _IOV_MAX = 512
+_JOIN = 16 << 10  # payloads up to this are sent in one piece with the header
+_BUFFER = 256 << 10  # a reader's receive buffer
+LARGE = 64 << 10  # frames above this are read straight into their tensors
 SOCKET_BUFFER = 4 << 20
 
 
@@ -44,46 +48,145 @@ def tune(sock: socket.socket) -> None:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER)
 
 
+def frame_parts(payload: bytes, buffers: list[memoryview]) -> list:
+    """The parts of one frame, for :func:`send_all` (the header joined to a small payload)."""
+    header = _FIXED.pack(MAGIC, len(buffers), len(payload))
+    if buffers:
+        header += struct.pack(f"!{len(buffers)}Q", *[b.nbytes for b in buffers])
+    if len(payload) <= _JOIN:
+        return [header + payload, *buffers]
+    return [header, payload, *buffers]
+
+
 def send_frame(sock: socket.socket, payload: bytes, buffers: list[memoryview]) -> None:
     """Send one frame; the caller holds the connection's send lock."""
-    lengths = [b.nbytes for b in buffers]
-    header = _FIXED.pack(MAGIC, len(buffers), len(payload)) + struct.pack(
-        f"!{len(lengths)}Q", *lengths)
-    send_all(sock, [header, payload, *buffers])
+    send_all(sock, frame_parts(payload, buffers))
 
 
 def send_all(sock: socket.socket, parts: list) -> None:
-    views = [memoryview(p).cast("B") for p in parts if len(memoryview(p).cast("B"))]
+    """Send every part, gathered into as few ``sendmsg`` calls as the kernel takes."""
+    views = [p if type(p) is bytes else memoryview(p).cast("B") for p in parts]
+    views = [v for v in views if len(v)]
     while views:
         sent = sock.sendmsg(views[:_IOV_MAX])
-        while sent:
-            head = views[0]
-            if sent >= len(head):
-                sent -= len(head)
-                views.pop(0)
-            else:
-                views[0] = head[sent:]
-                sent = 0
+        done = 0
+        while sent and sent >= len(views[done]):
+            sent -= len(views[done])
+            done += 1
+        del views[:done]
+        if sent:
+            views[0] = memoryview(views[0])[sent:]
 
 
-def recv_frame(sock: socket.socket) -> tuple[bytearray, list[np.ndarray]]:
-    """Read one frame: the payload and each buffer as a uint8 array backed by a tensor."""
-    fixed = recv_exact(sock, _FIXED.size, start=True)
-    magic, nbufs, plen = _FIXED.unpack(fixed)
+class FrameReader:
+    """Reads frames from a socket through one receive buffer.
+
+    [Note: batched reads] Small frames are read many at a time: one ``recv_into`` fills the
+    buffer with whatever the peer sent, and :meth:`next_batch` returns every whole frame in it,
+    so a burst of calls costs one system call, not four per frame. A frame larger than
+    ``LARGE`` is read as before: its buffers go straight from the socket into fresh tensors.
+    """
+
+    def __init__(self, sock: socket.socket, size: int = _BUFFER):
+        self.sock = sock
+        self._buf = bytearray(size)
+        self._view = memoryview(self._buf)
+        self._start = self._end = 0
+
+    def next_batch(self) -> list[tuple[bytes, list[np.ndarray]]]:
+        """Block until at least one whole frame arrived; return all whole frames buffered."""
+        while True:
+            batch = []
+            size = self._head_size()
+            while size is not None and size <= self._end - self._start:
+                batch.append(self._take(size))
+                size = self._head_size()
+            if batch:
+                return batch
+            if size is not None and size > LARGE:
+                return [self._read_large()]
+            self._fill(size or _FIXED.size)
+
+    def _head_size(self) -> int | None:
+        """Bytes of the frame at the head of the buffer, once its header is buffered."""
+        have = self._end - self._start
+        if have < _FIXED.size:
+            return None if have == 0 else _FIXED.size + 1  # (any size above what is here)
+        magic, nbufs, plen = _FIXED.unpack_from(self._buf, self._start)
+        _check_header(magic, nbufs, plen)
+        head = _FIXED.size + 8 * nbufs
+        if have < head:
+            return head + plen + 1 if head <= LARGE else head + LARGE
+        lengths = struct.unpack_from(f"!{nbufs}Q", self._buf, self._start + _FIXED.size)
+        _check_lengths(lengths)
+        return head + plen + sum(lengths)
+
+    def _take(self, size: int) -> tuple[bytes, list[np.ndarray]]:
+        """Cut the whole frame at the head of the buffer out of it (copies: the buffer is
+        reused)."""
+        at = self._start
+        _, nbufs, plen = _FIXED.unpack_from(self._buf, at)
+        lengths = struct.unpack_from(f"!{nbufs}Q", self._buf, at + _FIXED.size)
+        at += _FIXED.size + 8 * nbufs
+        payload = bytes(self._view[at:at + plen])
+        at += plen
+        buffers = []
+        for n in lengths:
+            buffers.append(np.frombuffer(self._buf, np.uint8, n, at).copy())
+            at += n
+        self._start += size
+        return payload, buffers
+
+    def _fill(self, need: int) -> None:
+        """One ``recv_into`` (blocking); makes room for a frame of ``need`` bytes first."""
+        have = self._end - self._start
+        if have == 0:
+            self._start = self._end = 0
+        elif len(self._buf) - self._start < min(need, LARGE) + _FIXED.size:
+            self._buf[:have] = bytes(self._view[self._start:self._end])  # (may overlap)
+            self._start, self._end = 0, have
+        n = self.sock.recv_into(self._view[self._end:])
+        if n == 0:
+            raise PeerClosed("peer closed the connection", truncated=False) if have == 0 \
+                else PeerClosed("peer closed the connection inside a frame", truncated=True)
+        self._end += n
+
+    def _read_large(self) -> tuple[bytearray, list[np.ndarray]]:
+        """Read the (large) frame at the head: buffered bytes first, the rest from the socket."""
+        fixed = self._read_exact(_FIXED.size)
+        _, nbufs, plen = _FIXED.unpack(fixed)
+        lengths = struct.unpack(f"!{nbufs}Q", self._read_exact(8 * nbufs)) if nbufs else ()
+        payload = self._read_exact(plen)
+        buffers = []
+        for n in lengths:
+            arr = np.empty(n, np.uint8)  # (numpy asks for huge pages: far fewer page faults)
+            self._read_into(memoryview(arr))
+            buffers.append(arr)
+        return payload, buffers
+
+    def _read_exact(self, n: int) -> bytearray:
+        out = bytearray(n)
+        self._read_into(memoryview(out))
+        return out
+
+    def _read_into(self, target: memoryview) -> None:
+        have = min(self._end - self._start, len(target))
+        target[:have] = self._view[self._start:self._start + have]
+        self._start += have
+        if have < len(target):
+            recv_into_all(self.sock, target[have:])
+
+
+def _check_header(magic: bytes, nbufs: int, plen: int) -> None:
     if magic != MAGIC:
         raise FrameError(f"bad frame magic {bytes(magic)!r} (expected {MAGIC!r})")
     if nbufs > MAX_BUFFERS or plen > MAX_PAYLOAD:
         raise FrameError(f"frame header out of range: {nbufs} buffers, {plen} payload bytes")
-    lengths = struct.unpack(f"!{nbufs}Q", recv_exact(sock, 8 * nbufs)) if nbufs else ()
+
+
+def _check_lengths(lengths: tuple[int, ...]) -> None:
     if any(n > MAX_BUFFER for n in lengths):
         raise FrameError(f"frame buffer length out of range: {max(lengths)} bytes")
-    payload = recv_exact(sock, plen)
-    buffers = []
-    for n in lengths:
-        arr = torch.empty(n, dtype=torch.uint8).numpy()
-        recv_into_all(sock, memoryview(arr))
-        buffers.append(arr)
-    return payload, buffers
 
 
 def recv_exact(sock: socket.socket, n: int, start: bool = False) -> bytearray:

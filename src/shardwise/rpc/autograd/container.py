@@ -20,13 +20,17 @@ from shardwise.rpc.messages import Kind
 _RANK_SHIFT = 48
 
 
+class _ThreadState(threading.local):
+    context_id: int | None = None  # (a class default: no AttributeError to catch per call)
+
+
 class AutogradContainer:
     def __init__(self, agent) -> None:
         self._agent = agent
         self._contexts: dict[int, DistAutogradContext] = {}
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
-        self._tls = threading.local()
+        self._tls = _ThreadState()
 
     # ---------------------------------------------------------------- lifetime
     def new_context(self) -> DistAutogradContext:
@@ -63,11 +67,11 @@ class AutogradContainer:
 
     # ---------------------------------------------------------------- current context
     def current_id(self) -> int | None:
-        return getattr(self._tls, "context_id", None)
+        return self._tls.context_id
 
     @contextlib.contextmanager
     def bound(self, context_id: int | None) -> Iterator[None]:
-        outer = getattr(self._tls, "context_id", None)
+        outer = self._tls.context_id
         if context_id is not None:
             self.get_or_create(context_id)
         self._tls.context_id = context_id
