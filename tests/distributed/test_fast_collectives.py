@@ -114,6 +114,9 @@ def _bad_sizes(ctx):
         reduce_scatter_flat(torch.empty(3), torch.empty(2, 3), ctx.group)
     with pytest.raises(ValueError, match="impl must be"):
         all_gather_flat(torch.empty(6), torch.empty(3), ctx.group, impl="quick")
+    full = torch.zeros(6)
+    with pytest.raises(ValueError, match="shard_out must not overlap full"):
+        reduce_scatter_flat(full[2:5], full, ctx.group)  # it would receive into what it sends
 
 
 def test_bad_buffers_are_rejected_before_any_communication():

@@ -1,10 +1,11 @@
-"""Memory: sharded state between steps, and the unsharded bytes alive during forward."""
+"""Memory: sharded state between steps, and the unsharded bytes (parameters and gradients) alive
+during forward and backward."""
 
 import pytest
 import torch
 
 from shardwise import fully_shard
-from shardwise.fsdp import units_of, unsharded_bytes
+from shardwise.fsdp import units_of, unsharded_bytes, unsharded_grad_bytes
 from shardwise.memory import state_bytes
 from shardwise.models import GPT, GPTConfig, lm_loss
 from tests.harness import WORLD_SIZES, run_on_ranks
@@ -54,11 +55,12 @@ def test_each_rank_holds_one_nth_of_params_grads_and_adamw_state(world_size):
 def _unsharded_peak(ctx, forward_prefetch):
     torch.manual_seed(0)
     model = _shard(GPT(CFG), forward_prefetch)
-    peaks = {"forward": 0, "backward": 0}
+    peaks = {"forward": 0, "backward": 0, "grads": 0}
     phase = ["forward"]
 
     def record(*_):
         peaks[phase[0]] = max(peaks[phase[0]], unsharded_bytes(model))
+        peaks["grads"] = max(peaks["grads"], unsharded_grad_bytes(model))
 
     for m in model.modules():  # every module's entry and exit, forward and backward
         m.register_forward_pre_hook(record)
@@ -71,6 +73,7 @@ def _unsharded_peak(ctx, forward_prefetch):
         loss = lm_loss(model(x[:, :-1]), x[:, 1:])
         phase[0] = "backward"
         loss.backward()
+        assert unsharded_grad_bytes(model) == 0  # every reduction finished, its buffer freed
     root, block = (u.handle.padded * 4 for u in units_of(model)[:2])
     return peaks, root, block
 
@@ -85,3 +88,7 @@ def test_unsharded_bytes_during_forward_stay_within_the_prefetch_limit(world_siz
     assert peaks["forward"] == root + (2 if forward_prefetch else 1) * block, peaks
     # backward: the same bound (a prefetch waits until the block before it has freed its own)
     assert peaks["backward"] <= root + 2 * block, peaks
+    # flat gradients (fp32, as the parameters): the root's, whose head gets the first gradient of
+    # backward, and one block's; a block's reduction is finished before the next block's first
+    # gradient arrives, so two blocks' flat gradients are never alive together
+    assert block <= peaks["grads"] <= root + block, peaks

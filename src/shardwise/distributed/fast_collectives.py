@@ -96,12 +96,13 @@ def reduce_scatter_flat(shard_out: torch.Tensor, full: torch.Tensor,
     """Set ``shard_out`` (1D, n) to the sum (or mean, ``average=True``) over ranks of their
     ``full[r*n:(r+1)*n]``, where r is this rank. Collective over ``group``.
 
-    ``full`` is not modified, and must not be until the result is waited for. Fast path:
-    point-to-point sends and receives (an all-to-all that skips this rank's own part) bring the
-    other ranks' copies of this rank's part into a buffer of
-    ``(world_size - 1) * n`` elements (``workspace`` if given, so that a caller reducing the same
-    sizes every step does not pay for a fresh allocation), then a local sum in rank order when the
-    result is waited for.
+    ``full`` is not modified, and must not be until the result is waited for; ``shard_out`` must
+    not overlap it. Fast path: point-to-point sends and receives (an all-to-all that skips this
+    rank's own part) bring the other ranks' copies of this rank's part: the lowest other rank's
+    straight into ``shard_out``, the rest into a buffer of ``(world_size - 2) * n`` elements
+    (``workspace`` if given, so that a caller reducing the same sizes every step does not pay for
+    a fresh allocation; none at all on two ranks), then a local sum in rank order when the result
+    is waited for.
     """
     world, n = _check_flat(full, shard_out, group, "reduce_scatter_flat")
     if world == 1:
@@ -113,33 +114,50 @@ def reduce_scatter_flat(shard_out: torch.Tensor, full: torch.Tensor,
         divide = average and op == dist.ReduceOp.SUM
         return _result(Pending([work], (lambda: shard_out.div_(world)) if divide else None),
                        async_op)
+    _check_apart(shard_out, full)
     rank = dist.get_rank(group)
-    # Only the other ranks' parts travel: this rank's own part stays where it is, so the receive
-    # buffer is (world - 1) * n, and rank r's copy of this rank's part lands at slot r (r < rank)
-    # or r - 1 (r > rank).
-    parts = _workspace(workspace, (world - 1) * n, full)
+    # Only the other ranks' parts travel: this rank's own part stays where it is.
+    pieces = _receive_buffers(shard_out, full, rank, world, workspace)
     ops = []
     for r in range(world):
         if r != rank:
-            slot = r - (r > rank)
             ops.append(dist.P2POp(dist.isend, full[r * n : (r + 1) * n], _global(group, r), group))
-            ops.append(dist.P2POp(dist.irecv, parts[slot * n : (slot + 1) * n], _global(group, r),
-                                  group))
+            ops.append(dist.P2POp(dist.irecv, pieces[r], _global(group, r), group))
     works = dist.batch_isend_irecv(ops)
 
     def finish() -> None:
-        # adds in rank order (the same order on every rank), pairwise: twice as fast as
-        # torch.sum over a (world, n) view on CPU
-        pieces = [full[rank * n : (rank + 1) * n] if r == rank
-                  else parts[(r - (r > rank)) * n : (r - (r > rank) + 1) * n]
-                  for r in range(world)]
-        torch.add(pieces[0], pieces[1], out=shard_out)
+        # shard_out holds rank 0's or rank 1's part (whichever is not this rank's): adding the
+        # other of the two gives exactly pieces[0] + pieces[1] (addition is commutative), then
+        # the rest in rank order, the same order on every rank; pairwise in-place adds are twice
+        # as fast as torch.sum over a (world, n) view on CPU
+        first = 1 if rank == 0 else 0
+        shard_out.add_(pieces[1 - first])
         for piece in pieces[2:]:
             shard_out.add_(piece)
         if average:
             shard_out.div_(world)
 
     return _result(Pending(works, finish), async_op)
+
+
+def _receive_buffers(shard_out: torch.Tensor, full: torch.Tensor, rank: int, world: int,
+                     workspace: torch.Tensor | None) -> list[torch.Tensor]:
+    """Every rank's copy of this rank's part, by rank: this rank's own is its slice of ``full``,
+    the lowest other rank's is received into ``shard_out``, the rest into the workspace."""
+    n = shard_out.numel()
+    space = _workspace(workspace, (world - 2) * n, full)
+    others = [r for r in range(world) if r != rank]
+    pieces = {rank: full[rank * n : (rank + 1) * n], others[0]: shard_out}
+    for k, r in enumerate(others[1:]):
+        pieces[r] = space[k * n : (k + 1) * n]
+    return [pieces[r] for r in range(world)]
+
+
+def _check_apart(shard_out: torch.Tensor, full: torch.Tensor) -> None:
+    a, b = shard_out.data_ptr(), full.data_ptr()
+    if a < b + full.nbytes and b < a + shard_out.nbytes:
+        raise ValueError("reduce_scatter_flat: shard_out must not overlap full (it receives "
+                         "another rank's part while full is being sent)")
 
 
 def _workspace(workspace: torch.Tensor | None, numel: int, like: torch.Tensor) -> torch.Tensor:

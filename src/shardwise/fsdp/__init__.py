@@ -30,6 +30,15 @@ def unsharded_bytes(module) -> int:
     return sum(u.handle.unsharded_bytes() for u in units_of(module) if u.handle is not None)
 
 
+def unsharded_grad_bytes(module) -> int:
+    """Bytes of unsharded (flat) gradients alive right now in ``module``'s units: those being
+    filled during backward and those whose reduce-scatter is still in flight."""
+    units = [u for u in units_of(module) if u.handle is not None]
+    roots = {id(u.root_state): u.root_state for u in units if u.root_state is not None}
+    return (sum(u.handle.unsharded_grad_bytes() for u in units)
+            + sum(state.reduction_bytes() for state in roots.values()))
+
+
 __all__ = [
     "CPUOffload",
     "FullyShardedDataParallel",
@@ -48,4 +57,5 @@ __all__ = [
     "size_based_auto_wrap_policy",
     "transformer_auto_wrap_policy",
     "unsharded_bytes",
+    "unsharded_grad_bytes",
 ]

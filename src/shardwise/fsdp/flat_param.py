@@ -13,13 +13,20 @@ Each FSDP unit keeps three tensors for all of its parameters together:
   is allocated just before the all-gather and resized to zero bytes when the unit reshards.
   Tensors autograd saved during forward keep pointing at this storage, so re-gathering into it
   in backward makes them valid again without keeping the parameters alive in between.
-- ``full``: an autograd leaf that aliases ``full_data``'s storage (with its own version counter,
-  so that writing the all-gather's output does not look like an in-place change of saved
-  tensors). While unsharded, each module attribute is a view of ``full`` cut by one
-  ``torch.split``: autograd's backward of that split concatenates every parameter's gradient
-  into one flat gradient (``full.grad``), so the reduce-scatter works on it directly, without
-  copying gradients into a bucket, and ``full``'s post-accumulate-grad hook is the moment the
-  unit's backward has finished.
+- ``leaves`` (one per parameter, its original shape, the compute dtype): autograd leaves that
+  alias ``full_data``'s storage at their parameter's offset, each with its own version counter
+  (so that writing the all-gather's output does not look like an in-place change of saved
+  tensors). While unsharded, each module attribute is its parameter's leaf (detached if the
+  parameter does not require grad, so that none is computed for it). They are made once and
+  live as long as the handle; only the storage under them comes and goes.
+- ``grad_buffer`` (1D, ``padded`` elements, the compute dtype): the unit's flat gradient, which
+  the reduce-scatter works on directly. It is allocated when the unit's first gradient of a
+  backward arrives; each leaf's post-accumulate-grad hook copies (or, when accumulating, adds)
+  that leaf's gradient into its slice and drops the leaf's ``.grad`` at once. So the unit's
+  gradient costs one flat buffer plus one parameter's gradient in flight, never the per-parameter
+  gradients and their concatenation together (which a ``split`` of one flat leaf would cost:
+  its backward concatenates every gradient while all of them are alive). The last expected
+  gradient marks the end of the unit's backward.
 """
 
 from __future__ import annotations
@@ -90,15 +97,15 @@ class FlatParamHandle:
         self.shard = self._make_shard([p for p, _ in params])  # 1D, padded / world
         self.slots = self._make_slots(params, numels)
         self.full_data = torch.empty(self.padded, dtype=param_dtype, device=compute_device)
-        self.full = torch.empty(0, dtype=param_dtype, device=compute_device)  # 1D, padded
-        self.full.set_(self.full_data.untyped_storage(), 0, (self.padded,))
-        self.full.requires_grad_(any(s.requires_grad for s in self.slots))
+        self.leaves = self._make_leaves()  # one per slot, its shape: views of full_data's storage
         self._free_full()
+        self.grad_buffer: torch.Tensor | None = None  # 1D, padded, param dtype
+        self._grad_written = [False] * len(self.slots)  # per slot, since grad_buffer was made
+        self._grads_arrived = 0  # in this backward
         self.state = ShardState.SHARDED
         self.views_set = False
         self._gather: Pending | None = None
         self._gather_input: torch.Tensor | None = None
-        self._split_sizes = [s.numel for s in self.slots] + [self.padded - self.total]
         self.use_sharded_params()
 
     # ---- construction -------------------------------------------------------------------
@@ -123,6 +130,19 @@ class FlatParamHandle:
                                    p.shape, offset, local, shard_param))
             offset += p.numel()
         return slots
+
+    def _make_leaves(self) -> list[torch.Tensor]:
+        storage = self.full_data.untyped_storage()
+        leaves = []
+        for slot in self.slots:
+            leaf = torch.empty(0, dtype=self.param_dtype, device=self.compute_device)
+            leaf.set_(storage, slot.offset, slot.shape)
+            leaves.append(leaf.requires_grad_())
+        return leaves
+
+    @property
+    def requires_grad(self) -> bool:
+        return any(s.requires_grad for s in self.slots)
 
     def live_orig_params(self) -> dict[int, str]:
         """``id -> name`` of the replaced parameters that something else still holds."""
@@ -150,15 +170,9 @@ class FlatParamHandle:
             self.state = ShardState.UNSHARDED
 
     def use_unsharded_views(self) -> None:
-        """Point every module attribute at its parameter's view of ``full`` (its original shape).
-
-        Under grad mode the views come from one ``split`` of ``full`` (see the Note); frozen
-        parameters get detached views so that no gradient is computed for them."""
-        views = torch.split(self.full, self._split_sizes)
-        for slot, view in zip(self.slots, views):
-            tensor = view.view(slot.shape)
-            if not slot.requires_grad:
-                tensor = tensor.detach()
+        """Point every module attribute at its parameter's leaf (see the Note)."""
+        for slot, leaf in zip(self.slots, self.leaves):
+            tensor = leaf if slot.requires_grad else leaf.detach()
             for module, name in slot.aliases:
                 module._parameters[name] = tensor
         self.views_set = True
@@ -189,9 +203,47 @@ class FlatParamHandle:
         return self.full_data.untyped_storage().nbytes()
 
     # ---- gradients ----------------------------------------------------------------------
+    def add_param_grad(self, index: int) -> bool:
+        """Move leaf ``index``'s ``.grad`` into its slice of ``grad_buffer`` (allocated by the
+        first one). True when every parameter that requires grad has delivered its gradient in
+        this backward."""
+        leaf, slot = self.leaves[index], self.slots[index]
+        grad, leaf.grad = leaf.grad, None
+        if self.grad_buffer is None:
+            self.grad_buffer = torch.empty(self.padded, dtype=self.param_dtype,
+                                           device=self.compute_device)
+        dest = self.grad_buffer[slot.offset : slot.offset + slot.numel].view(slot.shape)
+        if self._grad_written[index]:
+            dest.add_(grad)
+        else:
+            dest.copy_(grad)
+            self._grad_written[index] = True
+        self._grads_arrived += 1
+        return self._grads_arrived == sum(s.requires_grad for s in self.slots)
+
+    def grads_arrived(self) -> bool:
+        """Whether any gradient has arrived in this backward."""
+        return self._grads_arrived > 0
+
+    def reset_backward(self) -> None:
+        """A new backward expects every gradient again (``grad_buffer`` itself is kept)."""
+        self._grads_arrived = 0
+
     def take_full_grad(self) -> torch.Tensor | None:
-        grad, self.full.grad = self.full.grad, None
+        """The flat gradient (1D, padded), zero where no gradient arrived; the handle lets go."""
+        grad, self.grad_buffer = self.grad_buffer, None
+        if grad is None:
+            return None
+        for slot, written in zip(self.slots, self._grad_written):
+            if not written:
+                grad[slot.offset : slot.offset + slot.numel].zero_()
+        grad[self.total :].zero_()
+        self._grad_written = [False] * len(self.slots)
         return grad
+
+    def unsharded_grad_bytes(self) -> int:
+        """Bytes of the flat gradient buffer alive right now (0 when there is none)."""
+        return 0 if self.grad_buffer is None else self.grad_buffer.untyped_storage().nbytes()
 
     def start_grad_reduction(self, full_grad: torch.Tensor) -> GradReduction:
         """Issue the averaging reduce-scatter of ``full_grad`` (1D, padded) in the reduce dtype."""

@@ -9,9 +9,10 @@ next unit's parameters arrive on gloo's threads (or NCCL's stream). At most
 ``forward_prefetch=True`` (then 2): with 1, a unit's own gather takes the only place, so forward
 gathers each unit when it is needed (the unsharded memory is the root and one unit, as in
 torch's FSDP2 on CPU); with 2 the next unit's gather overlaps the current unit's compute, for
-one unit more of memory. Measured on the bench GPT (51M parameters, world size 2, gloo):
-peak RSS per rank 883 MiB without forward prefetch and 914 with it, torch's FSDP2 877; step
-time did not measurably differ, because on 2 shared cores gloo's threads compete with compute.
+one unit more of memory. Measured on the bench GPT (51M parameters, world size 2, gloo,
+MALLOC_MMAP_THRESHOLD_=131072): peak RSS per rank 812 MiB without forward prefetch and 844 with
+it, torch's FSDP2 877; step time did not measurably differ, because on 2 shared cores gloo's
+threads compete with compute. (The peak is in backward, see below.)
 The root, and the unit that ran last in forward, stay unsharded after forward: backward starts
 with them.
 
@@ -19,14 +20,24 @@ Backward: units run in reverse forward order. A unit's pre-backward (a hook on i
 gradients) waits for its parameters and prefetches the next unit in that reverse order, unless
 ``max_unsharded_units`` (default 2) non-root units are already unsharded, in which case the
 prefetch is issued when the unit before it frees its parameters (its post-backward). When a
-unit's flat gradient is complete (post-accumulate-grad hook on its flat leaf) its reduce-scatter
-is issued and the unit reshards at once; at most ``max_inflight_reductions`` (default 1)
-reductions are outstanding: the previous unit's reduction is finished (it has had this unit's
-whole backward to run, so it is normally done) before the next is issued, so reductions overlap
-the backward of earlier units without keeping several full gradients alive (memory at or below
-torch's FSDP2, which reduces synchronously). A callback queued on
-autograd's engine finishes the remaining reductions and reshards whatever is still unsharded
-when the backward pass ends.
+unit's flat gradient is complete (the last of its parameters' post-accumulate-grad hooks, see
+[Note: flat parameters]) its reduce-scatter is issued and the unit reshards at once. A reduction
+in flight is finished when the next unit's first gradient arrives, before that unit's flat
+gradient is allocated, and in any case before another reduction is issued (at most
+``max_inflight_reductions``, default 1, are outstanding). So it overlaps the next unit's
+pre-backward and the computation of its first gradient, and no unit's flat gradient is
+allocated while another unit's reduction still holds its own: the flat gradients alive are the
+root's (whose head receives the first gradient of backward) and at most one other unit's.
+Measured on the bench GPT, this, keeping no per-parameter gradients next to the flat one, and a
+reduce-scatter that receives straight into its output on two ranks (fast_collectives.py) took
+the backward peak from 882 to 812 MiB per rank. At the old peak (the last block's per-parameter
+gradients just concatenated into its flat gradient) the block's 48 MiB of gradients were alive
+twice, and the previous block's reduction still held its 48 MiB flat gradient and a 24 MiB
+receive buffer. torch's FSDP2 reduces synchronously, so it has no reduction in flight, but it
+copies each unit's gradients into a reduce-scatter input while they are alive.
+A callback queued on autograd's engine reduces the gradient of any unit that got only part of
+its gradients (a parameter unused in forward), finishes the remaining reductions and reshards
+whatever is still unsharded when the backward pass ends.
 """
 
 from __future__ import annotations
@@ -128,17 +139,26 @@ class RootState:
     def add_reduction(self, unit: FSDPUnit, reduction: GradReduction) -> None:
         self.reductions.append((unit, reduction))
 
+    def finish_reductions(self) -> None:
+        """Finish every reduction in flight (called when a unit's first gradient arrives)."""
+        while self.reductions:
+            self._finish_oldest_reduction()
+
     def _finish_oldest_reduction(self) -> None:
         unit, reduction = self.reductions.popleft()
         unit.handle.finish_grad_reduction(reduction)
 
     def end_of_backward(self) -> None:
-        """Finish every reduction, reshard every unit, reset per-backward state."""
-        while self.reductions:
-            self._finish_oldest_reduction()
+        """Reduce the gradients of units that got only some of theirs (a parameter unused in
+        forward), finish every reduction, reshard every unit, reset per-backward state."""
+        for unit in self.units:
+            if not unit.backward_done and unit.handle is not None and unit.handle.grads_arrived():
+                unit.reduce_gradient()
+        self.finish_reductions()
         for unit in self.units:
             if unit.handle is not None:
                 unit.handle.reshard()
+                unit.handle.reset_backward()
             unit.backward_ready = unit.backward_done = False
         self.callback_queued = False
 
@@ -146,3 +166,7 @@ class RootState:
     def unsharded_bytes(self) -> int:
         """Bytes of full (unsharded) parameter buffers alive right now over all units."""
         return sum(u.handle.unsharded_bytes() for u in self.units if u.handle is not None)
+
+    def reduction_bytes(self) -> int:
+        """Bytes of flat gradients that reduce-scatters in flight still hold."""
+        return sum(r.full_grad.untyped_storage().nbytes() for _, r in self.reductions)

@@ -1,13 +1,15 @@
 """One FSDP unit: the module whose parameters are gathered and freed together, and its hooks.
 
-The hooks (forward pre/post on the module, pre-backward on its outputs, post-backward on its
-flat gradient) move the unit between SHARDED and UNSHARDED at the points described in
-[Note: FSDP schedule] (root.py); the root of a tree of units coordinates ordering and prefetch.
+The hooks (forward pre/post on the module, pre-backward on its outputs, post-accumulate-grad on
+each unsharded parameter, the last of which is the unit's post-backward) move the unit between
+SHARDED and UNSHARDED at the points described in [Note: FSDP schedule] (root.py); the root of a
+tree of units coordinates ordering and prefetch.
 """
 
 from __future__ import annotations
 
 from enum import Enum, auto
+from functools import partial
 from typing import Any
 
 import torch
@@ -54,8 +56,8 @@ class FSDPUnit:
             child.parent = self
         module.register_forward_pre_hook(self._pre_forward, with_kwargs=True)
         module.register_forward_hook(self._post_forward)
-        if handle is not None and handle.full.requires_grad:
-            handle.full.register_post_accumulate_grad_hook(self._post_backward)
+        for index, leaf in enumerate(handle.leaves if handle is not None else []):
+            leaf.register_post_accumulate_grad_hook(partial(self._on_param_grad, index))
 
     def subtree(self) -> list[FSDPUnit]:
         """This unit and every unit below it, parents first."""
@@ -65,7 +67,7 @@ class FSDPUnit:
         return out
 
     def needs_gradients(self) -> bool:
-        return self.handle is not None and self.handle.full.requires_grad
+        return self.handle is not None and self.handle.requires_grad
 
     # ---- forward ------------------------------------------------------------------------
     def _lazy_init(self) -> None:
@@ -108,27 +110,36 @@ class FSDPUnit:
         self.backward_ready = True
         if self.handle is not None:
             handle = self.handle
-            needs_views = not handle.views_set
             handle.start_unshard()
             self.root_state.prefetch_for_backward(self)
             handle.finish_unshard()
-            if needs_views:
-                # views that require grad, so that activation checkpointing recomputes the same
-                # graph (and saves the same tensors) as the original forward did
-                with torch.enable_grad():
-                    handle.use_unsharded_views()
+            if not handle.views_set:  # resharded after forward (e.g. recomputed by checkpointing)
+                handle.use_unsharded_views()
 
-    def _post_backward(self, full: torch.Tensor) -> None:
-        """``full``'s gradient is complete: this unit's backward is over (see the Note)."""
+    def _on_param_grad(self, index: int, leaf: torch.Tensor) -> None:
+        """One parameter's gradient is complete: into the flat gradient with it."""
+        if not self.handle.grads_arrived():
+            # the unit's first gradient in this backward: finish the reduction in flight before
+            # this unit's flat gradient is allocated (see [Note: FSDP schedule])
+            self.root_state.finish_reductions()
+        if self.handle.add_param_grad(index):
+            self._post_backward()
+
+    def _post_backward(self) -> None:
+        """Every gradient of the unit is in: its backward is over (see the Note)."""
         self.backward_done = True
-        handle = self.handle
-        handle.reshard()  # parameters first: free their buffer before reduction buffers
+        self.handle.reshard()  # parameters first: free their buffer before reduction buffers
         self.root_state.prefetch_for_backward(self)
-        if not self.no_sync:
-            grad = handle.take_full_grad()
-            if grad is not None:
-                self.root_state.make_room_for_reduction()
-                self.root_state.add_reduction(self, handle.start_grad_reduction(grad))
+        self.reduce_gradient()
+
+    def reduce_gradient(self) -> None:
+        """Issue the reduce-scatter of the flat gradient (unless gradient sync is off)."""
+        if self.no_sync:
+            return
+        grad = self.handle.take_full_grad()
+        if grad is not None:
+            self.root_state.make_room_for_reduction()
+            self.root_state.add_reduction(self, self.handle.start_grad_reduction(grad))
 
 
 def _cast_floats(tree: Any, dtype: torch.dtype) -> Any:
