@@ -8,17 +8,15 @@ Same model (the demo GPT at `shardwise train`'s defaults unless told otherwise),
 
 from __future__ import annotations
 
-import time
-
 import torch
 import torch.distributed as dist
 
 import sidebyside
+from gpt_steps import batch_stream, timed_steps
 from shardwise import DistributedDataParallel
 from shardwise.cli.train_args import TrainConfig
-from shardwise.data import BatchStream, TokenWindows, load_corpus
 from shardwise.memory import state_bytes
-from shardwise.models import GPT, GPTConfig, lm_loss
+from shardwise.models import GPT, GPTConfig
 
 IMPLS = ["torch-ddp", "shardwise-ddp"]
 
@@ -45,19 +43,8 @@ def worker(impl: str, args, group: dist.ProcessGroup):
         wrapped = DistributedDataParallel(model, process_group=group,
                                           bucket_cap_mb=args.bucket_cap_mb)
     opt = torch.optim.AdamW(wrapped.parameters(), lr=1e-3)
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
-    stream = BatchStream(TokenWindows(load_corpus(2_000_000).train, cfg.seq_len),
-                         args.batch_size, rank, world)
-    times = []
-    for step in range(args.warmup + args.steps):
-        x, y = stream.batch(step)
-        dist.barrier(group=group)  # start every step together: time the step, not the skew
-        t0 = time.perf_counter()
-        lm_loss(wrapped(x), y).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        if step >= args.warmup:
-            times.append(time.perf_counter() - t0)
+    stream = batch_stream(cfg.seq_len, args.batch_size, group)
+    times = timed_steps(wrapped, opt, stream, args, group)
     nbytes = state_bytes(model, opt)
     return times, {"params_M": round(sum(p.numel() for p in model.parameters()) / 1e6, 2),
                    "state_MiB": round(nbytes.total / 2**20, 1)}

@@ -10,17 +10,16 @@ Every implementation runs in fresh ranks, rounds interleaved (see sidebyside.py)
 
 from __future__ import annotations
 
-import time
 import warnings
 
 import torch
 import torch.distributed as dist
 
 import sidebyside
+from gpt_steps import batch_stream, timed_steps
 from shardwise import DistributedDataParallel, fully_shard
-from shardwise.data import BatchStream, TokenWindows, load_corpus
 from shardwise.memory import state_bytes
-from shardwise.models import GPT, GPTConfig, lm_loss
+from shardwise.models import GPT, GPTConfig
 
 IMPLS = ["torch-fsdp2", "shardwise-fsdp", "shardwise-fsdp-prefetch", "shardwise-ddp",
          "torch-ddp"]
@@ -78,22 +77,15 @@ def worker(impl: str, args, group: dist.ProcessGroup):
     n_params = sum(p.numel() for p in model.parameters())
     wrapped = _wrap(impl, model, group, not args.no_reshard)
     opt = torch.optim.AdamW(wrapped.parameters(), lr=1e-3)
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
-    stream = BatchStream(TokenWindows(load_corpus(2_000_000).train, cfg.seq_len),
-                         args.batch_size, rank, world)
-    times, state = [], 0.0
-    for step in range(args.warmup + args.steps):
-        x, y = stream.batch(step)
-        dist.barrier(group=group)  # start every step together: time the step, not the skew
-        t0 = time.perf_counter()
-        lm_loss(wrapped(x), y).backward()
-        opt.step()
-        if step == args.warmup:
-            state = _state_mib(model, opt)  # between steps: params + grads + AdamW state
-        opt.zero_grad(set_to_none=True)
-        if step >= args.warmup:
-            times.append(time.perf_counter() - t0)
-    return times, {"params_M": round(n_params / 1e6, 2), "state_MiB": state}
+    stream = batch_stream(cfg.seq_len, args.batch_size, group)
+    state = {}
+
+    def measure(step: int) -> None:  # on the last warm-up step, so that no timed step pays
+        if step == max(args.warmup - 1, 0):
+            state["MiB"] = _state_mib(model, opt)  # between steps: params + grads + AdamW state
+
+    times = timed_steps(wrapped, opt, stream, args, group, after_step=measure)
+    return times, {"params_M": round(n_params / 1e6, 2), "state_MiB": state.get("MiB", 0.0)}
 
 
 if __name__ == "__main__":

@@ -18,15 +18,13 @@ Besides step time and peak RSS, each rank counts its model-state bytes with
 
 from __future__ import annotations
 
-import time
-
 import torch
 import torch.distributed as dist
 from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero
 
 import sidebyside
+from gpt_steps import batch_stream, timed_steps
 from shardwise import DistributedDataParallel, ZeroDataParallel, ZeroRedundancyOptimizer
-from shardwise.data import BatchStream, TokenWindows, load_corpus
 from shardwise.memory import state_bytes
 from shardwise.models import GPT, GPTConfig, lm_loss
 
@@ -71,19 +69,8 @@ def worker(impl: str, args, group: dist.ProcessGroup):
     torch.manual_seed(0)
     model = GPT(cfg)
     wrapped, opt = _build(impl, model, args, group)
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
-    stream = BatchStream(TokenWindows(load_corpus(2_000_000).train, cfg.seq_len),
-                         args.batch_size, rank, world)
-    times = []
-    for step in range(args.warmup + args.steps):
-        x, y = stream.batch(step)
-        dist.barrier(group=group)  # start every step together: time the step, not the skew
-        t0 = time.perf_counter()
-        lm_loss(wrapped(x), y).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        if step >= args.warmup:
-            times.append(time.perf_counter() - t0)
+    stream = batch_stream(cfg.seq_len, args.batch_size, group)
+    times = timed_steps(wrapped, opt, stream, args, group)
     x, y = stream.batch(0)
     lm_loss(wrapped(x), y).backward()
     held = state_bytes(model, opt).as_mib()  # after backward: gradients as a step sees them

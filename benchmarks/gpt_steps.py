@@ -1,0 +1,44 @@
+"""The timed training loop that the GPT benchmarks share (DDP, ZeRO, FSDP).
+
+Every rank trains the wrapped demo GPT on its slice of a global batch from the stdlib corpus and
+times each step (forward, backward, optimizer step, zero_grad) after ``args.warmup`` steps. A
+barrier before each step makes the ranks start together, so a step's time is the step's own and
+not the skew between ranks.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from shardwise.data import BatchStream, TokenWindows, load_corpus
+from shardwise.models import lm_loss
+
+
+def batch_stream(seq_len: int, global_batch: int, group: dist.ProcessGroup) -> BatchStream:
+    """This rank's slice of each global batch of the corpus."""
+    windows = TokenWindows(load_corpus(2_000_000).train, seq_len)
+    return BatchStream(windows, global_batch, dist.get_rank(group), dist.get_world_size(group))
+
+
+def timed_steps(wrapped: torch.nn.Module, opt: torch.optim.Optimizer, stream: BatchStream,
+                args, group: dist.ProcessGroup,
+                after_step: Callable[[int], None] | None = None) -> list[float]:
+    """Seconds per timed step; ``after_step(step)`` runs after ``opt.step()``, before
+    ``zero_grad``, inside the timing (keep it cheap, or call it on a warm-up step only)."""
+    times = []
+    for step in range(args.warmup + args.steps):
+        x, y = stream.batch(step)
+        dist.barrier(group=group)
+        t0 = time.perf_counter()
+        lm_loss(wrapped(x), y).backward()
+        opt.step()
+        if after_step is not None:
+            after_step(step)
+        opt.zero_grad(set_to_none=True)
+        if step >= args.warmup:
+            times.append(time.perf_counter() - t0)
+    return times
