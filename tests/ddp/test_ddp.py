@@ -8,7 +8,7 @@ from torch import nn
 
 from shardwise import DistributedDataParallel
 from shardwise.models import GPT, GPTConfig, lm_loss
-from tests.harness import WORLD_SIZES, assert_rel_close, run_on_ranks
+from tests.harness import WORLD_SIZES, assert_rel_close, rank_slice, run_on_ranks, token_batch
 
 CFG = GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=2, d_model=32)
 GLOBAL_BATCH = 8
@@ -16,14 +16,7 @@ RTOL = 1e-5
 
 
 def _global_batch(step: int, micro: int = 1):
-    gen = torch.Generator().manual_seed(1000 + step)
-    x = torch.randint(0, CFG.vocab_size, (micro, GLOBAL_BATCH, CFG.seq_len + 1), generator=gen)
-    return x[..., :-1], x[..., 1:]
-
-
-def _rank_slice(t, rank, world_size):
-    per = GLOBAL_BATCH // world_size
-    return t[..., rank * per : (rank + 1) * per, :]
+    return token_batch(step, micro, GLOBAL_BATCH, CFG.seq_len, CFG.vocab_size)
 
 
 def _assert_params_close(model, reference):
@@ -50,7 +43,7 @@ def _train_and_compare(ctx, steps, micro, bucket_cap_mb, as_view):
     losses = []
     for step in range(steps):
         x, y = _global_batch(step, micro)
-        xr, yr = _rank_slice(x, ctx.rank, ctx.world_size), _rank_slice(y, ctx.rank, ctx.world_size)
+        xr, yr = rank_slice(x, ctx.rank, ctx.world_size), rank_slice(y, ctx.rank, ctx.world_size)
         for m in range(micro):
             if m < micro - 1:
                 with model.no_sync():

@@ -20,7 +20,7 @@ from shardwise import FullyShardedDataParallel, MixedPrecision, fully_shard
 from shardwise.fsdp import ModuleWrapPolicy, full_state_dict, no_sync, units_of
 from shardwise.models import GPT, GPTConfig, lm_loss
 from shardwise.models.gpt import Block
-from tests.harness import WORLD_SIZES, assert_rel_close, run_on_ranks
+from tests.harness import WORLD_SIZES, assert_rel_close, rank_slice, run_on_ranks, token_batch
 
 CFG = GPTConfig(vocab_size=64, seq_len=16, n_layer=3, n_head=2, d_model=32)
 GLOBAL_BATCH = 8
@@ -75,14 +75,7 @@ def _wrap(model, variant: str, api: str):
 
 
 def _global_batch(step: int, micro: int):
-    gen = torch.Generator().manual_seed(1000 + step)
-    x = torch.randint(0, CFG.vocab_size, (micro, GLOBAL_BATCH, CFG.seq_len + 1), generator=gen)
-    return x[..., :-1], x[..., 1:]
-
-
-def _rank_slice(t, rank, world_size):
-    per = GLOBAL_BATCH // world_size
-    return t[..., rank * per : (rank + 1) * per, :]
+    return token_batch(step, micro, GLOBAL_BATCH, CFG.seq_len, CFG.vocab_size)
 
 
 def _assert_grad_shards(model, reference, step):
@@ -114,8 +107,8 @@ def _reference_backward(reference, x, y, micro: int, world_size: int) -> torch.T
     per_rank, loss = [], torch.zeros(())
     for r in range(world_size):
         for m in range(micro):
-            part = lm_loss(reference(_rank_slice(x[m], r, world_size)),
-                           _rank_slice(y[m], r, world_size)) / micro
+            part = lm_loss(reference(rank_slice(x[m], r, world_size)),
+                           rank_slice(y[m], r, world_size)) / micro
             part.backward()
             loss += part.detach() / world_size
         per_rank.append([p.grad for p in params])
@@ -140,7 +133,7 @@ def _train(ctx, variant: str, api: str = "fully_shard", tie: bool = False):
     losses = []
     for step in range(STEPS):
         x, y = _global_batch(step, micro)
-        xr, yr = _rank_slice(x, ctx.rank, ctx.world_size), _rank_slice(y, ctx.rank, ctx.world_size)
+        xr, yr = rank_slice(x, ctx.rank, ctx.world_size), rank_slice(y, ctx.rank, ctx.world_size)
         loss = torch.zeros(())
         for m in range(micro):
             if m < micro - 1:

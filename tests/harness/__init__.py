@@ -20,6 +20,7 @@ test; a failing or hung test kills its pool (the next test gets a fresh one) and
 each failing rank's traceback.
 """
 
+from tests.harness.batches import rank_slice, token_batch
 from tests.harness.compare import assert_rel_close, assert_state_close, max_rel_diff
 from tests.harness.pool import (
     WORLD_SIZES,
@@ -40,4 +41,6 @@ __all__ = [
     "TestTimeout",
     "run_on_ranks",
     "shutdown_pools",
+    "rank_slice",
+    "token_batch",
 ]

@@ -52,9 +52,6 @@ def global_batch(step: int, micro: int = 1):
     return x, y
 
 
-def rank_slice(t: torch.Tensor, rank: int, world: int) -> torch.Tensor:
-    per = GLOBAL_BATCH // world
-    return t[:, rank * per : (rank + 1) * per]
 
 
 def loss_fn(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

@@ -5,7 +5,7 @@ import torch
 
 from shardwise import DistributedDataParallel, ZeroRedundancyOptimizer
 from shardwise.memory import state_bytes
-from tests.harness import WORLD_SIZES, run_on_ranks
+from tests.harness import WORLD_SIZES, rank_slice, run_on_ranks
 from tests.zero.common import (
     assert_params_equal,
     global_batch,
@@ -13,7 +13,6 @@ from tests.zero.common import (
     make_net,
     optimizer_kwargs,
     param_groups,
-    rank_slice,
     schedule,
 )
 

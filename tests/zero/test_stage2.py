@@ -7,7 +7,7 @@ import torch
 
 from shardwise import ZeroDataParallel, ZeroRedundancyOptimizer
 from shardwise.memory import state_bytes
-from tests.harness import WORLD_SIZES, assert_rel_close, run_on_ranks
+from tests.harness import WORLD_SIZES, assert_rel_close, rank_slice, run_on_ranks
 from tests.zero.common import (
     RTOL,
     assert_params_equal,
@@ -16,7 +16,6 @@ from tests.zero.common import (
     make_net,
     optimizer_kwargs,
     param_groups,
-    rank_slice,
     schedule,
 )
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from shardwise import DistributedDataParallel, ZeroDataParallel, ZeroRedundancyOptimizer
-from tests.harness import assert_rel_close, run_on_ranks
+from tests.harness import assert_rel_close, rank_slice, run_on_ranks
 from tests.zero.common import (
     RTOL,
     assert_params_equal,
@@ -12,7 +12,6 @@ from tests.zero.common import (
     loss_fn,
     make_net,
     param_groups,
-    rank_slice,
 )
 
 OPT = (torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1})
