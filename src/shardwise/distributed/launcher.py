@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import queue
 import signal
 import subprocess
 import sys
@@ -100,18 +101,28 @@ def _start(rank, nproc, port, argv, env, stdout, stderr, lock) -> _Rank:
 
 
 def _watch(ranks: list[_Rank]) -> _Rank | None:
-    """Wait until all ranks succeed (None) or the first one fails (that rank)."""
-    while True:
-        running = False
-        for rank in ranks:
-            code = rank.proc.poll()
-            if code is None:
-                running = True
-            elif code != 0:
-                return rank
-        if not running:
-            return None
-        time.sleep(0.05)
+    """Wait until all ranks succeed (None) or one fails: the first to exit non-zero.
+
+    A thread per rank waits for its process and reports the exit as it happens, so exits are
+    seen in the order they occur. That order matters: when one rank dies, its peers fail moments
+    later in their collectives ("connection closed by peer"), and the rank to report is the one
+    that died first, with its own traceback, not the lowest-numbered of those that failed.
+    """
+    exits: queue.Queue[tuple[int, int]] = queue.Queue()
+    for rank in ranks:
+        threading.Thread(target=lambda r=rank: exits.put((r.rank, r.proc.wait())),
+                         daemon=True, name=f"shardwise-wait-rank{rank.rank}").start()
+    for _ in ranks:
+        index, code = _next_exit(exits)
+        if code != 0:
+            return ranks[index]
+    return None
+
+
+def _next_exit(exits: queue.Queue) -> tuple[int, int]:
+    while True:  # a timeout, so that Ctrl-C reaches the main thread promptly
+        with contextlib.suppress(queue.Empty):
+            return exits.get(timeout=0.5)
 
 
 def _stop(ranks: list[_Rank]) -> None:
