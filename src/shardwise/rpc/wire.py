@@ -59,7 +59,8 @@ def frame_parts(payload: bytes, buffers: list[memoryview]) -> list:
 
 
 def send_frame(sock: socket.socket, payload: bytes, buffers: list[memoryview]) -> None:
-    """Send one frame; the caller holds the connection's send lock."""
+    """Send one frame at once on ``sock`` (the transport queues frames instead: see
+    ``Connection.send``; this is for writing a frame to a raw socket, as tests do)."""
     send_all(sock, frame_parts(payload, buffers))
 
 
