@@ -73,15 +73,21 @@ class RootState:
             self.previous_order = self.forward_order
         self.forward_order = []
 
-    def unshard_for_forward(self, unit: FSDPUnit) -> None:
-        """Issue ``unit``'s all-gather, prefetch the next unit's, then wait for ``unit``'s."""
+    def unshard_for_forward(self, unit: FSDPUnit,
+                            explicit: list[FSDPUnit] | None = None) -> None:
+        """Issue ``unit``'s all-gather, prefetch the next unit's (or the ``explicit`` units',
+        set by ``set_modules_to_forward_prefetch``), then wait for ``unit``'s."""
         k = len(self.forward_order)
         self.forward_order.append(unit)
         unit.forward_index = k
         if unit.handle is not None:
             unit.handle.start_unshard()
         prev = self.previous_order
-        if k + 1 < len(prev) and prev[k] is unit:
+        if explicit is not None:
+            for other in explicit:
+                if other.handle is not None:
+                    other.handle.start_unshard()
+        elif k + 1 < len(prev) and prev[k] is unit:
             self._prefetch(prev[k + 1])
         if unit.handle is not None:
             unit.handle.finish_unshard()
@@ -157,7 +163,8 @@ class RootState:
         self.finish_reductions()
         for unit in self.units:
             if unit.handle is not None:
-                unit.handle.reshard()
+                if unit.reshard_after_backward:
+                    unit.handle.reshard()
                 unit.handle.reset_backward()
             unit.backward_ready = unit.backward_done = False
         self.callback_queued = False
