@@ -72,6 +72,11 @@ def _build(variant: str, tie: bool):
 
 def _wrap(model, variant: str, api: str):
     kwargs = {"reshard_after_forward": variant != "no_reshard"}
+    if variant.startswith("hybrid:"):  # e.g. hybrid:2x2 = (replicate, shard) mesh
+        from torch.distributed.device_mesh import init_device_mesh
+
+        shape = tuple(int(n) for n in variant.split(":")[1].split("x"))
+        kwargs["mesh"] = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))
     if variant == "bf16":
         kwargs["mixed_precision"] = MixedPrecision(param_dtype=torch.bfloat16)
     if api == "wrapper":
@@ -186,6 +191,14 @@ VARIANTS = ["plain", "no_reshard", "checkpoint", "frozen", "no_sync", "twice"]
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_ten_adamw_steps_equal_single_process(variant, world_size):
     run_on_ranks(world_size, _train, variant)
+
+
+@pytest.mark.parametrize(("world_size", "mesh"), [(1, "1x1"), (2, "2x1"), (2, "1x2"),
+                                                  (4, "2x2"), (4, "4x1")])
+def test_hybrid_sharding_on_a_2d_mesh_equals_single_process(world_size, mesh):
+    """HSDP (fully_shard with a (replicate, shard) mesh): gathered within the shard group,
+    gradients reduce-scattered there and averaged across the replicas."""
+    run_on_ranks(world_size, _train, f"hybrid:{mesh}")
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)

@@ -68,6 +68,22 @@ def start_reduce_scatter(shard_out: torch.Tensor, full_grad: torch.Tensor,
     return reduce_scatter_flat(shard_out, full_grad, group, average=True, async_op=True)
 
 
+def then_average_across(first: Pending, out: torch.Tensor,
+                        group: dist.ProcessGroup) -> Pending:
+    """Hybrid sharding: once ``first`` (the reduce-scatter within the shard group) is done,
+    all-reduce its result ``out`` across the replicate ``group`` and divide by its size, so
+    ``out`` is the mean over every rank of the mesh."""
+    size = dist.get_world_size(group)
+
+    def finish() -> None:
+        first.wait()
+        if size > 1:
+            dist.all_reduce(out, group=group)
+            out.div_(size)
+
+    return Pending([], finish)
+
+
 def all_reduce_now(t: torch.Tensor, group: dist.ProcessGroup,
                    op: dist.ReduceOp = dist.ReduceOp.SUM) -> torch.Tensor:
     """Blocking in-place all-reduce (gradient norms); a no-op on one rank."""

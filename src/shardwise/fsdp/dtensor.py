@@ -1,4 +1,5 @@
-"""FSDP's sharded parameters as torch DTensors (``Shard(0)`` on a 1D mesh of the unit's group).
+"""FSDP's sharded parameters as torch DTensors (``Shard(0)`` on a 1D mesh of the unit's group;
+``(Replicate(), Shard(0))`` on a 2D mesh for hybrid sharding).
 
 Presenting each local shard as a ``DTensor`` is what makes torch's own code work on a sharded
 model without special cases: ``torch.nn.utils.clip_grad_norm_`` reduces the partial norms across
@@ -14,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from shardwise.fsdp.layout import ParamLayout
 
@@ -25,11 +26,17 @@ def mesh_for_group(group: dist.ProcessGroup) -> DeviceMesh:
     return DeviceMesh.from_group(group, device_type)
 
 
+def placements(mesh: DeviceMesh) -> list:
+    """``[Shard(0)]`` on a 1D mesh; ``[Replicate(), Shard(0)]`` on a 2D (hybrid) mesh, whose
+    dim 0 replicates and dim 1 shards, as torch's FSDP2 lays out HSDP."""
+    return [Shard(0)] if mesh.ndim == 1 else [Replicate(), Shard(0)]
+
+
 def sharded_dtensor(local: torch.Tensor, layout: ParamLayout, mesh: DeviceMesh) -> DTensor:
-    """``local`` (this rank's rows) as the ``Shard(0)`` DTensor of the whole parameter."""
+    """``local`` (this rank's rows) as the DTensor of the whole parameter."""
     shape = torch.Size(layout.shape)
     stride = _contiguous_stride(layout.shape)
-    return DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=shape,
+    return DTensor.from_local(local, mesh, placements(mesh), run_check=False, shape=shape,
                               stride=stride)
 
 

@@ -43,7 +43,11 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from shardwise.distributed.fast_collectives import Pending
-from shardwise.fsdp.collectives import start_reduce_scatter, start_unit_gather
+from shardwise.fsdp.collectives import (
+    start_reduce_scatter,
+    start_unit_gather,
+    then_average_across,
+)
 from shardwise.fsdp.dtensor import (
     local_tensor,
     set_local_tensor,
@@ -105,8 +109,10 @@ class FlatParamHandle:
     def __init__(self, params: list[tuple[nn.Parameter, list[tuple[nn.Module, str, str]]]],
                  group: dist.ProcessGroup, mesh: DeviceMesh, param_dtype: torch.dtype,
                  reduce_dtype: torch.dtype, compute_device: torch.device, offload: bool,
-                 direct_min_numel: float):
-        self.group, self.mesh = group, mesh
+                 direct_min_numel: float, replicate_group: dist.ProcessGroup | None = None):
+        # `group` shards; `replicate_group` (hybrid sharding only) holds the other replicas of
+        # this rank's shard, across which reduced gradients are averaged
+        self.group, self.mesh, self.replicate_group = group, mesh, replicate_group
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
         self.global_ranks = [dist.get_global_rank(group, r) for r in range(self.world)]
         self.param_dtype, self.reduce_dtype = param_dtype, reduce_dtype
@@ -308,13 +314,17 @@ class FlatParamHandle:
 
     def start_grad_reduction(self, full_grad: torch.Tensor) -> GradReduction:
         """Issue the averaging reduce-scatter of ``full_grad`` (1D, rank-major) in the reduce
-        dtype."""
+        dtype; with hybrid sharding its result is then averaged across the replicas."""
         full_grad = full_grad.to(self.reduce_dtype)
         if self.world == 1:
-            return GradReduction(Pending([]), full_grad, full_grad)
-        out = torch.empty(self.layout.shard_numel, dtype=self.reduce_dtype,
-                          device=full_grad.device)
-        return GradReduction(start_reduce_scatter(out, full_grad, self.group), out, full_grad)
+            pending, out = Pending([]), full_grad
+        else:
+            out = torch.empty(self.layout.shard_numel, dtype=self.reduce_dtype,
+                              device=full_grad.device)
+            pending = start_reduce_scatter(out, full_grad, self.group)
+        if self.replicate_group is not None:
+            pending = then_average_across(pending, out, self.replicate_group)
+        return GradReduction(pending, out, full_grad)
 
     def finish_grad_reduction(self, reduction: GradReduction) -> None:
         """Wait for the reduce-scatter and add its result to each sharded parameter's ``.grad``

@@ -53,7 +53,9 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh | None = None,
     backward (one all-gather before each, one reduce-scatter of the gradients after backward);
     returns ``module``, now an ``FSDPModule``.
 
-    torch FSDP2's arguments: ``mesh`` (a 1D ``DeviceMesh``; default: the world group),
+    torch FSDP2's arguments: ``mesh`` (a 1D ``DeviceMesh`` to shard over, default: the world
+    group; or a 2D one for hybrid sharding, HSDP: parameters sharded and gathered along dim 1,
+    gradients reduce-scattered along dim 1 and then all-reduced along dim 0),
     ``reshard_after_forward`` (default True: free the gathered parameters after forward and
     gather again in backward; False keeps them, one all-gather per step instead of two, more
     memory), ``shard_placement_fn`` (only ``Shard(0)``, or None, is supported), ``mp_policy``
@@ -67,7 +69,7 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh | None = None,
     if not isinstance(module, nn.Module):
         raise TypeError(f"fully_shard needs an nn.Module, got {type(module).__name__}")
     checks.check_not_wrapped(module, UNIT_ATTR)
-    group, mesh = _group_and_mesh(mesh, process_group)
+    group, replicate, mesh = _groups_and_mesh(mesh, process_group)
     reshard = _reshard_flag(reshard_after_forward)
     mp = _one_of("mp_policy", mp_policy, "mixed_precision", mixed_precision)
     offload = _one_of("offload_policy", offload_policy, "cpu_offload", cpu_offload)
@@ -82,7 +84,7 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh | None = None,
     children = list(_child_units(module))
     params = [(p, h) for p, h in _unit_params(module, children) if p not in ignored]
     _check_placements(params, shard_placement_fn)
-    handle = _make_handle(module, params, group, mesh, mp, offloads_params(offload))
+    handle = _make_handle(module, params, (group, replicate), mesh, mp, offloads_params(offload))
     _cast_buffers(module, mp)
     unit = FSDPUnit(module, handle, group, reshard, mp, children)
     unit.forward_prefetch = forward_prefetch
@@ -92,19 +94,23 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh | None = None,
     return module  # type: ignore[return-value]
 
 
-def _group_and_mesh(mesh: DeviceMesh | None, group: dist.ProcessGroup | None
-                    ) -> tuple[dist.ProcessGroup, DeviceMesh]:
+def _groups_and_mesh(mesh: DeviceMesh | None, group: dist.ProcessGroup | None
+                     ) -> tuple[dist.ProcessGroup, dist.ProcessGroup | None, DeviceMesh]:
+    """``(shard group, replicate group or None, mesh)``: a 1D mesh (or a group) shards over
+    all of it; a 2D mesh replicates along dim 0 and shards along dim 1 (HSDP)."""
     if mesh is not None and group is not None:
         raise TypeError("fully_shard takes mesh= or process_group=, not both")
     if mesh is None:
         group = group or dist.group.WORLD
-        return group, mesh_for_group(group)
+        return group, None, mesh_for_group(group)
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(f"mesh must be a DeviceMesh, got {type(mesh).__name__}")
-    if mesh.ndim != 1:
-        raise ValueError(f"fully_shard got a {mesh.ndim}D mesh {tuple(mesh.shape)}: hybrid "
-                         "sharding over a 2D mesh is not supported yet; pass a 1D mesh")
-    return mesh.get_group(), mesh
+    if mesh.ndim == 1:
+        return mesh.get_group(), None, mesh
+    if mesh.ndim == 2:
+        return mesh.get_group(1), mesh.get_group(0), mesh
+    raise ValueError(f"fully_shard takes a 1D mesh (shard) or a 2D mesh (replicate, shard), "
+                     f"got a {mesh.ndim}D mesh of shape {tuple(mesh.shape)}")
 
 
 def _reshard_flag(value: bool | int | None) -> bool:
@@ -168,10 +174,11 @@ def _unit_params(module: nn.Module, children: list[FSDPUnit]):
     return list(found.values())
 
 
-def _make_handle(module: nn.Module, params, group: dist.ProcessGroup, mesh: DeviceMesh,
+def _make_handle(module: nn.Module, params, groups: tuple, mesh: DeviceMesh,
                  mp: Any, offload: bool) -> FlatParamHandle | None:
     if not params:
         return None
+    group, replicate = groups
     named = [(holders[0][2], p) for p, holders in params]
     device = checks.check_same_device(module, named)
     dtype = checks.check_same_dtype(module, named)
@@ -181,7 +188,7 @@ def _make_handle(module: nn.Module, params, group: dist.ProcessGroup, mesh: Devi
     param_dtype, reduce_dtype = resolve_dtypes(mp, dtype)
     direct = GLOO_DIRECT_MIN_NUMEL if backend == "gloo" else math.inf
     return FlatParamHandle(params, group, mesh, param_dtype, reduce_dtype, device, offload,
-                           direct)
+                           direct, replicate)
 
 
 def _cast_buffers(module: nn.Module, mp: Any) -> None:

@@ -108,10 +108,18 @@ def full_state_dict(model: nn.Module, rank0_only: bool = False,
     calls it. With ``rank0_only`` other ranks get an empty dict. ``cpu`` moves tensors to CPU."""
     state = {clean_name(k): v for k, v in model.state_dict().items()}
     replace_with_full(model, state)
-    units = units_of(model)
-    if rank0_only and units and dist.get_rank(units[0].group) != 0:
+    if rank0_only and not _first_rank(model):
         return {}
     return {k: (v.cpu() if cpu else v) for k, v in state.items()}
+
+
+def _first_rank(model: nn.Module) -> bool:
+    """Whether this rank is rank 0 of the sharded model's groups (both, with hybrid sharding)."""
+    handles = [u.handle for u in units_of(model) if u.handle is not None]
+    if not handles:
+        return True
+    group, replicate = handles[0].group, handles[0].replicate_group
+    return dist.get_rank(group) == 0 and (replicate is None or dist.get_rank(replicate) == 0)
 
 
 def expected_keys(model: nn.Module) -> list[str]:
