@@ -293,8 +293,10 @@ class FlatParamHandle:
         return self._grads_arrived > 0
 
     def reset_backward(self) -> None:
-        """A new backward expects every gradient again (``grad_buffer`` itself is kept)."""
+        """A new backward expects every gradient again (``grad_buffer`` itself is kept); which
+        parameters require grad is read again here, once per backward (one may be frozen)."""
         self._grads_arrived = 0
+        self._expected_grads = sum(s.requires_grad for s in self.slots)
 
     def take_full_grad(self) -> torch.Tensor | None:
         """The flat gradient (1D, rank-major), zero where no gradient arrived; the handle lets

@@ -96,6 +96,15 @@ class FSDPUnit:
 
     # ---- forward ------------------------------------------------------------------------
     def _lazy_init(self) -> None:
+        if self.parent is not None:
+            top = self.parent
+            while top.parent is not None:
+                top = top.parent
+            raise RuntimeError(
+                f"FSDP: {_class_name(self.module)} ran forward before the root unit "
+                f"{_class_name(top.module)} that contains it ever did; the root decides the "
+                "order of gathers and frees for the whole tree, so call the root module first "
+                "(or apply fully_shard to the standalone module only)")
         self.is_root = True
         units = self.subtree()
         state = RootState(units, max_inflight_gathers=2 if self.forward_prefetch else 1)
@@ -184,6 +193,10 @@ def _cast_floats(tree: Any, dtype: torch.dtype) -> Any:
         return x
 
     return tree_map(cast, tree)
+
+
+def _class_name(module: nn.Module) -> str:
+    return getattr(type(module), "_fsdp_orig_cls", type(module)).__name__
 
 
 def get_unit(module: nn.Module) -> FSDPUnit | None:
