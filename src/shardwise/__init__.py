@@ -5,16 +5,29 @@ The public API. Mechanisms live in subpackages; this module only names them.
 
 from shardwise import distributed, rpc, sharded_tensor
 from shardwise.ddp import DistributedDataParallel
-from shardwise.fsdp import CPUOffload, FullyShardedDataParallel, MixedPrecision, fully_shard
+from shardwise.fsdp import (
+    CPUOffload,
+    CPUOffloadPolicy,
+    FSDPModule,
+    FullyShardedDataParallel,
+    MixedPrecision,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+)
 from shardwise.zero import ZeroDataParallel, ZeroRedundancyOptimizer
 
 __version__ = "0.1.0"
 
 __all__ = [
     "CPUOffload",
+    "CPUOffloadPolicy",
     "DistributedDataParallel",
+    "FSDPModule",
     "FullyShardedDataParallel",
     "MixedPrecision",
+    "MixedPrecisionPolicy",
+    "OffloadPolicy",
     "ZeroDataParallel",
     "ZeroRedundancyOptimizer",
     "distributed",

@@ -33,8 +33,8 @@ def _between_steps(ctx):
             o.step()
     ours, full = state_bytes(model, opt), state_bytes(reference, ref_opt)
     n_params = len(list(reference.parameters()))
-    n_units = len(units_of(model))
-    pad = n_units * (ctx.world_size - 1) * 4  # padding elements per unit, fp32
+    # each parameter's chunk is padded to whole rows: at most one row per parameter, fp32
+    pad = sum(p[0].numel() if p.dim() else 1 for p in reference.parameters()) * 4
     # AdamW's per-parameter `step` counters (4-byte scalars) are replicated, not sharded
     steps = n_params * 4
     assert ours.params <= full.params / ctx.world_size + pad, (ours, full)
@@ -74,15 +74,19 @@ def _unsharded_peak(ctx, forward_prefetch):
         phase[0] = "backward"
         loss.backward()
         assert unsharded_grad_bytes(model) == 0  # every reduction finished, its buffer freed
-    root, block = (u.handle.padded * 4 for u in units_of(model)[:2])
-    return peaks, root, block
+    units = units_of(model)[:2]
+    root, block = (u.handle.layout.total * 4 for u in units)  # unsharded parameters, fp32
+    # flat gradients are rank-major with every chunk padded to whole rows
+    grad_root, grad_block = (ctx.world_size * u.handle.layout.shard_numel * 4 for u in units)
+    return peaks, root, block, grad_root, grad_block
 
 
 @pytest.mark.parametrize("world_size", (1, 2))
 @pytest.mark.parametrize("forward_prefetch", (False, True))
 def test_unsharded_bytes_during_forward_stay_within_the_prefetch_limit(world_size,
                                                                        forward_prefetch):
-    peaks, root, block = run_on_ranks(world_size, _unsharded_peak, forward_prefetch)[0]
+    peaks, root, block, grad_root, grad_block = run_on_ranks(world_size, _unsharded_peak,
+                                                             forward_prefetch)[0]
     # forward: the root and the running block, plus one prefetched block with forward_prefetch;
     # never all four blocks
     assert peaks["forward"] == root + (2 if forward_prefetch else 1) * block, peaks
@@ -91,4 +95,4 @@ def test_unsharded_bytes_during_forward_stay_within_the_prefetch_limit(world_siz
     # flat gradients (fp32, as the parameters): the root's, whose head gets the first gradient of
     # backward, and one block's; a block's reduction is finished before the next block's first
     # gradient arrives, so two blocks' flat gradients are never alive together
-    assert block <= peaks["grads"] <= root + block, peaks
+    assert grad_block <= peaks["grads"] <= grad_root + grad_block, peaks

@@ -20,7 +20,15 @@ from shardwise import FullyShardedDataParallel, MixedPrecision, fully_shard
 from shardwise.fsdp import ModuleWrapPolicy, full_state_dict, no_sync, units_of
 from shardwise.models import GPT, GPTConfig, lm_loss
 from shardwise.models.gpt import Block
-from tests.harness import WORLD_SIZES, assert_rel_close, rank_slice, run_on_ranks, token_batch
+from tests.harness import (
+    WORLD_SIZES,
+    assert_rel_close,
+    local_part,
+    rank_slice,
+    run_on_ranks,
+    shard0_rows,
+    token_batch,
+)
 
 CFG = GPTConfig(vocab_size=64, seq_len=16, n_layer=3, n_head=2, d_model=32)
 GLOBAL_BATCH = 8
@@ -64,6 +72,11 @@ def _build(variant: str, tie: bool):
 
 def _wrap(model, variant: str, api: str):
     kwargs = {"reshard_after_forward": variant != "no_reshard"}
+    if variant.startswith("hybrid:"):  # e.g. hybrid:2x2 = (replicate, shard) mesh
+        from torch.distributed.device_mesh import init_device_mesh
+
+        shape = tuple(int(n) for n in variant.split(":")[1].split("x"))
+        kwargs["mesh"] = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))
     if variant == "bf16":
         kwargs["mixed_precision"] = MixedPrecision(param_dtype=torch.bfloat16)
     if api == "wrapper":
@@ -88,9 +101,9 @@ def _assert_grad_shards(model, reference, step):
             if ref is None or ref.grad is None:
                 assert slot.shard_param.grad is None, f"{slot.fqns[0]} has a gradient"
                 continue
-            lo, n = slot.local.param_offset, slot.local.length
-            assert_rel_close(slot.shard_param.grad, ref.grad.reshape(-1)[lo : lo + n], RTOL,
-                             f"step {step}: grad shard of {prefix + slot.fqns[0]}")
+            rank, world = dist.get_rank(unit.group), dist.get_world_size(unit.group)
+            assert_rel_close(local_part(slot.shard_param.grad), shard0_rows(ref.grad, rank, world),
+                             RTOL, f"step {step}: grad shard of {prefix + slot.fqns[0]}")
 
 
 def _reference_backward(reference, x, y, micro: int, world_size: int) -> torch.Tensor:
@@ -178,6 +191,14 @@ VARIANTS = ["plain", "no_reshard", "checkpoint", "frozen", "no_sync", "twice"]
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_ten_adamw_steps_equal_single_process(variant, world_size):
     run_on_ranks(world_size, _train, variant)
+
+
+@pytest.mark.parametrize(("world_size", "mesh"), [(1, "1x1"), (2, "2x1"), (2, "1x2"),
+                                                  (4, "2x2"), (4, "4x1")])
+def test_hybrid_sharding_on_a_2d_mesh_equals_single_process(world_size, mesh):
+    """HSDP (fully_shard with a (replicate, shard) mesh): gathered within the shard group,
+    gradients reduce-scattered there and averaged across the replicas."""
+    run_on_ranks(world_size, _train, f"hybrid:{mesh}")
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)

@@ -8,7 +8,7 @@ from torch import nn
 
 from shardwise import fully_shard
 from shardwise.fsdp import units_of, unsharded_bytes, unsharded_grad_bytes
-from tests.harness import WORLD_SIZES, assert_rel_close, run_on_ranks
+from tests.harness import WORLD_SIZES, assert_rel_close, local_part, run_on_ranks, shard0_rows
 
 RTOL = 1e-5
 
@@ -54,8 +54,8 @@ def _train(ctx):
                 expected = ref[prefix + slot.fqns[0]].grad
                 if expected is None:  # the unused parameter: a zero gradient shard
                     expected = torch.zeros(slot.shape)
-                lo, n = slot.local.param_offset, slot.local.length
-                assert_rel_close(slot.shard_param.grad, expected.reshape(-1)[lo : lo + n], RTOL,
+                assert_rel_close(local_part(slot.shard_param.grad),
+                                 shard0_rows(expected, ctx.rank, ctx.world_size), RTOL,
                                  f"step {step}: {prefix + slot.fqns[0]}")
 
 

@@ -21,7 +21,13 @@ each failing rank's traceback.
 """
 
 from tests.harness.batches import rank_slice, token_batch
-from tests.harness.compare import assert_rel_close, assert_state_close, max_rel_diff
+from tests.harness.compare import (
+    assert_rel_close,
+    assert_state_close,
+    local_part,
+    max_rel_diff,
+    shard0_rows,
+)
 from tests.harness.pool import (
     WORLD_SIZES,
     RankContext,
@@ -35,6 +41,8 @@ __all__ = [
     "WORLD_SIZES",
     "assert_rel_close",
     "assert_state_close",
+    "local_part",
+    "shard0_rows",
     "max_rel_diff",
     "RankContext",
     "RankFailure",

@@ -40,3 +40,15 @@ def assert_state_close(actual: dict, expected: dict, rtol: float) -> None:
         raise AssertionError(f"state keys differ: missing {sorted(missing)}, extra {sorted(extra)}")
     for key, value in expected.items():
         assert_rel_close(actual[key], value, rtol, key)
+
+
+def shard0_rows(full: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
+    """The rows of ``full`` that ``rank`` owns under ``Shard(0)`` (torch.chunk's split: the last
+    ranks may own fewer rows, or none)."""
+    chunks = full.chunk(world_size, 0)
+    return chunks[rank] if rank < len(chunks) else full[:0]
+
+
+def local_part(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local tensor, or ``t`` itself."""
+    return t.to_local() if hasattr(t, "to_local") else t

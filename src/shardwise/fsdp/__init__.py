@@ -7,7 +7,14 @@ Start with [Note: flat parameters] (flat_param.py) and [Note: FSDP schedule] (ro
 from shardwise.fsdp.clip_grad import clip_grad_norm_
 from shardwise.fsdp.flat_param import ShardState
 from shardwise.fsdp.fully_shard import fully_shard
-from shardwise.fsdp.mixed_precision import CPUOffload, MixedPrecision
+from shardwise.fsdp.mixed_precision import (
+    CPUOffload,
+    CPUOffloadPolicy,
+    MixedPrecision,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+)
+from shardwise.fsdp.module import FSDPModule, UnshardHandle
 from shardwise.fsdp.policies import (
     ModuleWrapPolicy,
     SizeBasedWrapPolicy,
@@ -41,8 +48,13 @@ def unsharded_grad_bytes(module) -> int:
 
 __all__ = [
     "CPUOffload",
+    "CPUOffloadPolicy",
+    "FSDPModule",
     "FullyShardedDataParallel",
     "MixedPrecision",
+    "MixedPrecisionPolicy",
+    "OffloadPolicy",
+    "UnshardHandle",
     "ModuleWrapPolicy",
     "ShardState",
     "SizeBasedWrapPolicy",

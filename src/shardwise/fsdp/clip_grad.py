@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 from shardwise.fsdp.collectives import all_reduce_now
+from shardwise.fsdp.dtensor import local_tensor
 
 
 def clip_grad_norm_(parameters: nn.Module | Iterable[torch.Tensor], max_norm: float,
@@ -25,7 +26,7 @@ def clip_grad_norm_(parameters: nn.Module | Iterable[torch.Tensor], max_norm: fl
     total ``norm_type`` norm of ``max_norm``; returns the total norm (same on every rank).
     Collective over ``process_group`` (default: the world group)."""
     params = list(parameters.parameters() if isinstance(parameters, nn.Module) else parameters)
-    grads = [p.grad for p in params if p.grad is not None]
+    grads = [local_tensor(p.grad) for p in params if p.grad is not None]
     group = process_group or dist.group.WORLD
     norm_type = float(norm_type)
     device = grads[0].device if grads else torch.device("cpu")

@@ -1,10 +1,12 @@
 """FSDP's communication and its hooks into autograd, in one place.
 
-Collectives: a unit's all-gather (shard -> full flat buffer) and its gradient reduce-scatter
-(full flat gradient -> this rank's averaged shard), both through
-``shardwise.distributed.fast_collectives`` so that each backend gets its fastest equivalent
-collective (see [Note: fast collectives] there), issued asynchronously and waited for only when
-the data is needed; an all-reduce for gradient norms.
+Collectives: a unit's gather (every rank's chunks -> the unsharded flat buffer, see
+[Note: FSDP layout]: one broadcast per rank of each large parameter's chunk straight into its
+rows, one all-gather of the packed small parameters) and its gradient reduce-scatter (rank-major
+flat gradient -> this rank's averaged shard), through ``shardwise.distributed.fast_collectives``
+so that each backend gets its fastest equivalent collective (see [Note: fast collectives]
+there), issued asynchronously and waited for only when the data is needed; an all-reduce for
+gradient norms.
 
 Autograd: the pre-backward hook is a tensor hook on a unit's forward outputs (it fires when the
 gradient of an output is computed, i.e. just before the unit's own backward starts); the
@@ -23,12 +25,40 @@ from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten
 
 from shardwise.distributed.fast_collectives import Pending, all_gather_flat, reduce_scatter_flat
+from shardwise.fsdp.layout import UnitLayout, chunks_of, copy_from_chunks
 
 
-def start_all_gather(full: torch.Tensor, shard: torch.Tensor,
-                     group: dist.ProcessGroup) -> Pending:
-    """Issue the all-gather of every rank's ``shard`` (1D) into ``full`` (1D, world x shard)."""
-    return all_gather_flat(full, shard, group, async_op=True)
+def start_unit_gather(full: torch.Tensor, shard: torch.Tensor, layout: UnitLayout, rank: int,
+                      global_ranks: list[int], group: dist.ProcessGroup) -> Pending:
+    """Issue the gather of every rank's ``shard`` (1D, ``layout.shard_numel``) into ``full``
+    (1D, ``layout.total``: the parameters whole, back to back). Collective over ``group``:
+    every rank issues the same broadcasts in the same order. The returned ``Pending`` copies
+    the packed parameters out of their all-gather buffer when waited for."""
+    works = []
+    for _, p in layout.direct():
+        dest = full[p.full_offset : p.full_offset + p.numel]
+        for r, rows in chunks_of(dest, p):
+            if r == rank:
+                start = p.shard_offset
+                rows.copy_(shard[start : start + rows.numel()])
+            if len(global_ranks) > 1:
+                works.append(dist.broadcast(rows, src=global_ranks[r], group=group,
+                                            async_op=True))
+    if not layout.packed_numel:
+        return Pending(works)
+    world = len(global_ranks)
+    packed = torch.empty(world * layout.packed_numel, dtype=full.dtype, device=full.device)
+    gather = all_gather_flat(packed, shard[layout.packed_offset :], group, async_op=True)
+
+    def copy_out() -> None:
+        gather.wait()
+        rows = packed.view(world, layout.packed_numel)
+        for _, p in layout.packed():
+            start = p.shard_offset - layout.packed_offset
+            copy_from_chunks(full[p.full_offset : p.full_offset + p.numel],
+                             rows[:, start : start + p.chunk_numel], p)
+
+    return Pending(works, copy_out)
 
 
 def start_reduce_scatter(shard_out: torch.Tensor, full_grad: torch.Tensor,
@@ -38,9 +68,20 @@ def start_reduce_scatter(shard_out: torch.Tensor, full_grad: torch.Tensor,
     return reduce_scatter_flat(shard_out, full_grad, group, average=True, async_op=True)
 
 
-def all_gather_now(full: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup) -> None:
-    """Blocking all-gather (state dicts)."""
-    all_gather_flat(full, shard, group)
+def then_average_across(first: Pending, out: torch.Tensor,
+                        group: dist.ProcessGroup) -> Pending:
+    """Hybrid sharding: once ``first`` (the reduce-scatter within the shard group) is done,
+    all-reduce its result ``out`` across the replicate ``group`` and divide by its size, so
+    ``out`` is the mean over every rank of the mesh."""
+    size = dist.get_world_size(group)
+
+    def finish() -> None:
+        first.wait()
+        if size > 1:
+            dist.all_reduce(out, group=group)
+            out.div_(size)
+
+    return Pending([], finish)
 
 
 def all_reduce_now(t: torch.Tensor, group: dist.ProcessGroup,

@@ -1,61 +1,142 @@
 """``fully_shard``: make a module an FSDP unit in place (the composable API, like torch's FSDP2).
 
 Apply it bottom-up: first to each submodule that should be a unit of its own (e.g. every
-transformer block), then to the root. Each call flattens and shards the parameters of the module
-that no nested unit already owns (see [Note: flat parameters] in flat_param.py); the module
-keeps its class, its names and its ``state_dict()`` keys.
+transformer block), then to the root. Each call shards the parameters of the module that no
+nested unit already owns (see [Note: flat parameters] in flat_param.py) and turns the module
+into an ``FSDPModule`` (module.py); the module keeps its own methods and its names, and each
+parameter becomes a ``Shard(0)`` DTensor over the unit's group (see dtensor.py), so
+``state_dict()`` holds DTensors, as with torch's FSDP2.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import math
+from collections.abc import Callable, Iterator
+from typing import Any
 
-import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from shardwise.fsdp import checks
+from shardwise.fsdp.dtensor import mesh_for_group
 from shardwise.fsdp.flat_param import FlatParamHandle
-from shardwise.fsdp.mixed_precision import CPUOffload, MixedPrecision, resolve_dtypes
+from shardwise.fsdp.layout import check_shardable
+from shardwise.fsdp.mixed_precision import (
+    CPUOffload,
+    MixedPrecision,
+    as_mixed_precision,
+    offloads_params,
+    resolve_dtypes,
+)
+from shardwise.fsdp.module import FSDPModule, make_fsdp_class
 from shardwise.fsdp.policies import WrapPolicy, modules_to_wrap
 from shardwise.fsdp.state_dict import register_state_dict_hooks
 from shardwise.fsdp.unit import UNIT_ATTR, FSDPUnit, get_unit
 
+# On gloo, a parameter whose chunk has at least this many elements is broadcast straight into
+# its rows; smaller ones are gathered together and copied out (see [Note: FSDP layout]).
+GLOO_DIRECT_MIN_NUMEL = 1 << 16
 
-def fully_shard(module: nn.Module, *, process_group: dist.ProcessGroup | None = None,
-                reshard_after_forward: bool = True,
+
+def fully_shard(module: nn.Module, *, mesh: DeviceMesh | None = None,
+                reshard_after_forward: bool | None = None,
+                shard_placement_fn: Callable[[nn.Parameter], Any] | None = None,
+                mp_policy: Any = None, offload_policy: Any = None,
+                ignored_params: set[nn.Parameter] | None = None,
+                process_group: dist.ProcessGroup | None = None,
                 mixed_precision: MixedPrecision | None = None,
                 cpu_offload: CPUOffload | None = None,
                 auto_wrap_policy: WrapPolicy | None = None,
-                forward_prefetch: bool = False) -> nn.Module:
-    """Shard ``module``'s parameters over ``process_group`` (default: the world group) and
-    gather them around its forward and backward; returns ``module``.
+                forward_prefetch: bool = False) -> FSDPModule:
+    """Shard ``module``'s parameters over a group and gather them around its forward and
+    backward (one all-gather before each, one reduce-scatter of the gradients after backward);
+    returns ``module``, now an ``FSDPModule``.
 
-    ``reshard_after_forward=False`` keeps the gathered parameters from forward until the end of
-    backward (one all-gather per step instead of two, more memory). ``auto_wrap_policy`` first
-    applies ``fully_shard`` (same options) to each submodule the policy picks.
-    ``forward_prefetch=True`` (read on the root) issues the next unit's all-gather while the
-    current unit computes its forward: faster where communication is slow, one unit more memory
-    (see [Note: FSDP schedule]). Backward always prefetches.
+    torch FSDP2's arguments: ``mesh`` (a 1D ``DeviceMesh`` to shard over, default: the world
+    group; or a 2D one for hybrid sharding, HSDP: parameters sharded and gathered along dim 1,
+    gradients reduce-scattered along dim 1 and then all-reduced along dim 0),
+    ``reshard_after_forward`` (default True: free the gathered parameters after forward and
+    gather again in backward; False keeps them, one all-gather per step instead of two, more
+    memory), ``shard_placement_fn`` (only ``Shard(0)``, or None, is supported), ``mp_policy``
+    (``MixedPrecisionPolicy``), ``offload_policy`` (``CPUOffloadPolicy``), ``ignored_params``
+    (left unsharded and unreduced). Ours as well: ``process_group`` instead of ``mesh``,
+    ``mixed_precision`` / ``cpu_offload`` (FSDP1's names), ``auto_wrap_policy`` (apply
+    ``fully_shard`` with the same options to the submodules it picks first) and
+    ``forward_prefetch=True`` (read on the root: issue the next unit's all-gather while the
+    current unit computes its forward, see [Note: FSDP schedule]).
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"fully_shard needs an nn.Module, got {type(module).__name__}")
     checks.check_not_wrapped(module, UNIT_ATTR)
-    group = process_group or dist.group.WORLD
+    group, replicate, mesh = _groups_and_mesh(mesh, process_group)
+    reshard = _reshard_flag(reshard_after_forward)
+    mp = _one_of("mp_policy", mp_policy, "mixed_precision", mixed_precision)
+    offload = _one_of("offload_policy", offload_policy, "cpu_offload", cpu_offload)
+    mp = as_mixed_precision(mp)
+    ignored = set(ignored_params or ())
     if auto_wrap_policy is not None:
         for sub in modules_to_wrap(module, auto_wrap_policy):
-            fully_shard(sub, process_group=group, reshard_after_forward=reshard_after_forward,
-                        mixed_precision=mixed_precision, cpu_offload=cpu_offload,
+            fully_shard(sub, mesh=mesh, reshard_after_forward=reshard,
+                        shard_placement_fn=shard_placement_fn, mp_policy=mp,
+                        offload_policy=offload, ignored_params=ignored,
                         forward_prefetch=forward_prefetch)
     children = list(_child_units(module))
-    params = _unit_params(module, children)
-    handle = _make_handle(module, params, group, mixed_precision, cpu_offload)
-    _cast_buffers(module, mixed_precision)
-    unit = FSDPUnit(module, handle, group, reshard_after_forward, mixed_precision, children)
+    params = [(p, h) for p, h in _unit_params(module, children) if p not in ignored]
+    _check_placements(params, shard_placement_fn)
+    handle = _make_handle(module, params, (group, replicate), mesh, mp, offloads_params(offload))
+    _cast_buffers(module, mp)
+    unit = FSDPUnit(module, handle, group, reshard, mp, children)
     unit.forward_prefetch = forward_prefetch
     setattr(module, UNIT_ATTR, unit)
     register_state_dict_hooks(unit)
-    return module
+    make_fsdp_class(module)
+    return module  # type: ignore[return-value]
+
+
+def _groups_and_mesh(mesh: DeviceMesh | None, group: dist.ProcessGroup | None
+                     ) -> tuple[dist.ProcessGroup, dist.ProcessGroup | None, DeviceMesh]:
+    """``(shard group, replicate group or None, mesh)``: a 1D mesh (or a group) shards over
+    all of it; a 2D mesh replicates along dim 0 and shards along dim 1 (HSDP)."""
+    if mesh is not None and group is not None:
+        raise TypeError("fully_shard takes mesh= or process_group=, not both")
+    if mesh is None:
+        group = group or dist.group.WORLD
+        return group, None, mesh_for_group(group)
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"mesh must be a DeviceMesh, got {type(mesh).__name__}")
+    if mesh.ndim == 1:
+        return mesh.get_group(), None, mesh
+    if mesh.ndim == 2:
+        return mesh.get_group(1), mesh.get_group(0), mesh
+    raise ValueError(f"fully_shard takes a 1D mesh (shard) or a 2D mesh (replicate, shard), "
+                     f"got a {mesh.ndim}D mesh of shape {tuple(mesh.shape)}")
+
+
+def _reshard_flag(value: bool | int | None) -> bool:
+    if value is None:
+        return True
+    if not isinstance(value, bool):
+        raise ValueError(f"reshard_after_forward={value!r}: only True or False is supported "
+                         "(resharding to a smaller group after forward is not)")
+    return value
+
+
+def _one_of(name: str, value: Any, old_name: str, old_value: Any) -> Any:
+    if value is not None and old_value is not None:
+        raise TypeError(f"fully_shard takes {name}= or {old_name}=, not both")
+    return value if value is not None else old_value
+
+
+def _check_placements(params, placement_fn) -> None:
+    for p, holders in params:
+        check_shardable(holders[0][2], p.shape)
+        if placement_fn is None:
+            continue
+        placement = placement_fn(p)
+        if placement is not None and getattr(placement, "dim", None) != 0:
+            raise ValueError(f"shard_placement_fn gave {placement!r} for {holders[0][2]}: "
+                             "only Shard(0) (or None) is supported")
 
 
 def _child_units(module: nn.Module) -> Iterator[FSDPUnit]:
@@ -93,22 +174,25 @@ def _unit_params(module: nn.Module, children: list[FSDPUnit]):
     return list(found.values())
 
 
-def _make_handle(module: nn.Module, params, group, mp: MixedPrecision | None,
-                 offload: CPUOffload | None) -> FlatParamHandle | None:
+def _make_handle(module: nn.Module, params, groups: tuple, mesh: DeviceMesh,
+                 mp: Any, offload: bool) -> FlatParamHandle | None:
     if not params:
         return None
+    group, replicate = groups
     named = [(holders[0][2], p) for p, holders in params]
     device = checks.check_same_device(module, named)
     dtype = checks.check_same_dtype(module, named)
-    offload_params = bool(offload and offload.offload_params)
-    checks.check_backend_device(dist.get_backend(group), device, offload_params)
+    backend = dist.get_backend(group)
+    if device.type != "meta":
+        checks.check_backend_device(backend, device, offload)
     param_dtype, reduce_dtype = resolve_dtypes(mp, dtype)
-    shard_device = torch.device("cpu") if offload_params else device
-    return FlatParamHandle(params, group, param_dtype, reduce_dtype, device, shard_device)
+    direct = GLOO_DIRECT_MIN_NUMEL if backend == "gloo" else math.inf
+    return FlatParamHandle(params, group, mesh, param_dtype, reduce_dtype, device, offload,
+                           direct, replicate)
 
 
-def _cast_buffers(module: nn.Module, mp: MixedPrecision | None) -> None:
-    if mp is None or mp.buffer_dtype is None:
+def _cast_buffers(module: nn.Module, mp: Any) -> None:
+    if mp is None or getattr(mp, "buffer_dtype", None) is None:
         return
     for _, owner in _walk_unowned(module):
         for name, b in owner._buffers.items():

@@ -45,3 +45,65 @@ def resolve_dtypes(mp: MixedPrecision | None, own: torch.dtype) -> tuple[torch.d
     param = (mp.param_dtype if mp and mp.param_dtype else None) or own
     reduce = (mp.reduce_dtype if mp and mp.reduce_dtype else None) or param
     return param, reduce
+
+
+@dataclass(frozen=True)
+class MixedPrecisionPolicy:
+    """torch FSDP2's mixed-precision policy (``fully_shard(mp_policy=...)``).
+
+    ``param_dtype``: the dtype parameters are all-gathered in and computed with;
+    ``reduce_dtype``: the dtype gradients are reduce-scattered in (None: ``param_dtype``);
+    ``output_dtype``: floating-point forward outputs are cast to it (None: unchanged);
+    ``cast_forward_inputs``: floating-point inputs are cast to ``param_dtype``.
+    """
+
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+    output_dtype: torch.dtype | None = None
+    cast_forward_inputs: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("param_dtype", "reduce_dtype", "output_dtype"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, torch.dtype)
+                                          and value.is_floating_point):
+                raise ValueError(f"MixedPrecisionPolicy.{name} must be a floating dtype, got "
+                                 f"{value!r}")
+
+
+@dataclass(frozen=True)
+class OffloadPolicy:
+    """torch FSDP2's default: no offloading."""
+
+
+@dataclass(frozen=True)
+class CPUOffloadPolicy(OffloadPolicy):
+    """Keep sharded parameters, their gradients and so the optimizer state in CPU memory (see
+    ``CPUOffload``). ``pin_memory`` pins them (CUDA only; ignored on a CPU-only machine)."""
+
+    pin_memory: bool = True
+
+
+def as_mixed_precision(policy: object) -> MixedPrecision | MixedPrecisionPolicy | None:
+    """Our policy for ``policy``: ours, torch's ``MixedPrecisionPolicy`` or ``MixedPrecision``
+    (read by their attributes), or None."""
+    if policy is None or isinstance(policy, MixedPrecision | MixedPrecisionPolicy):
+        return policy
+    fields = ("param_dtype", "reduce_dtype", "output_dtype", "cast_forward_inputs")
+    if all(hasattr(policy, f) for f in fields):
+        return MixedPrecisionPolicy(*(getattr(policy, f) for f in fields))
+    raise TypeError(f"mp_policy must be a MixedPrecisionPolicy, got {type(policy).__name__}")
+
+
+def offloads_params(policy: object) -> bool:
+    """Whether an offload policy (ours, torch's, or ``CPUOffload``) keeps shards on the CPU."""
+    if policy is None:
+        return False
+    if isinstance(policy, CPUOffload):
+        return policy.offload_params
+    name = type(policy).__name__
+    if name == "CPUOffloadPolicy":
+        return True
+    if name == "OffloadPolicy":
+        return False
+    raise TypeError(f"offload_policy must be an OffloadPolicy or CPUOffloadPolicy, got {name}")

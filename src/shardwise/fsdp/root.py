@@ -65,6 +65,7 @@ class RootState:
         self.previous_order: list[FSDPUnit] = []
         self.reductions: deque[tuple[FSDPUnit, GradReduction]] = deque()
         self.callback_queued = False
+        self._order_cache: tuple | None = None  # ((id, len) of forward_order, order, positions)
 
     # ---- forward ------------------------------------------------------------------------
     def start_forward(self) -> None:
@@ -73,15 +74,21 @@ class RootState:
             self.previous_order = self.forward_order
         self.forward_order = []
 
-    def unshard_for_forward(self, unit: FSDPUnit) -> None:
-        """Issue ``unit``'s all-gather, prefetch the next unit's, then wait for ``unit``'s."""
+    def unshard_for_forward(self, unit: FSDPUnit,
+                            explicit: list[FSDPUnit] | None = None) -> None:
+        """Issue ``unit``'s all-gather, prefetch the next unit's (or the ``explicit`` units',
+        set by ``set_modules_to_forward_prefetch``), then wait for ``unit``'s."""
         k = len(self.forward_order)
         self.forward_order.append(unit)
         unit.forward_index = k
         if unit.handle is not None:
             unit.handle.start_unshard()
         prev = self.previous_order
-        if k + 1 < len(prev) and prev[k] is unit:
+        if explicit is not None:
+            for other in explicit:
+                if other.handle is not None:
+                    other.handle.start_unshard()
+        elif k + 1 < len(prev) and prev[k] is unit:
             self._prefetch(prev[k + 1])
         if unit.handle is not None:
             unit.handle.finish_unshard()
@@ -116,15 +123,24 @@ class RootState:
         that is still sharded and still needs its backward, unless ``max_unsharded_units``
         non-root units are already gathered or gathering. Called from a unit's pre-backward and
         again from its post-backward (when it has just freed its parameters)."""
-        order = list(dict.fromkeys(reversed(self.forward_order)))
-        if unit not in order or self._unsharded_units() >= self.max_unsharded_units:
+        order, position = self._backward_order()
+        if unit not in position or self._unsharded_units() >= self.max_unsharded_units:
             return
-        for nxt in order[order.index(unit) + 1 :]:
+        for nxt in order[position[unit] + 1 :]:
             if nxt.backward_done or not nxt.needs_gradients():
                 continue
             if nxt.handle.state is ShardState.SHARDED:
                 self._prefetch(nxt)
                 return
+
+    def _backward_order(self) -> tuple[list[FSDPUnit], dict[FSDPUnit, int]]:
+        """The units in reverse forward order (each once) and their positions in it, made once
+        per backward pass (the forward order does not change during backward)."""
+        key = (id(self.forward_order), len(self.forward_order))  # recompute may append
+        if self._order_cache is None or self._order_cache[0] != key:
+            order = list(dict.fromkeys(reversed(self.forward_order)))
+            self._order_cache = (key, order, {u: i for i, u in enumerate(order)})
+        return self._order_cache[1], self._order_cache[2]
 
     def _unsharded_units(self) -> int:
         return sum(1 for u in self.units if not u.is_root and u.handle is not None
@@ -157,7 +173,8 @@ class RootState:
         self.finish_reductions()
         for unit in self.units:
             if unit.handle is not None:
-                unit.handle.reshard()
+                if unit.reshard_after_backward:
+                    unit.handle.reshard()
                 unit.handle.reset_backward()
             unit.backward_ready = unit.backward_done = False
         self.callback_queued = False

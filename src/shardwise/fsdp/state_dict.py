@@ -1,24 +1,26 @@
-"""State dicts of sharded modules: full (gathered, original names and shapes) and sharded.
+"""State dicts of sharded modules: sharded (DTensors, as torch's FSDP2), full, and per rank.
 
-``module.state_dict()`` on a sharded module returns the full state dict on every rank: a hook on
-each unit's module all-gathers the unit's flat shard (one collective per unit, every rank must
-call it) and puts each parameter back in its original shape under its original name, so the
-result loads into the plain, unwrapped model. ``full_state_dict(model, rank0_only=True)`` keeps
-the tensors only on rank 0. ``module.load_state_dict(full)`` copies each rank's part of every
-parameter into its shard (no collective). ``sharded_state_dict`` / ``load_sharded_state_dict``
-save and restore only this rank's shards (no collective), for per-rank checkpoints.
+``module.state_dict()`` on a module sharded by ``fully_shard`` holds each parameter as its
+``Shard(0)`` DTensor (no collective), exactly what torch DCP's ``get_model_state_dict`` and
+``dcp.save`` expect. ``full_state_dict(model)`` gathers every unit's parameters whole (one
+gather per unit: every rank must call it) under their original names, so the result loads into
+the plain, unwrapped model; ``rank0_only=True`` keeps the tensors on rank 0 only.
+``FullyShardedDataParallel.state_dict()`` is the full one by default (torch FSDP1's
+``FULL_STATE_DICT``). ``module.load_state_dict`` takes DTensors (copied shard to shard) or whole
+tensors (each rank copies its own rows), no collective. ``sharded_state_dict`` /
+``load_sharded_state_dict`` save and restore this rank's rows only, for per-rank checkpoints.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
+from shardwise.fsdp.dtensor import local_tensor, sharded_dtensor
 from shardwise.fsdp.unit import FSDPUnit, units_of
 
 WRAPPED = "_fsdp_wrapped_module."  # the FullyShardedDataParallel wrapper's child name
@@ -30,30 +32,11 @@ def clean_name(name: str) -> str:
 
 
 def register_state_dict_hooks(unit: FSDPUnit) -> None:
-    unit.module.register_state_dict_post_hook(_full_params_hook(unit))
-    unit.module.register_load_state_dict_pre_hook(_load_full_params_hook(unit))
+    unit.module.register_load_state_dict_pre_hook(_load_params_hook(unit))
+    unit.module.register_load_state_dict_post_hook(_readopt_hook(unit))
 
 
-def _full_params_hook(unit: FSDPUnit):
-    def hook(module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
-        handle = unit.handle
-        if handle is None:
-            return
-        values = handle.gather_full_params()
-        drop = unit.rank0_only_state_dict and dist.get_rank(unit.group) != 0
-        for slot, value in zip(handle.slots, values):
-            for fqn in slot.fqns:
-                key = prefix + fqn
-                if key in state_dict:
-                    if drop:
-                        del state_dict[key]
-                    else:
-                        state_dict[key] = value
-
-    return hook
-
-
-def _load_full_params_hook(unit: FSDPUnit):
+def _load_params_hook(unit: FSDPUnit):
     def hook(module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any,
              strict: bool, missing_keys: list, unexpected_keys: list, error_msgs: list) -> None:
         handle = unit.handle
@@ -64,38 +47,79 @@ def _load_full_params_hook(unit: FSDPUnit):
             for fqn in slot.fqns:
                 key = prefix + fqn
                 value = state_dict.get(key)
-                if value is None:
-                    continue  # reported as missing by load_state_dict
+                if value is None or isinstance(value, DTensor):
+                    continue  # missing: reported by load_state_dict; DTensor: copied as is
                 if tuple(value.shape) != tuple(slot.shape):
                     raise ValueError(f"state dict entry {clean_name(key)} has shape "
                                      f"{tuple(value.shape)}, the parameter has {tuple(slot.shape)}")
-                lo = slot.local.param_offset
-                state_dict[key] = value.detach().reshape(-1)[lo : lo + slot.local.length]
+                start = slot.layout.row_start(handle.rank)
+                rows = value.detach()[start : start + slot.layout.local_rows(handle.rank)]
+                state_dict[key] = sharded_dtensor(rows.to(slot.local.device), slot.layout,
+                                                  handle.mesh)
 
     return hook
 
 
-@contextmanager
-def _rank0_only(model: nn.Module, on: bool) -> Iterator[None]:
-    units = units_of(model)
-    for unit in units:
-        unit.rank0_only_state_dict = on
-    try:
-        yield
-    finally:
-        for unit in units:
-            unit.rank0_only_state_dict = False
+def _readopt_hook(unit: FSDPUnit):
+    """After ``load_state_dict(assign=True)`` replaced parameters, copy the assigned values into
+    the unit's shard and put the unit's own parameters back."""
+
+    def hook(module: nn.Module, incompatible_keys: Any) -> None:
+        handle = unit.handle
+        if handle is None:
+            return
+        for slot in handle.slots:
+            for owner, name in slot.aliases:
+                current = owner._parameters.get(name)
+                if current is not None and current is not slot.shard_param:
+                    with torch.no_grad():
+                        slot.local.copy_(local_tensor(current))
+                    slot.shard_param.requires_grad_(current.requires_grad)
+                    owner._parameters[name] = slot.shard_param
+
+    return hook
+
+
+def full_params(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every sharded parameter whole, by its name relative to ``model`` (without wrapper
+    segments). Collective: one gather per unit, every rank calls it."""
+    out: dict[str, torch.Tensor] = {}
+    for prefix, unit in _unit_prefixes(model):
+        if unit.handle is None:
+            continue
+        for slot, value in zip(unit.handle.slots, unit.handle.gather_full_params()):
+            for fqn in slot.fqns:
+                out[prefix + fqn] = value
+    return out
+
+
+def replace_with_full(model: nn.Module, state: dict[str, Any], prefix: str = "") -> None:
+    """Replace the DTensor entries of ``state`` (``model``'s state dict, keys under
+    ``prefix``) by whole tensors, gathered (collective)."""
+    for name, value in full_params(model).items():
+        key = prefix + name
+        if key in state:
+            state[key] = value
 
 
 def full_state_dict(model: nn.Module, rank0_only: bool = False,
                     cpu: bool = True) -> dict[str, torch.Tensor]:
     """The unwrapped model's state dict (original names and shapes). Collective: every rank
     calls it. With ``rank0_only`` other ranks get an empty dict. ``cpu`` moves tensors to CPU."""
-    with _rank0_only(model, rank0_only):
-        state = model.state_dict()
-    if rank0_only and dist.get_rank(units_of(model)[0].group) != 0:
+    state = {clean_name(k): v for k, v in model.state_dict().items()}
+    replace_with_full(model, state)
+    if rank0_only and not _first_rank(model):
         return {}
-    return {clean_name(k): (v.cpu() if cpu else v) for k, v in state.items()}
+    return {k: (v.cpu() if cpu else v) for k, v in state.items()}
+
+
+def _first_rank(model: nn.Module) -> bool:
+    """Whether this rank is rank 0 of the sharded model's groups (both, with hybrid sharding)."""
+    handles = [u.handle for u in units_of(model) if u.handle is not None]
+    if not handles:
+        return True
+    group, replicate = handles[0].group, handles[0].replicate_group
+    return dist.get_rank(group) == 0 and (replicate is None or dist.get_rank(replicate) == 0)
 
 
 def expected_keys(model: nn.Module) -> list[str]:
@@ -128,16 +152,17 @@ def load_full_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> No
 
 
 def sharded_state_dict(model: nn.Module) -> dict[str, Any]:
-    """This rank's shards: ``{name: {"shard": 1D tensor, "offset": int, "shape": list}}`` for
-    parameters (offset: where the shard starts in the flattened parameter) and buffers as they
-    are. No collective."""
+    """This rank's rows: ``{name: {"shard": tensor, "row_start": int, "shape": list}}`` for
+    parameters (``row_start``: the first row of the whole parameter this rank owns) and
+    buffers as they are. No collective."""
     state: dict[str, Any] = {}
     for prefix, unit in _unit_prefixes(model):
         if unit.handle is None:
             continue
+        rank = unit.handle.rank
         for slot in unit.handle.slots:
-            entry = {"shard": slot.shard_param.detach().clone(),
-                     "offset": slot.local.param_offset, "shape": list(slot.shape)}
+            entry = {"shard": slot.local.detach().clone(),
+                     "row_start": slot.layout.row_start(rank), "shape": list(slot.shape)}
             for fqn in slot.fqns:
                 state[prefix + fqn] = entry
     for name, buf in model.named_buffers():
@@ -146,7 +171,7 @@ def sharded_state_dict(model: nn.Module) -> dict[str, Any]:
 
 
 def load_sharded_state_dict(model: nn.Module, state: dict[str, Any]) -> None:
-    """Restore this rank's shards saved by ``sharded_state_dict`` (same world size and units)."""
+    """Restore this rank's rows saved by ``sharded_state_dict`` (same world size and units)."""
     seen = set()
     for prefix, unit in _unit_prefixes(model):
         if unit.handle is None:
@@ -156,15 +181,7 @@ def load_sharded_state_dict(model: nn.Module, state: dict[str, Any]) -> None:
             for fqn in slot.fqns:
                 key = prefix + fqn
                 seen.add(key)
-                entry = state.get(key)
-                if entry is None:
-                    raise KeyError(f"sharded state dict has no entry for parameter {key}")
-                if entry["offset"] != slot.local.param_offset or list(entry["shape"]) != list(
-                        slot.shape) or entry["shard"].numel() != slot.local.length:
-                    raise ValueError(f"sharded state dict entry {key} was saved with another "
-                                     "sharding (world size or wrapping differs)")
-                with torch.no_grad():
-                    slot.shard_param.copy_(entry["shard"])
+                _load_rows(key, state.get(key), slot, unit.handle.rank)
     for name, buf in model.named_buffers():
         key = clean_name(name)
         if key in state:
@@ -174,6 +191,18 @@ def load_sharded_state_dict(model: nn.Module, state: dict[str, Any]) -> None:
     extra = sorted(set(state) - seen)
     if extra:
         raise KeyError(f"sharded state dict has unexpected keys {extra}")
+
+
+def _load_rows(key: str, entry: dict | None, slot: Any, rank: int) -> None:
+    if entry is None:
+        raise KeyError(f"sharded state dict has no entry for parameter {key}")
+    if (entry.get("row_start") != slot.layout.row_start(rank)
+            or list(entry["shape"]) != list(slot.shape)
+            or tuple(entry["shard"].shape) != tuple(slot.local.shape)):
+        raise ValueError(f"sharded state dict entry {key} was saved with another sharding "
+                         "(world size or wrapping differs)")
+    with torch.no_grad():
+        slot.local.copy_(entry["shard"])
 
 
 def _unit_prefixes(model: nn.Module) -> list[tuple[str, FSDPUnit]]:

@@ -46,18 +46,43 @@ class FSDPUnit:
         self.parent: FSDPUnit | None = None
         self.root_state: RootState | None = None
         self.is_root = False
-        self.rank0_only_state_dict = False  # set by full_state_dict(rank0_only=True)
         self.no_sync = False  # keep unsharded gradients, no reduce-scatter (no_sync())
         self.state = TrainingState.IDLE
         self.forward_index = -1  # position of the current call in the forward order
         self.backward_ready = False  # parameters gathered for this backward
         self.backward_done = False  # gradient reduction issued for this backward
+        self.reshard_after_backward = True
+        # set_modules_to_{forward,backward}_prefetch: None follows the recorded order
+        self.forward_prefetch_units: list[FSDPUnit] | None = None
+        self.backward_prefetch_units: list[FSDPUnit] | None = None
         for child in children:
             child.parent = self
         module.register_forward_pre_hook(self._pre_forward, with_kwargs=True)
         module.register_forward_hook(self._post_forward)
-        for index, leaf in enumerate(handle.leaves if handle is not None else []):
+        self._hook_leaves()
+
+    def _hook_leaves(self) -> None:
+        for index, leaf in enumerate(self.handle.leaves if self.handle is not None else []):
             leaf.register_post_accumulate_grad_hook(partial(self._on_param_grad, index))
+
+    def adopt_applied_params(self) -> None:
+        """The module was moved or converted (``_apply``): new buffers, new leaves to hook."""
+        self.handle.adopt_applied_params()
+        self._hook_leaves()
+
+    # ---- by hand (FSDPModule.unshard / reshard) -------------------------------------------
+    def start_manual_unshard(self) -> None:
+        if self.handle is not None:
+            self.handle.start_unshard()
+
+    def finish_manual_unshard(self) -> None:
+        if self.handle is not None:
+            self.handle.finish_unshard()
+            self.handle.use_unsharded_views()
+
+    def manual_reshard(self) -> None:
+        if self.handle is not None:
+            self.handle.reshard()
 
     def subtree(self) -> list[FSDPUnit]:
         """This unit and every unit below it, parents first."""
@@ -71,6 +96,15 @@ class FSDPUnit:
 
     # ---- forward ------------------------------------------------------------------------
     def _lazy_init(self) -> None:
+        if self.parent is not None:
+            top = self.parent
+            while top.parent is not None:
+                top = top.parent
+            raise RuntimeError(
+                f"FSDP: {_class_name(self.module)} ran forward before the root unit "
+                f"{_class_name(top.module)} that contains it ever did; the root decides the "
+                "order of gathers and frees for the whole tree, so call the root module first "
+                "(or apply fully_shard to the standalone module only)")
         self.is_root = True
         units = self.subtree()
         state = RootState(units, max_inflight_gathers=2 if self.forward_prefetch else 1)
@@ -83,7 +117,7 @@ class FSDPUnit:
         if self.is_root:
             self.root_state.start_forward()
         self.state = TrainingState.FORWARD
-        self.root_state.unshard_for_forward(self)
+        self.root_state.unshard_for_forward(self, self.forward_prefetch_units)
         if self.handle is not None:
             self.handle.use_unsharded_views()
         mp = self.mixed_precision
@@ -100,6 +134,9 @@ class FSDPUnit:
             if not keep:
                 self.handle.reshard()
         register_pre_backward(output, self._pre_backward)
+        mp = self.mixed_precision
+        if mp is not None and getattr(mp, "output_dtype", None) is not None:
+            output = _cast_floats(output, mp.output_dtype)
         return output
 
     # ---- backward -----------------------------------------------------------------------
@@ -111,7 +148,12 @@ class FSDPUnit:
         if self.handle is not None:
             handle = self.handle
             handle.start_unshard()
-            self.root_state.prefetch_for_backward(self)
+            if self.backward_prefetch_units is None:
+                self.root_state.prefetch_for_backward(self)
+            else:
+                for unit in self.backward_prefetch_units:
+                    if not unit.backward_done and unit.handle is not None:
+                        unit.handle.start_unshard()
             handle.finish_unshard()
             if not handle.views_set:  # resharded after forward (e.g. recomputed by checkpointing)
                 handle.use_unsharded_views()
@@ -128,8 +170,10 @@ class FSDPUnit:
     def _post_backward(self) -> None:
         """Every gradient of the unit is in: its backward is over (see the Note)."""
         self.backward_done = True
-        self.handle.reshard()  # parameters first: free their buffer before reduction buffers
-        self.root_state.prefetch_for_backward(self)
+        if self.reshard_after_backward:
+            self.handle.reshard()  # parameters first: free their buffer before reductions'
+        if self.backward_prefetch_units is None:
+            self.root_state.prefetch_for_backward(self)
         self.reduce_gradient()
 
     def reduce_gradient(self) -> None:
@@ -149,6 +193,10 @@ def _cast_floats(tree: Any, dtype: torch.dtype) -> Any:
         return x
 
     return tree_map(cast, tree)
+
+
+def _class_name(module: nn.Module) -> str:
+    return getattr(type(module), "_fsdp_orig_cls", type(module)).__name__
 
 
 def get_unit(module: nn.Module) -> FSDPUnit | None:

@@ -22,7 +22,7 @@ from shardwise.fsdp.clip_grad import clip_grad_norm_
 from shardwise.fsdp.fully_shard import fully_shard
 from shardwise.fsdp.mixed_precision import CPUOffload, MixedPrecision
 from shardwise.fsdp.policies import WrapPolicy
-from shardwise.fsdp.state_dict import WRAPPED, check_keys, clean_name
+from shardwise.fsdp.state_dict import WRAPPED, check_keys, clean_name, replace_with_full
 from shardwise.fsdp.sync import no_sync
 
 
@@ -62,6 +62,7 @@ class FullyShardedDataParallel(nn.Module):
         self._fsdp_wrapped_module = module
         self.process_group = group
         self.register_state_dict_post_hook(_strip_prefix)
+        self.register_state_dict_post_hook(_gather_full)
         self.register_load_state_dict_pre_hook(_add_prefix)
 
     @property
@@ -116,6 +117,11 @@ def _strategy(strategy: Any, reshard_after_forward: bool) -> bool:
 def _strip_prefix(module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
     for key in [k for k in state_dict if k.startswith(prefix + WRAPPED)]:
         state_dict[prefix + key[len(prefix + WRAPPED):]] = state_dict.pop(key)
+
+
+def _gather_full(module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
+    """FSDP1's default ``FULL_STATE_DICT``: whole tensors under the original names."""
+    replace_with_full(module._fsdp_wrapped_module, state_dict, prefix)
 
 
 def _add_prefix(module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any,

@@ -57,6 +57,7 @@ def _unique_bytes(tensors: Iterable[torch.Tensor]) -> int:
     """Bytes of the distinct storages behind ``tensors`` (the part each tensor spans)."""
     spans: dict[int, tuple[int, int]] = {}
     for t in tensors:
+        t = getattr(t, "_local_tensor", t)  # a DTensor counts its local shard
         if t.device.type == "meta" or t.numel() == 0:
             continue
         storage = t.untyped_storage()

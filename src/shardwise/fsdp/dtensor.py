@@ -1,0 +1,63 @@
+"""FSDP's sharded parameters as torch DTensors (``Shard(0)`` on a 1D mesh of the unit's group;
+``(Replicate(), Shard(0))`` on a 2D mesh for hybrid sharding).
+
+Presenting each local shard as a ``DTensor`` is what makes torch's own code work on a sharded
+model without special cases: ``torch.nn.utils.clip_grad_norm_`` reduces the partial norms across
+ranks, ``full_tensor()`` gathers, DCP's state-dict helpers and ``distribute_tensor`` see global
+shapes, and ``reset_parameters()`` computes fan-in from the global shape. The local tensor of
+each DTensor is a view into the unit's flat shard (see [Note: FSDP layout]), so an optimizer
+stepping the DTensors writes straight into the buffer the all-gather reads.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from shardwise.fsdp.layout import ParamLayout
+
+
+def mesh_for_group(group: dist.ProcessGroup) -> DeviceMesh:
+    """A 1D mesh over ``group`` (no new process group is created)."""
+    device_type = "cuda" if dist.get_backend(group) == "nccl" else "cpu"
+    return DeviceMesh.from_group(group, device_type)
+
+
+def placements(mesh: DeviceMesh) -> list:
+    """``[Shard(0)]`` on a 1D mesh; ``[Replicate(), Shard(0)]`` on a 2D (hybrid) mesh, whose
+    dim 0 replicates and dim 1 shards, as torch's FSDP2 lays out HSDP."""
+    return [Shard(0)] if mesh.ndim == 1 else [Replicate(), Shard(0)]
+
+
+def sharded_dtensor(local: torch.Tensor, layout: ParamLayout, mesh: DeviceMesh) -> DTensor:
+    """``local`` (this rank's rows) as the DTensor of the whole parameter."""
+    shape = torch.Size(layout.shape)
+    stride = _contiguous_stride(layout.shape)
+    return DTensor.from_local(local, mesh, placements(mesh), run_check=False, shape=shape,
+                              stride=stride)
+
+
+def sharded_parameter(local: torch.Tensor, layout: ParamLayout, mesh: DeviceMesh,
+                      requires_grad: bool) -> nn.Parameter:
+    return nn.Parameter(sharded_dtensor(local, layout, mesh), requires_grad=requires_grad)
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The local part of ``t`` if it is a DTensor, else ``t``."""
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def set_local_tensor(param: nn.Parameter, local: torch.Tensor) -> None:
+    """Point a DTensor parameter at a new local tensor (same shape and dtype)."""
+    param._local_tensor = local
+
+
+def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
+    stride, at = [], 1
+    for size in reversed(shape):
+        stride.append(at)
+        at *= max(size, 1)
+    return tuple(reversed(stride))

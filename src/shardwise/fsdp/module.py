@@ -1,0 +1,145 @@
+"""``FSDPModule``: what a module becomes after ``fully_shard`` (torch FSDP2's class and methods).
+
+``fully_shard`` changes the module's class, in place, to a subclass of both ``FSDPModule`` and
+the module's own class (``FSDPBlock`` for a ``Block``), as torch does: ``isinstance(m,
+FSDPModule)`` holds, the module keeps its own methods, and the methods below control the unit
+by hand. Moving or converting the module (``to_empty``, ``to``, ``cuda``, ``half``) goes through
+``_apply``, which re-adopts the converted shards into the unit's flat buffer, so torch's
+meta-device initialisation (build on ``meta``, ``fully_shard``, ``to_empty``,
+``reset_parameters``) trains the parameters the forward reads.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any, NoReturn
+
+from torch import nn
+
+from shardwise.fsdp.sync import set_requires_gradient_sync
+from shardwise.fsdp.unit import FSDPUnit, get_unit, units_of
+
+
+class UnshardHandle:
+    """Returned by ``FSDPModule.unshard(async_op=True)``: ``wait()`` blocks until the module's
+    parameters are gathered and in place."""
+
+    def __init__(self, unit: FSDPUnit):
+        self._unit = unit
+
+    def wait(self) -> None:
+        self._unit.finish_manual_unshard()
+
+
+class FSDPModule:
+    """Mixin placed before the module's own class by ``fully_shard``."""
+
+    _orig_cls_mro_index = 2  # [FSDP<Orig>, FSDPModule, Orig, ...]
+
+    def __new__(cls, *args: Any, **kwargs: Any):
+        # a container that builds a new instance of its own class (e.g. slicing a ModuleList)
+        # gets the original class, not a sharded one
+        orig = cls.__mro__[cls._orig_cls_mro_index]
+        self = orig.__new__(orig)
+        self.__init__(*args, **kwargs)
+        return self
+
+    def _fsdp_unit(self) -> FSDPUnit:
+        return get_unit(self)  # type: ignore[arg-type]
+
+    def reshard(self) -> None:
+        """Free this module's gathered parameters (no collective)."""
+        self._fsdp_unit().manual_reshard()
+
+    def unshard(self, async_op: bool = False) -> UnshardHandle | None:
+        """Gather this module's parameters (all-gather over its group) and keep them until
+        ``reshard()`` or the end of the next backward; with ``async_op`` return a handle whose
+        ``wait()`` finishes the gather."""
+        unit = self._fsdp_unit()
+        unit.start_manual_unshard()
+        if async_op:
+            return UnshardHandle(unit)
+        unit.finish_manual_unshard()
+        return None
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *,
+                                   recurse: bool = True) -> None:
+        """Turn the gradient reduce-scatter on or off (off: gradients accumulate unsharded)."""
+        if recurse:
+            set_requires_gradient_sync(self, requires_gradient_sync)  # type: ignore[arg-type]
+        else:
+            self._fsdp_unit().no_sync = not requires_gradient_sync
+
+    def set_reshard_after_forward(self, reshard_after_forward: bool, *,
+                                  recurse: bool = True) -> None:
+        _check_bool("reshard_after_forward", reshard_after_forward)
+        for unit in self._units(recurse):
+            unit.reshard_after_forward = reshard_after_forward
+
+    def set_reshard_after_backward(self, reshard_after_backward: bool, *,
+                                   recurse: bool = True) -> None:
+        """False keeps parameters gathered after backward (e.g. between micro-batches of one
+        accumulated step), saving the next forward's all-gather for memory."""
+        _check_bool("reshard_after_backward", reshard_after_backward)
+        for unit in self._units(recurse):
+            unit.reshard_after_backward = reshard_after_backward
+
+    def set_is_last_backward(self, is_last_backward: bool) -> None:
+        """Accepted for torch's API. On CPU every backward already waits for its reductions;
+        the flag changes nothing here."""
+        _check_bool("is_last_backward", is_last_backward)
+
+    def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
+        """When this module's forward starts, also issue the all-gathers of ``modules`` (in
+        place of the prefetch that follows the recorded forward order)."""
+        self._fsdp_unit().forward_prefetch_units = _units_of_modules(modules)
+
+    def set_modules_to_backward_prefetch(self, modules: list[FSDPModule]) -> None:
+        """When this module's backward starts, also issue the all-gathers of ``modules`` (in
+        place of the prefetch that follows the reverse forward order)."""
+        self._fsdp_unit().backward_prefetch_units = _units_of_modules(modules)
+
+    def _units(self, recurse: bool) -> list[FSDPUnit]:
+        return units_of(self) if recurse else [self._fsdp_unit()]  # type: ignore[arg-type]
+
+    def _apply(self, fn: Any, recurse: bool = True) -> nn.Module:
+        unit = self._fsdp_unit()
+        if unit.handle is not None:
+            unit.handle.reshard()
+        out = super()._apply(fn, recurse)  # type: ignore[misc]
+        if unit.handle is not None:
+            unit.adopt_applied_params()
+        return out
+
+    def __deepcopy__(self, memo: dict) -> NoReturn:
+        raise TypeError("a module sharded by fully_shard cannot be deep-copied; copy the "
+                        "unsharded module before sharding, or save and load a state dict")
+
+
+def _check_bool(name: str, value: object) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+
+
+def _units_of_modules(modules: Iterable[nn.Module]) -> list[FSDPUnit]:
+    units = []
+    for m in modules:
+        unit = get_unit(m)
+        if unit is None:
+            raise ValueError(f"{type(m).__name__} is not sharded: apply fully_shard to it "
+                             "before naming it for prefetch")
+        units.append(unit)
+    return units
+
+
+_CLASSES: dict[type, type] = {}
+
+
+def make_fsdp_class(module: nn.Module) -> None:
+    """Give ``module`` the class ``FSDP<its class>`` (made once per class)."""
+    cls = type(module)
+    if issubclass(cls, FSDPModule):
+        return
+    if cls not in _CLASSES:
+        _CLASSES[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {"_fsdp_orig_cls": cls})
+    module.__class__ = _CLASSES[cls]
