@@ -183,3 +183,23 @@ def test_the_mesh_starts_the_world_group_from_the_launch_environment():
     # LOCAL_WORLD_SIZE=2 on one node: the hybrid mesh is (1, 2); groups along "shard" = {0, 1}
     for rank in range(2):
         assert f"[rank{rank}]: shape=(1, 2) replicate=({rank},) shard=(0, 1)" in lines, lines
+
+
+def _timeout_of(group):
+    return group._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+
+
+def _timeout_body(ctx, shape):
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=("a", "b"), timeout=7)
+    return [(_timeout_of(mesh.get_group(d)), mesh.get_group(d) is dist.group.WORLD)
+            for d in range(2)]
+
+
+@pytest.mark.parametrize("world_size", (2, 4))
+def test_mesh_groups_carry_the_given_timeout_and_a_world_wide_dim_reuses_the_world(world_size):
+    for shape in [(world_size, 1), (1, world_size)] + ([(2, 2)] if world_size == 4 else []):
+        for dims in run_on_ranks(world_size, _timeout_body, shape):
+            for size, (seconds, is_world) in zip(shape, dims):
+                assert is_world == (size == world_size)
+                if not is_world:
+                    assert seconds == 7
