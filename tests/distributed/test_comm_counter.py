@@ -164,3 +164,33 @@ def test_nothing_is_left_installed_outside_the_block(world_size):
 def test_bad_local_world_size_is_an_error():
     with pytest.raises(ValueError, match="local_world_size must be positive"):
         CommCounter(local_world_size=0)
+
+
+def _ddp_body(ctx):
+    from shardwise import DistributedDataParallel
+    from shardwise.models import GPT, GPTConfig, lm_loss
+
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab_size=64, seq_len=8, n_layer=1, n_head=2, d_model=16)
+    with CommCounter(local_world_size=2) as comm:
+        model = DistributedDataParallel(GPT(cfg))
+        x = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len + 1))
+        lm_loss(model(x[:, :-1]), x[:, 1:]).backward()
+    state = sum(t.numel() * 4 for t in model.module.state_dict().values())
+    grads = sum(p.grad.numel() * 4 for p in model.parameters())
+    return _stats(comm, "broadcast"), _stats(comm, "all_reduce"), state, grads
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_ddp_wrap_and_backward_are_counted(world_size):
+    n = world_size
+    for rank, (bcast, reduced, state, grads) in enumerate(run_on_ranks(world_size, _ddp_body)):
+        if n == 1:  # nothing to communicate: DDP issues no collective
+            assert bcast == reduced == (0, 0, 0, 0)
+            continue
+        # rank 0's state reaches the others at wrap time
+        assert bcast[1:3] == ((state, (n - 1) * state) if rank == 0 else (0, 0))
+        # every gradient is all-reduced once, from its bucket during backward
+        assert reduced[0] >= 1 and reduced[1] == grads
+        expected = 2 * (n - 1) * grads / n  # up to one element's rounding per bucket
+        assert abs(reduced[2] - expected) <= 4 * reduced[0] * n

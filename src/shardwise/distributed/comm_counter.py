@@ -57,8 +57,10 @@ class CommCounter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if any(getattr(t, "__name__", "") == "DTensor" for t in types):
-            return NotImplemented  # let DTensor lower itself; its collectives come back here
+        if any(t is not torch.Tensor for t in types):
+            # a tensor subclass with its own dispatch (DTensor) lowers itself first; the
+            # collectives it issues come back through this mode
+            return NotImplemented
         out = func(*args, **kwargs)
         reader = _READERS.get(getattr(func, "_schema", None) and func._schema.name)
         if reader is not None:
