@@ -5,6 +5,7 @@ dimension's group must give exactly the ranks that the pure rank-order rules nam
 """
 
 import io
+import subprocess
 import sys
 from pathlib import Path
 
@@ -203,3 +204,13 @@ def test_mesh_groups_carry_the_given_timeout_and_a_world_wide_dim_reuses_the_wor
                 assert is_world == (size == world_size)
                 if not is_world:
                     assert seconds == 7
+
+
+def test_the_mesh_starts_the_world_group_under_torchrun():
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+           "--master-addr", "127.0.0.1", "--master-port", "0", "--rdzv-backend", "c10d",
+           "--rdzv-endpoint", "127.0.0.1:0", str(SCRIPTS / "mesh_ranks.py")]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    for rank in range(2):  # torchrun sets LOCAL_WORLD_SIZE=2: one node of two ranks
+        assert f"shape=(1, 2) replicate=({rank},) shard=(0, 1)" in done.stdout, done.stdout
