@@ -76,14 +76,24 @@ def test_each_kind_is_counted_by_its_formula_on_2_nodes_of_2():
         assert got["barrier"] == (1, 0, 0, 0)
 
 
+def _release(mesh):
+    """Destroy the mesh's own groups (never the world) so that the pool's long-lived ranks do
+    not pile up a group per test."""
+    for group in {id(g): g for g in mesh.get_all_groups()}.values():
+        if group is not dist.group.WORLD:
+            dist.destroy_process_group(group)
+
+
 def _subgroups_body(ctx):
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     with CommCounter(local_world_size=2) as comm:
         dist.all_reduce(_buf(), group=mesh.get_group("dp"))  # {0, 2}, {1, 3}: across nodes
         dist.all_reduce(_buf(), group=mesh.get_group("tp"))  # {0, 1}, {2, 3}: inside a node
-    return (_stats(comm, "all_reduce", mesh.get_group("dp")),
+    seen = (_stats(comm, "all_reduce", mesh.get_group("dp")),
             _stats(comm, "all_reduce", mesh.get_group("tp")),
             comm.group_ranks[mesh.get_group("dp").group_name], comm.table())
+    _release(mesh)
+    return seen
 
 
 def test_groups_are_counted_apart_and_nodes_follow_global_ranks():

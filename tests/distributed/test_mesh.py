@@ -34,6 +34,14 @@ def _members(group):
     return tuple(int(t) for t in out)
 
 
+def _release(mesh):
+    """Destroy the mesh's own groups (never the world) so that the pool's long-lived ranks do
+    not pile up a group per test."""
+    for group in {id(g): g for g in mesh.get_all_groups()}.values():
+        if group is not dist.group.WORLD:
+            dist.destroy_process_group(group)
+
+
 class _CountNewGroup:
     """Counts dist.new_group calls while active (mesh.py calls it through the module)."""
 
@@ -64,6 +72,7 @@ def _groups_body(ctx, shape, names):
         seen["dims"].append({"members": _members(group), "size": mesh.size(d),
                              "local_rank": mesh.get_local_rank(key),
                              "same_by_index": group is mesh.get_group(d)})
+    _release(mesh)
     return seen
 
 
@@ -93,12 +102,14 @@ def _slicing_body(ctx, shape):
     with _CountNewGroup() as created:
         dp, tp, dp_tp = mesh["dp"], mesh["tp"], mesh["dp", "tp"]
         whole = mesh["pp", "dp", "tp"]
-    return {"created": created.calls, "whole_is_mesh": whole is mesh,
+    seen = {"created": created.calls, "whole_is_mesh": whole is mesh,
             "dp": (dp.ndim, dp.mesh_dim_names, dp.mesh.tolist(), _members(dp.get_group())),
             "tp": (tp.ndim, tp.mesh.tolist(), tp.get_group() is mesh.get_group("tp")),
             "dp_tp": (dp_tp.ndim, dp_tp.mesh_dim_names, dp_tp.mesh.tolist(),
                       _members(dp_tp.get_group("dp")), _members(dp_tp.get_group("tp"))),
             "dp_local": dp.get_local_rank()}
+    _release(mesh)
+    return seen
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
@@ -119,7 +130,9 @@ def _dtensor_body(ctx, shape, placements):
     full = torch.randn(8, 12)
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=("dp", "tp")[: len(shape)])
     dt = distribute_tensor(full, mesh, placements)
-    return dt.full_tensor(), dt.to_local(), full
+    result = dt.full_tensor(), dt.to_local(), full
+    _release(mesh)
+    return result
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
@@ -161,6 +174,7 @@ def _errors_body(ctx):
         except KeyError as exc:
             caught[key] = str(exc)
     _members(mesh.get_group("dp"))  # the world still works after the errors
+    _release(mesh)
     return caught
 
 
@@ -192,8 +206,10 @@ def _timeout_of(group):
 
 def _timeout_body(ctx, shape):
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=("a", "b"), timeout=7)
-    return [(_timeout_of(mesh.get_group(d)), mesh.get_group(d) is dist.group.WORLD)
+    seen = [(_timeout_of(mesh.get_group(d)), mesh.get_group(d) is dist.group.WORLD)
             for d in range(2)]
+    _release(mesh)
+    return seen
 
 
 @pytest.mark.parametrize("world_size", (2, 4))

@@ -5,6 +5,7 @@ import math
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from shardwise import fully_shard
 from shardwise.cli.main import main
@@ -99,6 +100,14 @@ def test_plan_prints_the_mesh_layouts_asked_for(capsys):
         assert exit_info.value.code == 2 and message in capsys.readouterr().err
 
 
+def _release(mesh):
+    """Destroy the mesh's own groups (never the world) so that the pool's long-lived ranks do
+    not pile up a group per test."""
+    for group in {id(g): g for g in mesh.get_all_groups()}.values():
+        if group is not dist.group.WORLD:
+            dist.destroy_process_group(group)
+
+
 def _hsdp_body(ctx, shape):
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))
     torch.manual_seed(0)
@@ -110,6 +119,7 @@ def _hsdp_body(ctx, shape):
     x = torch.randint(0, CFG.vocab_size, (2, CFG.seq_len + 1))
     lm_loss(model(x[:, :-1]), x[:, 1:]).backward()
     opt.step()
+    _release(mesh)
     return state_bytes(model, opt)
 
 
