@@ -171,9 +171,11 @@ def test_nothing_is_left_installed_outside_the_block(world_size):
         assert total == CommStats(1, 48, 2 * (n - 1) * 48 // n, 2 * (n - 1) * 48 // n)
 
 
-def test_bad_local_world_size_is_an_error():
+def test_bad_arguments_are_errors():
     with pytest.raises(ValueError, match="local_world_size must be positive"):
         CommCounter(local_world_size=0)
+    with pytest.raises(ValueError, match="unknown collective kind 'allreduce'"):
+        CommCounter().get("allreduce")
 
 
 def _ddp_body(ctx):

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from shardwise.distributed.comm_patterns import CommStats, traffic
+from shardwise.distributed.comm_patterns import KINDS, CommStats, traffic
 from shardwise.distributed.topology import local_world_size_from_env, node_of
 
 __all__ = ["CommCounter", "CommStats"]
@@ -90,6 +90,8 @@ class CommCounter(TorchDispatchMode):
             group: dist.ProcessGroup | str | None = None) -> CommStats:
         """Totals over the entries of ``kind`` (all kinds: None) on ``group`` (a group or its
         name; all groups: None)."""
+        if kind is not None and kind not in KINDS:
+            raise ValueError(f"unknown collective kind {kind!r}; known: {list(KINDS)}")
         name = group.group_name if isinstance(group, dist.ProcessGroup) else group
         total = CommStats()
         for (k, g), stats in self.counts.items():
