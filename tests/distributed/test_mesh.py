@@ -226,7 +226,8 @@ def test_the_mesh_starts_the_world_group_under_torchrun():
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
            "--master-addr", "127.0.0.1", "--master-port", "0", "--rdzv-backend", "c10d",
            "--rdzv-endpoint", "127.0.0.1:0", str(SCRIPTS / "mesh_ranks.py")]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    report = f"exit code {done.returncode}\nstdout:\n{done.stdout}\nstderr:\n{done.stderr[-4000:]}"
+    assert done.returncode == 0, report
     for rank in range(2):  # torchrun sets LOCAL_WORLD_SIZE=2: one node of two ranks
-        assert f"shape=(1, 2) replicate=({rank},) shard=(0, 1)" in done.stdout, done.stdout
+        assert f"shape=(1, 2) replicate=({rank},) shard=(0, 1)" in done.stdout, report
