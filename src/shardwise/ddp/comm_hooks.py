@@ -90,7 +90,7 @@ def run_comm_hook(hook: CommHook, state: Any, bucket: Bucket, n_buckets: int) ->
     """Call ``hook`` on ``bucket`` (launched during backward); checks that it gave a Future."""
     future = hook(state, GradBucket(bucket, bucket.index == n_buckets - 1))
     name = getattr(hook, "__qualname__", repr(hook))
-    if not isinstance(future, torch.futures.Future):
+    if not isinstance(future, torch._C.Future):  # torch.futures.Future and what .then() gives
         raise TypeError(f"communication hook {name} must return a torch.futures.Future of the "
                         f"reduced bucket, got {type(future).__name__}")
     return HookWork(future, bucket, name)
