@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.algorithms.join import Join
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
@@ -37,9 +38,12 @@ def _my_batches(rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
             for _ in range(2 + rank)]
 
 
-def _train_with_join(ctx, impl: str, divide: bool, with_zero: bool):
+def _train_with_join(ctx, impl: str, divide: bool, with_zero: bool, option: str = ""):
     torch.manual_seed(0)
-    model = ddp_class(impl)(_Net())
+    model = ddp_class(impl)(_Net(), find_unused_parameters=option == "find_unused",
+                            static_graph=option == "static_graph", bucket_cap_mb=0.0002)
+    if option == "comm_hook":
+        model.register_comm_hook(None, default_hooks.allreduce_hook)
     if with_zero:
         opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.SGD, lr=LR)
         joined = Join([model, opt], divide_by_initial_world_size=divide)
@@ -86,6 +90,21 @@ def test_join_with_uneven_batches_matches_torch_and_reference(world_size, divide
         assert_states_close(ours, results["ours"][-1], 0.0, f"rank {rank} vs last rank")
         assert_states_close(ours, theirs, RTOL, f"rank {rank}: ours vs torch's DDP")
         assert_states_close(_params(ours), reference, RTOL, f"rank {rank}: ours vs reference")
+
+
+@pytest.mark.parametrize("option", ("find_unused", "comm_hook", "static_graph"))
+@pytest.mark.parametrize("world_size", (2, 4))
+def test_join_with_ddp_options_matches_torch_and_reference(world_size, option):
+    # joined ranks shadow the used-map all-reduce (find_unused_parameters), run the hook on
+    # zero buckets (comm hook), and follow a static graph's first-iteration bookkeeping
+    results = {impl: run_on_ranks(world_size, _train_with_join, impl, True, False, option)
+               for impl in IMPLS}
+    reference = _reference(world_size, True)
+    for rank in range(world_size):
+        assert_states_close(results["ours"][rank], results["torch"][rank], RTOL,
+                            f"{option}, rank {rank}: ours vs torch's DDP")
+        assert_states_close(_params(results["ours"][rank]), reference, RTOL,
+                            f"{option}, rank {rank}: ours vs reference")
 
 
 @pytest.mark.parametrize("world_size", (2, 4))

@@ -210,6 +210,7 @@ class GradBucketer:
         self._paused_used: set[nn.Parameter] = set()  # got a gradient inside paused()
         self._fired: dict[nn.Parameter, int] = {}  # static graph: hook firings this reduction
         self._expected: dict[nn.Parameter, int] | None = None  # static graph: learned firings
+        self._static_unused: list[frozenset[int]] | None = None  # static graph: per bucket
         keys = [(p.dtype, p.device, key_fn(p) if key_fn else None) for _, p in named]
         plan = plan_buckets([p.numel() * p.element_size() for _, p in named], keys, cap_bytes,
                             first_cap_bytes)
@@ -240,8 +241,12 @@ class GradBucketer:
 
     @property
     def tracks_unused(self) -> bool:
-        """Whether globally unused parameters are found by a used-map all-reduce."""
-        return self.unused_group is not None and (self.allow_unused or self.static)
+        """Whether globally unused parameters are found by a used-map all-reduce in this
+        reduction: with unused parameters allowed, or in a static graph's first reduction
+        (later ones reuse what it found, as the graph does not change)."""
+        if self.unused_group is None:
+            return False
+        return self.allow_unused or (self.static and self._static_unused is None)
 
     @contextmanager
     def paused(self) -> Iterator[None]:
@@ -375,6 +380,10 @@ class GradBucketer:
         self._fill_unused(from_grad_attr)
         self._launch_in_order()
         unused = self._globally_unused(local_used) if local_used is not None else None
+        if self.static and self.unused_group is not None:
+            if self._static_unused is None:
+                self._static_unused = unused
+            unused = unused if self.allow_unused else self._static_unused
         for bucket in self.buckets:
             if bucket.state is BucketState.LAUNCHED:
                 if unused is not None:
@@ -479,10 +488,12 @@ class GradBucketer:
         contributing zeros.
         """
         works = [self.launch_fn(bucket.zeros_like()) for bucket in self.buckets]
-        if self.tracks_unused and self._group_size > 1:
+        if self.tracks_unused:
             used = torch.zeros(sum(len(b.params) for b in self.buckets), dtype=torch.int32,
                                device=self.buckets[0].params[0].device)
-            works.append(dist.all_reduce(used, group=self.unused_group, async_op=True))
+            unused = self._globally_unused(used)
+            if self.static and self._static_unused is None:
+                self._static_unused = unused  # as the training ranks learn it
         for work in works:
             if work is not None:
                 work.wait()
