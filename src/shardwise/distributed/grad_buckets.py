@@ -80,6 +80,7 @@ class Bucket:
     buffer: torch.Tensor | None  # 1D, `numel`; None while a lazy bucket is not in use
     numel: int = 0  # sum of the parameters' numel (+ padding if asked)
     ready: list[bool] = field(default_factory=list)
+    filled: int = 0  # how many of `ready` are True (a hook tests fullness in O(1))
     state: BucketState = BucketState.FILLING
     work: Waitable | None = None
     # each parameter's view of `buffer` (its shape), made with the buffer: a gradient hook and
@@ -110,12 +111,21 @@ class Bucket:
         return self.views[i]
 
     def is_full(self) -> bool:
-        return all(self.ready)
+        return self.filled == len(self.params)
+
+    def mark_ready(self, i: int) -> None:
+        if not self.ready[i]:
+            self.ready[i] = True
+            self.filled += 1
+
+    def clear_ready(self) -> None:
+        self.ready = [False] * len(self.params)
+        self.filled = 0
 
     def zeros_like(self) -> Bucket:
         """A copy of this bucket (same parameters and layout) over a new all-zero buffer."""
         ghost = replace(self, buffer=None, views=None, ready=[True] * len(self.params),
-                        state=BucketState.FILLING, work=None)
+                        filled=len(self.params), state=BucketState.FILLING, work=None)
         ghost.allocate().zero_()
         return ghost
 
@@ -306,7 +316,7 @@ class GradBucketer:
             slot.copy_(param.grad)  # a second firing: .grad holds the accumulated sum
         if self.release_grads:
             param.grad = None
-        bucket.ready[i] = True
+        bucket.mark_ready(i)
         self._guarded(self._launch_in_order)
 
     def _guarded(self, step: Callable[[], None]) -> None:
@@ -371,7 +381,7 @@ class GradBucketer:
             bucket.slot(i).copy_(param.grad)
             if self.release_grads:
                 param.grad = None
-            bucket.ready[i] = True
+            bucket.mark_ready(i)
         self._expected = dict(self._fired)
 
     def _complete(self, finish: Finish, from_grad_attr: bool) -> None:
@@ -390,7 +400,7 @@ class GradBucketer:
                     bucket.unused = unused[bucket.index]
                 self._finish(bucket, finish)
             bucket.state = BucketState.FILLING
-            bucket.ready = [False] * len(bucket.params)
+            bucket.clear_ready()
         self._next_launch = 0
         self._paused_used.clear()
         self._fired.clear()
@@ -436,7 +446,7 @@ class GradBucketer:
             slot.copy_(grad) if grad is not None else slot.zero_()
             if self.release_grads and from_grad_attr:
                 param.grad = None
-            bucket.ready[i] = True
+            bucket.mark_ready(i)
 
     def _reset(self) -> None:
         for bucket in self.buckets:
@@ -444,7 +454,7 @@ class GradBucketer:
                 with suppress(Exception):  # already failing: do not hide the first error
                     bucket.work.wait()
             bucket.state, bucket.work = BucketState.FILLING, None
-            bucket.ready = [False] * len(bucket.params)
+            bucket.clear_ready()
             if self.lazy_buffers:
                 bucket.release()
         self._next_launch = 0
@@ -469,7 +479,7 @@ class GradBucketer:
             bucket, i = self._where[param]
             bucket.allocate()
             bucket.slot(i).copy_(grad)
-            bucket.ready[i] = True
+            bucket.mark_ready(i)
         out: dict[nn.Parameter, torch.Tensor] = {}
 
         def collect(bucket: Bucket) -> None:
