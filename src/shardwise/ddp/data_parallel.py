@@ -116,6 +116,15 @@ class DistributedDataParallel(nn.Module, Joinable):
         """Skip gradient reduction inside the block; gradients accumulate locally."""
         return self.reducer.paused()
 
+    @property
+    def require_backward_grad_sync(self) -> bool:
+        """torch's flag behind ``no_sync()``: whether the next backward reduces gradients."""
+        return self.reducer.enabled
+
+    @require_backward_grad_sync.setter
+    def require_backward_grad_sync(self, value: bool) -> None:
+        self.reducer.enabled = bool(value)
+
     # ------------------------------------------------------------------ torch's extras
     def register_comm_hook(self, state: object, hook: CommHook) -> None:
         """Reduce every bucket with ``hook(state, bucket)`` instead of the built-in averaging
