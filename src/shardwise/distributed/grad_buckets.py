@@ -41,6 +41,11 @@ those gradients live in the autograd context, not in ``.grad``. A bucketer made 
 gradients to :func:`reduce_detached_gradients` before storing them: the buckets are filled from
 those gradients, reduced with the same launch function and order as in a normal backward, and the
 reduced values (globally unused parameters left out) are returned in place of the local ones.
+As in torch (whose reducer finalises at the end of each local engine run), one reduction covers
+one local pass: a wrapped model's gradients should all come from the same pass, as in the
+DDP + RPC pattern where the wrapped part sits between the trainer's remote inputs and its loss.
+There is no overlap with backward on this path (the pass has ended), and, as for a normal
+backward, one model must not be in two backward passes at once.
 """
 
 from __future__ import annotations

@@ -14,7 +14,9 @@ answered once the local pass and every pass it caused downstream have finished, 
 futures, never by blocking a pool thread. A pass's real-leaf gradients go through
 ``reduce_detached_gradients`` before they are stored, so that data-parallel wrappers (DDP)
 average theirs across replicas, as torch's DDP does under distributed autograd (see
-[Note: reduction outside autograd's accumulation] in shardwise/distributed/grad_buckets.py).
+[Note: reduction outside autograd's accumulation] in shardwise/distributed/grad_buckets.py);
+that reduction waits on its collectives on the thread that runs the pass (the only wait here),
+after the pass's BACKWARD messages are sent.
 """
 
 from __future__ import annotations
