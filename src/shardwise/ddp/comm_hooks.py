@@ -8,7 +8,10 @@ in torch), and returns a ``torch.futures.Future`` whose value is the reduced buc
 of the buffer's shape (or a one-element list of it). The hook runs when the bucket is full,
 during backward; DDP waits on the future when backward ends and copies its value into the
 bucket unless it is the buffer itself. So torch's hooks in
-``torch.distributed.algorithms.ddp_comm_hooks.default_hooks`` run unchanged.
+``torch.distributed.algorithms.ddp_comm_hooks.default_hooks`` run unchanged. One difference:
+torch's DDP refuses ``bf16_compress_hook`` without CUDA and NCCL; ours runs it wherever the
+process group can all-reduce bfloat16 (gloo on CPU can). A joined rank (join.py) runs the hook on
+all-zero buckets, as torch's does.
 """
 
 from __future__ import annotations
