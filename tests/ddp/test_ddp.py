@@ -105,7 +105,7 @@ def _unused_parameter(ctx):
     allowed(xs[ctx.rank]).sum().backward()
     reference(xs.reshape(-1, 4)).sum().div(ctx.world_size).backward()
     torch.testing.assert_close(allowed.module.used.weight.grad, reference.used.weight.grad)
-    torch.testing.assert_close(allowed.module.unused.weight.grad, torch.zeros(4, 4))
+    assert allowed.module.unused.weight.grad is None  # no rank used it: torch leaves None
     assert allowed.module.frozen.weight.grad is None
 
 
@@ -117,3 +117,23 @@ def test_parameter_without_gradient_is_named_unless_allowed(world_size):
 def test_bad_module_is_rejected():
     with pytest.raises(TypeError, match="wraps an nn.Module"):
         DistributedDataParallel(torch.zeros(3))
+
+
+def _sync_flag(ctx):
+    torch.manual_seed(0)
+    model = DistributedDataParallel(nn.Linear(3, 2))
+    x = torch.full((2, 3), float(ctx.rank + 1))
+    model.require_backward_grad_sync = False  # torch's flag behind no_sync, set directly
+    model(x).sum().backward()
+    local = model.module.weight.grad.clone()
+    model.require_backward_grad_sync = True
+    model.module.weight.grad = None
+    model(x).sum().backward()
+    return local, model.module.weight.grad
+
+
+def test_require_backward_grad_sync_flag_acts_like_no_sync():
+    (local0, synced0), (local1, synced1) = run_on_ranks(2, _sync_flag)
+    assert not torch.equal(local0, local1)
+    torch.testing.assert_close(synced0, (local0 + local1) / 2)
+    torch.testing.assert_close(synced1, synced0)

@@ -3,37 +3,48 @@
 At wrap time rank 0's parameters and buffers are broadcast (one coalesced broadcast per dtype),
 so every replica starts equal. During backward, gradients are averaged across ranks by
 all-reduces on size-capped buckets, launched asynchronously from gradient hooks while backward is
-still running (see [Note: gradient buckets] in shardwise/distributed/grad_buckets.py). Inside
-``no_sync()`` no collective runs and gradients accumulate locally; the first backward outside it
-reduces the accumulated sum.
+still running (see [Note: gradient buckets] in shardwise/distributed/grad_buckets.py), or by a
+registered communication hook (comm_hooks.py). Inside ``no_sync()`` no collective runs and
+gradients accumulate locally; the first backward outside it reduces the accumulated sum. Under
+distributed autograd (``shardwise.rpc.autograd``) the gradients of the context are reduced the
+same way (see [Note: reduction outside autograd's accumulation]). ``join()`` handles uneven
+inputs (join.py).
 """
 
 from __future__ import annotations
 
+import warnings
 from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms.join import Join, Joinable
 
+from shardwise.ddp.comm_hooks import CommHook, check_comm_hook, run_comm_hook
+from shardwise.ddp.join import DDPJoinHook, active_ranks, announce_reduction, common_rank
 from shardwise.distributed.collectives import broadcast_coalesced
-from shardwise.distributed.grad_buckets import Bucket, GradBucketer
+from shardwise.distributed.grad_buckets import Bucket, GradBucketer, Waitable
 
 MIB = 1024 * 1024
 FIRST_BUCKET_MB = 1.0
 
 
-class DistributedDataParallel(nn.Module):
+class DistributedDataParallel(nn.Module, Joinable):
     """Data parallelism over ``process_group`` (default: the world group).
 
     Arguments keep torch's names. ``bucket_cap_mb`` caps each gradient bucket (default 25 MiB;
     the first bucket is capped at 1 MiB so that communication starts early).
-    ``find_unused_parameters=True`` lets parameters go without a gradient in a step (they
-    contribute zeros); without it such a parameter is an error that names it.
-    ``gradient_as_bucket_view=True`` makes ``param.grad`` a view into the reduced bucket instead
-    of a copy. ``static_graph`` and ``check_reduction`` are accepted for compatibility: buckets
-    are already reduced in a fixed order, so no extra work is needed for a static graph.
+    ``find_unused_parameters=True`` lets parameters go without a gradient in a step: one that
+    some rank used gets the average (zeros from the others), one that no rank used keeps its
+    ``.grad`` untouched (``None`` stays ``None``), as in torch; without it such a parameter is
+    an error that names it. ``gradient_as_bucket_view=True`` makes ``param.grad`` a view into the
+    reduced bucket instead of a copy. ``static_graph=True`` (or ``_set_static_graph()``) declares
+    that every backward uses the same parameters the same number of times: unused parameters are
+    then allowed, and a parameter whose gradient arrives several times in one backward
+    (reentrant checkpointing) is reduced once complete. ``check_reduction`` is accepted for
+    torch's signature (torch ignores it too).
     """
 
     def __init__(
@@ -52,6 +63,7 @@ class DistributedDataParallel(nn.Module):
         static_graph: bool = False,
     ):
         super().__init__()
+        Joinable.__init__(self)
         _check_module(module, device_ids)
         self.module = module
         self.device_ids = device_ids
@@ -60,9 +72,16 @@ class DistributedDataParallel(nn.Module):
         self.broadcast_buffers = broadcast_buffers
         self.process_group = process_group or dist.group.WORLD
         self.world_size = dist.get_world_size(self.process_group)
+        self.device = next(module.parameters()).device
         self.find_unused_parameters = find_unused_parameters
         self.gradient_as_bucket_view = gradient_as_bucket_view
-        self.static_graph = static_graph
+        self.static_graph = False
+        self._comm_hook: CommHook | None = None
+        self._comm_state: Any = None
+        self._divide_by_initial_world_size = True
+        self._join_work: dist.Work | None = None  # Join's notification, to count active ranks
+        self._join_divisor: int | None = None
+        self._sync_buffers_next = True  # torch's require_forward_param_sync
         if init_sync:
             broadcast_coalesced(_state_tensors(module), 0, self.process_group)
         cap = int((25.0 if bucket_cap_mb is None else bucket_cap_mb) * MIB)
@@ -70,13 +89,24 @@ class DistributedDataParallel(nn.Module):
         self.reducer = GradBucketer(
             list(module.named_parameters()), cap, self._launch, self._finish,
             allow_unused=find_unused_parameters, first_cap_bytes=first_cap,
+            unused_group=self.process_group, detached=True,
         )
+        if static_graph:
+            self._set_static_graph()
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
-        if self.broadcast_buffers and self.world_size > 1:
-            buffers = [b for b in self.module.buffers() if b.is_floating_point() or b.numel()]
-            if buffers:
-                broadcast_coalesced(buffers, 0, self.process_group)
+        will_reduce = torch.is_grad_enabled() and self.reducer.enabled
+        joining = self._join_config.enable
+        work = Join.notify_join_context(self)  # an all-reduce only inside a join context
+        self._join_work = work if work is not None and not self._divide_by_initial_world_size \
+            else None
+        self._join_divisor = None
+        if self._will_sync_buffers():
+            src = common_rank(self.process_group, True, self.device) if joining else 0
+            self._broadcast_buffers(src)
+        if joining:
+            announce_reduction(self.process_group, will_reduce, self.device)
+        self._sync_buffers_next = will_reduce
         if self.device_ids:
             device = torch.device("cuda", _index(self.device_ids[0]))
             inputs, kwargs = _to_device(inputs, device), _to_device(kwargs, device)
@@ -86,14 +116,93 @@ class DistributedDataParallel(nn.Module):
         """Skip gradient reduction inside the block; gradients accumulate locally."""
         return self.reducer.paused()
 
-    def _launch(self, bucket: Bucket) -> dist.Work | None:
+    @property
+    def require_backward_grad_sync(self) -> bool:
+        """torch's flag behind ``no_sync()``: whether the next backward reduces gradients."""
+        return self.reducer.enabled
+
+    @require_backward_grad_sync.setter
+    def require_backward_grad_sync(self, value: bool) -> None:
+        self.reducer.enabled = bool(value)
+
+    # ------------------------------------------------------------------ torch's extras
+    def register_comm_hook(self, state: object, hook: CommHook) -> None:
+        """Reduce every bucket with ``hook(state, bucket)`` instead of the built-in averaging
+        all-reduce (torch's contract; see comm_hooks.py). Only one hook may be registered."""
+        if self._comm_hook is not None:
+            raise RuntimeError("register_comm_hook can only be called once per "
+                               "DistributedDataParallel")
+        check_comm_hook(hook)
+        self._comm_hook, self._comm_state = hook, state
+
+    def _set_static_graph(self) -> None:
+        """Declare the graph static (see the class docstring); before the first backward."""
+        if self.static_graph:
+            warnings.warn("static_graph is already set; no need to set it again", stacklevel=2)
+            return
+        self.reducer.set_static_graph()
+        self.static_graph = True
+        if self.find_unused_parameters:
+            warnings.warn("with a static graph, unused parameters are detected in the first "
+                          "iteration; find_unused_parameters=True is not needed", stacklevel=2)
+
+    def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,
+             throw_on_early_termination: bool = False) -> Join:
+        """torch's context manager for uneven inputs: ranks that run out of batches shadow
+        the others' collectives until all are done (see [Note: DDP join] in join.py)."""
+        return Join([self], enable, throw_on_early_termination,
+                    divide_by_initial_world_size=divide_by_initial_world_size)
+
+    def join_hook(self, **kwargs: Any) -> DDPJoinHook:
+        """The hook torch's ``Join`` runs on a joined rank (``divide_by_initial_world_size``
+        is read from ``kwargs``; other keywords belong to other joinables)."""
+        return DDPJoinHook(self, kwargs.get("divide_by_initial_world_size", True))
+
+    @property
+    def join_device(self) -> torch.device:
+        return self.device
+
+    @property
+    def join_process_group(self) -> dist.ProcessGroup:
+        return self.process_group
+
+    # ------------------------------------------------------------------ internals
+    def _will_sync_buffers(self) -> bool:
+        return (self._sync_buffers_next and self.broadcast_buffers and self.world_size > 1
+                and bool(self._buffers_to_sync()))
+
+    def _buffers_to_sync(self) -> list[torch.Tensor]:
+        return [b for b in self.module.buffers() if b.is_floating_point() or b.numel()]
+
+    def _broadcast_buffers(self, src: int) -> None:
+        broadcast_coalesced(self._buffers_to_sync(), src, self.process_group)
+
+    def _broadcast_state(self, src: int) -> None:
+        """Parameters (and buffers, if they are broadcast) from group rank ``src``."""
+        tensors = [p.detach() for p in self.module.parameters()]
+        if self.broadcast_buffers:
+            tensors += self._buffers_to_sync()
+        broadcast_coalesced(tensors, src, self.process_group)
+
+    def _divisor(self) -> int:
+        if self._join_work is not None:
+            self._join_divisor, self._join_work = active_ranks(self._join_work), None
+        return self._join_divisor or self.world_size
+
+    def _launch(self, bucket: Bucket) -> Waitable | None:
+        if self._comm_hook is not None:
+            return run_comm_hook(self._comm_hook, self._comm_state, bucket,
+                                 len(self.reducer.buckets))
         if self.world_size == 1:
             return None
-        bucket.buffer.div_(self.world_size)
+        bucket.buffer.div_(self._divisor())
         return dist.all_reduce(bucket.buffer, group=self.process_group, async_op=True)
 
     def _finish(self, bucket: Bucket) -> None:
+        skip = bucket.unused  # no rank used them: .grad stays as it is (torch's rule)
         for i, param in enumerate(bucket.params):
+            if skip and i in skip:
+                continue
             reduced = bucket.slot(i)
             if self.gradient_as_bucket_view:
                 param.grad = reduced

@@ -20,18 +20,54 @@ delivers a bucket to its owner; ``release_grads`` drops ``param.grad`` once it i
 bucket; ``lazy_buffers`` allocates a bucket's buffer when its first gradient arrives and drops it
 after ``finish``; ``max_in_flight`` waits on and finishes the oldest launched bucket as soon as
 more than that many are in flight, so reduced buckets are freed during backward, not at its end.
+
+Options for torch's DDP semantics (DDP uses them; ZeRO stage 2 does not): ``unused_group``
+makes "no gradient" a global question, as in torch: each rank marks which parameters got a
+gradient since the last reduction (hooks fired, also inside ``paused()``), and one extra
+all-reduce of that used-map over ``unused_group`` (after the last bucket's collective) tells
+which parameters no rank used; ``finish`` sees them in ``bucket.unused`` and leaves their
+``.grad`` alone (``None`` stays ``None``, so an optimizer skips them). A parameter some ranks
+used gets the average with zeros from the others. ``set_static_graph()`` counts, in the first
+reduction, how many times each parameter's hook fires (reentrant checkpointing fires it once per
+use) and from then on treats a parameter as ready after that many firings; without it, a second
+firing before the bucket's launch re-copies the accumulated gradient, and one after it is an
+error (its new part could not be reduced).
+
+[Note: reduction outside autograd's accumulation]
+Distributed autograd (shardwise/rpc/autograd/engine.py) computes leaf gradients with
+``torch.autograd.grad``, which never runs AccumulateGrad, so no hook above fires; as in torch,
+those gradients live in the autograd context, not in ``.grad``. A bucketer made with
+``detached=True`` registers its parameters here, and the engine hands every pass's leaf
+gradients to :func:`reduce_detached_gradients` before storing them: the buckets are filled from
+those gradients, reduced with the same launch function and order as in a normal backward, and the
+reduced values (globally unused parameters left out) are returned in place of the local ones.
+As in torch (whose reducer finalises at the end of each local engine run), one reduction covers
+one local pass: a wrapped model's gradients should all come from the same pass, as in the
+DDP + RPC pattern where the wrapped part sits between the trainer's remote inputs and its loss.
+There is no overlap with backward on this path (the pass has ended), and, as for a normal
+backward, one model must not be in two backward passes at once.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
-from dataclasses import dataclass, field
+import itertools
+import weakref
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass, field, replace
 from enum import Enum
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils.weak import WeakIdKeyDictionary
+
+
+class Waitable(Protocol):
+    """What a launch function returns: a ``dist.Work`` or anything else with ``wait()``."""
+
+    def wait(self) -> object: ...
 
 
 class BucketState(Enum):
@@ -49,11 +85,15 @@ class Bucket:
     buffer: torch.Tensor | None  # 1D, `numel`; None while a lazy bucket is not in use
     numel: int = 0  # sum of the parameters' numel (+ padding if asked)
     ready: list[bool] = field(default_factory=list)
+    filled: int = 0  # how many of `ready` are True (a hook tests fullness in O(1))
     state: BucketState = BucketState.FILLING
-    work: dist.Work | None = None
+    work: Waitable | None = None
     # each parameter's view of `buffer` (its shape), made with the buffer: a gradient hook and
     # the finish step use them every step, and slicing anew cost ~20 us each on CPU
     views: list[torch.Tensor] | None = field(default=None, repr=False)
+    # positions of parameters that no rank used in this reduction (set before finish when
+    # globally unused parameters are tracked; see the module docstring)
+    unused: frozenset[int] = frozenset()
 
     def allocate(self) -> torch.Tensor:
         """The buffer, allocated if absent (padding zeroed; slots are written by copies)."""
@@ -76,7 +116,23 @@ class Bucket:
         return self.views[i]
 
     def is_full(self) -> bool:
-        return all(self.ready)
+        return self.filled == len(self.params)
+
+    def mark_ready(self, i: int) -> None:
+        if not self.ready[i]:
+            self.ready[i] = True
+            self.filled += 1
+
+    def clear_ready(self) -> None:
+        self.ready = [False] * len(self.params)
+        self.filled = 0
+
+    def zeros_like(self) -> Bucket:
+        """A copy of this bucket (same parameters and layout) over a new all-zero buffer."""
+        ghost = replace(self, buffer=None, views=None, ready=[True] * len(self.params),
+                        filled=len(self.params), state=BucketState.FILLING, work=None)
+        ghost.allocate().zero_()
+        return ghost
 
 
 def plan_buckets(sizes: Sequence[int], keys: Sequence[object], cap_bytes: int,
@@ -103,8 +159,41 @@ def plan_buckets(sizes: Sequence[int], keys: Sequence[object], cap_bytes: int,
     return buckets
 
 
-Launch = Callable[[Bucket], "dist.Work | None"]
+Launch = Callable[[Bucket], "Waitable | None"]
 Finish = Callable[[Bucket], None]
+
+# parameter -> weak reference to the bucketer that reduces its gradients when a backward engine
+# hands them over without accumulating them (see [Note: reduction outside autograd's
+# accumulation]); keyed by identity, dropped with the parameter
+_DETACHED: WeakIdKeyDictionary = WeakIdKeyDictionary()
+_serials = itertools.count()
+
+
+def reduce_detached_gradients(grads: Mapping[torch.Tensor, torch.Tensor]
+                              ) -> dict[torch.Tensor, torch.Tensor]:
+    """Leaf gradients of one backward pass, with those of bucketed parameters reduced.
+
+    For a backward engine that does not accumulate into ``.grad`` (distributed autograd). Every
+    bucketer made with ``detached=True`` that owns some of these leaves reduces them now (its
+    collectives, in its bucket order; bucketers in creation order, the same on every rank) and
+    its reduced gradients replace the local ones; a parameter that no rank used is left out.
+    Tensors no bucketer owns pass through unchanged.
+    """
+    if not _DETACHED:
+        return dict(grads)
+    mine: dict[int, tuple[GradBucketer, dict]] = {}
+    out: dict[torch.Tensor, torch.Tensor] = {}
+    for tensor, grad in grads.items():
+        ref = _DETACHED.get(tensor)
+        owner = ref() if ref is not None else None
+        if owner is None:
+            out[tensor] = grad
+        else:
+            mine.setdefault(owner.serial, (owner, {}))[1][tensor] = grad
+    for serial in sorted(mine):
+        owner, owned = mine[serial]
+        out.update(owner.reduce_detached(owned))
+    return out
 
 
 class GradBucketer:
@@ -115,15 +204,28 @@ class GradBucketer:
                  first_cap_bytes: int | None = None, pad_to_multiple: int = 1,
                  key_fn: Callable[[nn.Parameter], object] | None = None,
                  release_grads: bool = False, lazy_buffers: bool = False,
-                 max_in_flight: int | None = None):
+                 max_in_flight: int | None = None,
+                 unused_group: dist.ProcessGroup | None = None, detached: bool = False):
         named = [(n, p) for n, p in named_params if p.requires_grad]
         self.launch_fn, self.finish_fn, self.allow_unused = launch, finish, allow_unused
         self.release_grads, self.lazy_buffers = release_grads, lazy_buffers
         if max_in_flight is not None and max_in_flight < 1:
             raise ValueError(f"max_in_flight must be at least 1, got {max_in_flight}")
+        if max_in_flight is not None and unused_group is not None:
+            raise ValueError("unused_group needs every bucket finished after the used-map "
+                             "all-reduce; it cannot be combined with max_in_flight")
         self.max_in_flight = max_in_flight
+        self.unused_group = unused_group
+        self._group_size = dist.get_world_size(unused_group) if unused_group is not None else 1
         self.enabled = True
+        self.static = False
+        self.reductions = 0  # completed reductions (backward passes that synchronised)
+        self.serial = next(_serials)
         self._in_backward = False
+        self._paused_used: set[nn.Parameter] = set()  # got a gradient inside paused()
+        self._fired: dict[nn.Parameter, int] = {}  # static graph: hook firings this reduction
+        self._expected: dict[nn.Parameter, int] | None = None  # static graph: learned firings
+        self._static_unused: list[frozenset[int]] | None = None  # static graph: per bucket
         keys = [(p.dtype, p.device, key_fn(p) if key_fn else None) for _, p in named]
         plan = plan_buckets([p.numel() * p.element_size() for _, p in named], keys, cap_bytes,
                             first_cap_bytes)
@@ -138,6 +240,8 @@ class GradBucketer:
             for i, p in enumerate(bucket.params):
                 self._where[p] = (bucket, i)
                 self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad))
+                if detached:
+                    _DETACHED[p] = weakref.ref(self)
         self._next_launch = 0
 
     @staticmethod
@@ -150,6 +254,15 @@ class GradBucketer:
         return Bucket(index, [p for _, p in named], [n for n, _ in named], offsets, None,
                       total, [False] * len(named))
 
+    @property
+    def tracks_unused(self) -> bool:
+        """Whether globally unused parameters are found by a used-map all-reduce in this
+        reduction: with unused parameters allowed, or in a static graph's first reduction
+        (later ones reuse what it found, as the graph does not change)."""
+        if self.unused_group is None:
+            return False
+        return self.allow_unused or (self.static and self._static_unused is None)
+
     @contextmanager
     def paused(self) -> Iterator[None]:
         """Gradients produced inside the block stay in ``param.grad`` and are not bucketed or
@@ -161,26 +274,78 @@ class GradBucketer:
         finally:
             self.enabled = previous
 
+    def set_static_graph(self) -> None:
+        """Declare that every backward uses the same parameters the same number of times (see
+        the module docstring). Allowed only before the first reduction."""
+        if self.reductions:
+            raise RuntimeError("the static graph must be set before the first backward pass "
+                               "that reduces gradients, right after the wrapper is built")
+        self.static = True
+
     def remove_hooks(self) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        for p in self._where:
+            ref = _DETACHED.get(p)
+            if ref is not None and ref() is self:
+                del _DETACHED[p]
 
+    # ------------------------------------------------------------ normal backward
     def _on_grad(self, param: nn.Parameter) -> None:
         if not self.enabled:
+            if self.unused_group is not None:
+                self._paused_used.add(param)
             return
         if not self._in_backward:
             self._in_backward = True
             torch.autograd.Variable._execution_engine.queue_callback(self._finalize)
         bucket, i = self._where[param]
-        if bucket.state is not BucketState.FILLING or bucket.ready[i]:
-            return  # already launched (e.g. a parameter reached twice through reentrant code)
+        if self.static:
+            if not self._static_ready(param, bucket, i):
+                return
+        elif bucket.ready[i] and bucket.state is not BucketState.FILLING:
+            self._reset()
+            raise RuntimeError(
+                f"parameter {bucket.names[i]} received a second gradient in this backward pass "
+                "after its bucket's reduction had started (a parameter used in several "
+                "reentrant checkpointed segments, for example). If every backward pass uses the "
+                "parameters the same way, construct DistributedDataParallel with "
+                "static_graph=True (or call _set_static_graph() before training)."
+            )
         bucket.allocate()
-        bucket.slot(i).copy_(param.grad)
+        slot = bucket.slot(i)
+        if bucket.ready[i] and self.release_grads:
+            slot.add_(param.grad)  # the first part was released after its copy
+        else:
+            slot.copy_(param.grad)  # a second firing: .grad holds the accumulated sum
         if self.release_grads:
             param.grad = None
-        bucket.ready[i] = True
-        self._launch_in_order()
+        bucket.mark_ready(i)
+        self._guarded(self._launch_in_order)
+
+    def _guarded(self, step: Callable[[], None]) -> None:
+        """Run ``step``; if it raises (a failed collective, a bad hook result), forget this
+        reduction so that the next backward starts clean, then re-raise."""
+        try:
+            step()
+        except BaseException:
+            self._reset()
+            raise
+
+    def _static_ready(self, param: nn.Parameter, bucket: Bucket, i: int) -> bool:
+        """Count a firing; ready when it is the last one of the learned count."""
+        fired = self._fired[param] = self._fired.get(param, 0) + 1
+        if self._expected is None:
+            return False  # first reduction: everything is copied when backward ends
+        expected = self._expected.get(param, 0)
+        if fired > expected:
+            self._reset()
+            raise RuntimeError(
+                f"static graph: parameter {bucket.names[i]} received {fired} gradients in this "
+                f"backward pass, {expected} in the first one; the graph is not static"
+            )
+        return fired == expected
 
     def _launch_in_order(self) -> None:
         while self._next_launch < len(self.buckets):
@@ -197,32 +362,79 @@ class GradBucketer:
         launched = [b for b in self.buckets[: self._next_launch]
                     if b.state is BucketState.LAUNCHED]
         for bucket in launched[: max(0, len(launched) - limit)]:
-            self._finish(bucket)
+            self._finish(bucket, self.finish_fn)
 
-    def _finish(self, bucket: Bucket) -> None:
+    def _finish(self, bucket: Bucket, finish: Finish) -> None:
         if bucket.work is not None:
             bucket.work.wait()
-        self.finish_fn(bucket)
+        finish(bucket)
         bucket.state, bucket.work = BucketState.REDUCED, None
         if self.lazy_buffers:
             bucket.release()
 
     def _finalize(self) -> None:
         self._in_backward = False
-        self._fill_unused()
+        if self.static and self._expected is None:
+            self._copy_fired()
+        self._guarded(lambda: self._complete(self.finish_fn, from_grad_attr=True))
+
+    def _copy_fired(self) -> None:
+        """The first static reduction: copy every gradient that arrived, learn the counts."""
+        for param in self._fired:
+            bucket, i = self._where[param]
+            bucket.allocate()
+            bucket.slot(i).copy_(param.grad)
+            if self.release_grads:
+                param.grad = None
+            bucket.mark_ready(i)
+        self._expected = dict(self._fired)
+
+    def _complete(self, finish: Finish, from_grad_attr: bool) -> None:
+        """Fill in the unused, launch what is left, learn what no rank used, finish all."""
+        local_used = self._local_used_map() if self.tracks_unused else None
+        self._fill_unused(from_grad_attr)
         self._launch_in_order()
+        unused = self._globally_unused(local_used) if local_used is not None else None
+        if self.static and self.unused_group is not None:
+            if self._static_unused is None:
+                self._static_unused = unused
+            unused = unused if self.allow_unused else self._static_unused
         for bucket in self.buckets:
             if bucket.state is BucketState.LAUNCHED:
-                self._finish(bucket)
+                if unused is not None:
+                    bucket.unused = unused[bucket.index]
+                self._finish(bucket, finish)
             bucket.state = BucketState.FILLING
-            bucket.ready = [False] * len(bucket.params)
+            bucket.clear_ready()
         self._next_launch = 0
+        self._paused_used.clear()
+        self._fired.clear()
+        self.reductions += 1
 
-    def _fill_unused(self) -> None:
+    def _local_used_map(self) -> torch.Tensor:
+        """1 for each parameter (in bucket order) that got a gradient since the last reduction."""
+        paused = self._paused_used
+        flags = [ok or p in paused or p in self._fired
+                 for b in self.buckets for p, ok in zip(b.params, b.ready)]
+        device = self.buckets[0].params[0].device
+        return torch.tensor(flags, dtype=torch.int32, device=device)
+
+    def _globally_unused(self, local_used: torch.Tensor) -> list[frozenset[int]]:
+        """One all-reduce (sum) of the used-map; per bucket, the positions no rank used."""
+        if self._group_size > 1:
+            dist.all_reduce(local_used, group=self.unused_group)
+        flags, out, start = local_used.tolist(), [], 0
+        for bucket in self.buckets:
+            n = len(bucket.params)
+            out.append(frozenset(i for i in range(n) if not flags[start + i]))
+            start += n
+        return out
+
+    def _fill_unused(self, from_grad_attr: bool) -> None:
         unused = [(b, i) for b in self.buckets for i, ok in enumerate(b.ready) if not ok]
         if not unused:
             return
-        if not self.allow_unused:
+        if not (self.allow_unused or self.static):
             self._reset()
             names = [b.names[i] for b, i in unused]
             raise RuntimeError(
@@ -235,17 +447,68 @@ class GradBucketer:
             param = bucket.params[i]
             bucket.allocate()
             slot = bucket.slot(i)
-            slot.copy_(param.grad) if param.grad is not None else slot.zero_()
-            if self.release_grads:
+            grad = param.grad if from_grad_attr else None
+            slot.copy_(grad) if grad is not None else slot.zero_()
+            if self.release_grads and from_grad_attr:
                 param.grad = None
-            bucket.ready[i] = True
+            bucket.mark_ready(i)
 
     def _reset(self) -> None:
         for bucket in self.buckets:
             if bucket.work is not None:
-                bucket.work.wait()
+                with suppress(Exception):  # already failing: do not hide the first error
+                    bucket.work.wait()
             bucket.state, bucket.work = BucketState.FILLING, None
-            bucket.ready = [False] * len(bucket.params)
+            bucket.clear_ready()
             if self.lazy_buffers:
                 bucket.release()
         self._next_launch = 0
+        self._in_backward = False
+        self._paused_used.clear()
+        self._fired.clear()
+
+    # ------------------------------------------------------------ other engines, other ranks
+    def reduce_detached(self, grads: Mapping[nn.Parameter, torch.Tensor]
+                        ) -> dict[nn.Parameter, torch.Tensor]:
+        """Reduce gradients handed over by an engine that does not write ``.grad`` (see
+        [Note: reduction outside autograd's accumulation]); returns the reduced gradients of
+        every parameter some rank used. Inside ``paused()`` they come back unchanged."""
+        if not self.enabled:
+            if self.unused_group is not None:
+                self._paused_used.update(grads)
+            return dict(grads)
+        if self._in_backward:
+            raise RuntimeError("gradients arrived from distributed autograd while a local "
+                               "backward pass of the same model was still being reduced")
+        for param, grad in grads.items():
+            bucket, i = self._where[param]
+            bucket.allocate()
+            bucket.slot(i).copy_(grad)
+            bucket.mark_ready(i)
+        out: dict[nn.Parameter, torch.Tensor] = {}
+
+        def collect(bucket: Bucket) -> None:
+            for i, param in enumerate(bucket.params):
+                if i not in bucket.unused:
+                    out[param] = bucket.slot(i).clone()
+
+        self._guarded(lambda: self._complete(collect, from_grad_attr=False))
+        return out
+
+    def shadow_reduction(self) -> None:
+        """Issue one reduction's collectives with all-zero gradients, finishing nothing.
+
+        For a rank that has run out of inputs while the others still train (DDP's join): it
+        must take part in their bucket collectives (and used-map all-reduce) in the same order,
+        contributing zeros.
+        """
+        works = [self.launch_fn(bucket.zeros_like()) for bucket in self.buckets]
+        if self.tracks_unused:
+            used = torch.zeros(sum(len(b.params) for b in self.buckets), dtype=torch.int32,
+                               device=self.buckets[0].params[0].device)
+            unused = self._globally_unused(used)
+            if self.static and self._static_unused is None:
+                self._static_unused = unused  # as the training ranks learn it
+        for work in works:
+            if work is not None:
+                work.wait()

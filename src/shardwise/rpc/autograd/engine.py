@@ -11,13 +11,19 @@ their results equals one pass over the summed gradients; the graph is retained b
 passes may share nodes, and is freed when the context is released. A BACKWARD request is
 answered once the local pass and every pass it caused downstream have finished, so the root's
 ``backward()`` returns when the whole distributed graph is done; waiting is done by chaining
-futures, never by blocking a pool thread.
+futures, never by blocking a pool thread. A pass's real-leaf gradients go through
+``reduce_detached_gradients`` before they are stored, so that data-parallel wrappers (DDP)
+average theirs across replicas, as torch's DDP does under distributed autograd (see
+[Note: reduction outside autograd's accumulation] in shardwise/distributed/grad_buckets.py);
+that reduction waits on its collectives on the thread that runs the pass (the only wait here),
+after the pass's BACKWARD messages are sent.
 """
 
 from __future__ import annotations
 
 import torch
 
+from shardwise.distributed.grad_buckets import reduce_detached_gradients
 from shardwise.rpc.autograd.context import DistAutogradContext
 from shardwise.rpc.messages import Kind
 
@@ -57,20 +63,25 @@ def local_pass(agent, ctx: DistAutogradContext, roots: list[torch.Tensor],
         return []
     got = torch.autograd.grad(outs, leaves, grad_outs, retain_graph=True, allow_unused=True)
     outgoing: dict = {}
+    own: dict[torch.Tensor, torch.Tensor] = {}
     for leaf, g in zip(leaves, got):
         if g is None:
             continue
         where = ctx.recv_index.get(id(leaf))
         if where is None:
-            ctx.accumulate(leaf, g)
+            own[leaf] = g
             continue
         key, pos = where
         peer, tensors = ctx.recvs[key]
         slots = outgoing.setdefault(key, [None] * len(tensors))
         slots[pos] = g if slots[pos] is None else slots[pos] + g
-    return [agent.request(key[0], Kind.BACKWARD, (ctx.context_id, key[1], slots),
+    sent = [agent.request(key[0], Kind.BACKWARD, (ctx.context_id, key[1], slots),
                           agent.options.rpc_timeout, "distributed backward", ctx_id=None)
             for key, slots in outgoing.items()]
+    # after sending, so that peers go on while data-parallel gradients are reduced here
+    for leaf, g in reduce_detached_gradients(own).items():
+        ctx.accumulate(leaf, g)
+    return sent
 
 
 def propagate(agent, ctx: DistAutogradContext, roots: list[torch.Tensor],
