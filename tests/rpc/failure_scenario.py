@@ -12,7 +12,7 @@ import sys
 
 import shardwise.rpc as rpc
 from tests.rpc import helpers
-from tests.rpc.conftest import ROOT, free_port
+from tests.rpc.conftest import ROOT, free_port, python_path
 
 
 def victim() -> None:
@@ -27,7 +27,7 @@ def main() -> None:
         return
     init = f"tcp://127.0.0.1:{free_port()}"
     proc = subprocess.Popen([sys.executable, "-m", "tests.rpc.failure_scenario", "victim"],
-                            cwd=ROOT, env=dict(os.environ, INIT=init, PYTHONPATH=str(ROOT)))
+                            cwd=ROOT, env=dict(os.environ, INIT=init, PYTHONPATH=python_path()))
     opts = rpc.TensorPipeRpcBackendOptions(init_method=init, rpc_timeout=30, shutdown_timeout=20)
     rpc.init_rpc("survivor", rank=0, world_size=2, rpc_backend_options=opts)
     pending = rpc.rpc_async("victim", helpers.die_soon, args=(0.5,))

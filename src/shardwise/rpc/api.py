@@ -40,8 +40,11 @@ def init_rpc(name: str, backend: Any = None, rank: int = -1, world_size: int | N
 
 
 def shutdown(graceful: bool = True, timeout: float | None = None) -> None:
-    """Leave the group. ``graceful``: first wait (bounded) until no worker has work in flight;
-    see [Note: shutdown] in agent.py."""
+    """Leave the group. ``graceful`` (torch's default): first wait until every worker has
+    called ``shutdown()``, serving peers meanwhile; ``timeout`` seconds bound that wait (None:
+    the agent's ``shutdown_timeout``; 0: no limit, torch's default). A worker that died before
+    calling it is a :class:`WorkerDied` error, raised after this worker has shut down. See
+    [Note: shutdown] in agent.py."""
     agent = current.maybe_agent()
     if agent is None:
         return
@@ -49,6 +52,16 @@ def shutdown(graceful: bool = True, timeout: float | None = None) -> None:
         agent.shutdown(graceful, timeout)
     finally:
         current.set_agent(None)
+
+
+def get_rpc_timeout() -> float:
+    """The default timeout of this worker's calls, in seconds (0: none), as torch's."""
+    return float(current.get_agent().options.rpc_timeout)
+
+
+def is_available() -> bool:
+    """Whether RPC can be used in this build: always, it needs only sockets and c10d's store."""
+    return True
 
 
 def get_worker_info(worker_name: str | None = None) -> WorkerInfo:
