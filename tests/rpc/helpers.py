@@ -257,3 +257,19 @@ class BatchSum:
 
 def scalar_loss(x, w):
     return (x * w).sum()
+
+
+def remote_module_forward(remote_module, x):
+    """A RemoteModule received in an RPC, used on this worker."""
+    return remote_module(x), remote_module.forward_async(x).wait()
+
+
+def remote_module_owner(remote_module) -> str:
+    return remote_module.get_module_rref().owner_name()
+
+
+def local_backward_of_owned(x):
+    """An owner RRef of a scalar, backward without a distributed context: ``.grad``."""
+    leaf = x.detach().requires_grad_()
+    rpc.RRef((leaf * leaf).sum()).backward()
+    return leaf.grad

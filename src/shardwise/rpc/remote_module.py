@@ -14,7 +14,6 @@ parameters) can be given to :class:`DistributedOptimizer`. A RemoteModule may be
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 import torch
@@ -27,22 +26,36 @@ from shardwise.rpc.serialization import current_session
 
 __all__ = ["RemoteModule"]
 
-_WORKER_DEVICE = re.compile(r"^(?:(?P<worker>[^/]+)/)?(?P<device>[^/]*)$")
-
-
 def parse_remote_device(remote_device: str) -> tuple[str | int, torch.device]:
-    """``"worker1/cuda:0"`` or ``"rank:1/cpu"`` -> (worker name or rank, device)."""
-    match = _WORKER_DEVICE.match(remote_device) if isinstance(remote_device, str) else None
-    if match is None or not match.group("worker"):
-        raise ValueError(f"remote_device must look like 'worker_name/device' or "
-                         f"'rank:<rank>/device', e.g. 'worker1/cpu'; got {remote_device!r}")
-    worker, device = match.group("worker"), torch.device(match.group("device") or "cpu")
+    """``"worker1/cuda:0"``, ``"rank:1/cpu"`` or ``"worker1"`` (on its CPU) -> (worker name or
+    rank, device), as torch's ``_remote_device``."""
+    if not isinstance(remote_device, str) or remote_device.count("/") > 1:
+        raise ValueError(f"remote_device must look like 'worker_name/device', "
+                         f"'rank:<rank>/device' or 'worker_name'; got {remote_device!r}")
+    worker, _, device = remote_device.partition("/")
+    if not device and _is_device(worker):
+        raise ValueError(f"remote_device {remote_device!r} names a device but no worker; "
+                         "write 'worker_name/device' or 'rank:<rank>/device'")
+    if not worker:
+        raise ValueError(f"remote_device {remote_device!r} names no worker")
+    try:
+        dev = torch.device(device or "cpu")
+    except RuntimeError as exc:
+        raise ValueError(f"bad device in remote_device {remote_device!r}: {exc}") from None
     if worker.startswith("rank:"):
         try:
-            return int(worker[len("rank:"):]), device
+            return int(worker[len("rank:"):]), dev
         except ValueError:
             raise ValueError(f"bad rank in remote_device {remote_device!r}") from None
-    return worker, device
+    return worker, dev
+
+
+def _is_device(text: str) -> bool:
+    try:
+        torch.device(text)
+    except RuntimeError:
+        return False
+    return True
 
 
 def _create_module(module_cls: type, args: tuple, kwargs: dict, device: str) -> nn.Module:
