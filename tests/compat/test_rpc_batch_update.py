@@ -20,7 +20,7 @@ from tests.harness import assert_rel_close
 from tests.rpc.launch import run_both, save
 
 # the program's one line that differs between the two runs: the import
-IMPL = sys.argv[1] if __name__ == "__main__" else "torch"
+IMPL = sys.argv[1] if __name__ == "__main__" else "torch"  # (pytest: for the decorator)
 if IMPL == "torch":
     import torch.distributed.rpc as rpc
 else:
