@@ -12,7 +12,8 @@ calls are done, while all keep serving their peers, (3) close. So a parameter se
 Like torch's default (``timeout=0``) the barrier has no time limit; a positive ``timeout`` bounds
 it (TimeoutError naming the ranks that never arrived). It still cannot hang on a dead peer: a
 worker whose connection is lost before it reached the barrier stops the wait, and shutdown
-closes this agent and raises WorkerDied naming it (after waiting for the live ones).
+closes this agent and raises WorkerDied naming it (after waiting for the live ones). A process
+that dies closes its sockets at once; a host that vanishes is found by TCP keepalive (wire.py).
 """
 
 from __future__ import annotations
@@ -359,20 +360,16 @@ class RpcAgent:
         if self.state is AgentState.CLOSED:
             return
         timeout = self.options.shutdown_timeout if timeout is None else float(timeout)
-        error: BaseException | None = None
-        if graceful:
-            try:
+        try:
+            if graceful:
                 self._drain(timeout if timeout > 0 else None)
-            except (WorkerDied, TimeoutError, rendezvous.RendezvousError) as exc:
-                error = exc
-        self.state = AgentState.CLOSED
-        self.pending.fail_all(lambda call: RuntimeError(f"{call.what}: RPC agent shut down"))
-        self.rrefs.close()
-        self.transport.close()
-        self.pending.close()
-        self.pool.shutdown()
-        if error is not None:
-            raise error
+        finally:  # closed also when the barrier reports a dead or late worker
+            self.state = AgentState.CLOSED
+            self.pending.fail_all(lambda call: RuntimeError(f"{call.what}: RPC agent shut down"))
+            self.rrefs.close()
+            self.transport.close()
+            self.pending.close()
+            self.pool.shutdown()
 
     def _drain(self, limit: float | None) -> None:
         deadline = None if limit is None else time.monotonic() + limit
