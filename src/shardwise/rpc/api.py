@@ -22,7 +22,9 @@ def init_rpc(name: str, backend: Any = None, rank: int = -1, world_size: int | N
     """Join the RPC group as worker ``name``; returns once every worker is connected.
 
     ``rank`` / ``world_size`` default to $RANK / $WORLD_SIZE (torchrun). ``backend`` is accepted
-    for torch's signature; there is one backend.
+    for torch's signature; there is one backend. The rendezvous store at MASTER_ADDR /
+    MASTER_PORT (or ``tcp://``) is shared with a process group on the same address, made before
+    or after this call ([Note: shared store] in rendezvous.py).
     """
     if not isinstance(name, str) or not name:
         raise ValueError(f"worker name must be a non-empty string, got {name!r}")
