@@ -16,7 +16,6 @@ import threading
 import torch
 from torch import nn
 
-from tests.harness import assert_rel_close
 from tests.rpc.launch import run_both, save
 
 # the program's one line that differs between the two runs: the import
@@ -119,6 +118,8 @@ def main(impl: str, out_dir: str) -> None:
 
 
 def test_batch_update_with_async_execution_and_then_matches_torch(tmp_path):
+    from tests.harness import assert_rel_close
+
     runs = run_both("tests.compat.test_rpc_batch_update", 1 + TRAINERS, tmp_path)
     for rank in range(1, 1 + TRAINERS):
         ours, theirs = runs["shardwise"][rank], runs["torch"][rank]

@@ -15,7 +15,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tests.harness import assert_rel_close
 from tests.rpc.launch import run_both, save
 
 # the program's one line that differs between the two runs: the imports
@@ -59,6 +58,8 @@ def main(impl: str, out_dir: str) -> None:
 
 
 def test_ddp_and_rpc_share_torchrun_port_and_train_as_torch(tmp_path):
+    from tests.harness import assert_rel_close
+
     runs = run_both("tests.compat.test_rpc_ddp_share_port", 2, tmp_path, torchrun=True)
     for rank in range(2):
         ours, theirs = runs["shardwise"][rank], runs["torch"][rank]

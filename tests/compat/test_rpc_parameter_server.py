@@ -15,7 +15,6 @@ import threading
 import torch
 from torch import nn
 
-from tests.harness import assert_rel_close
 from tests.rpc.launch import run_both, save
 
 # the program's one line that differs between the two runs: the imports
@@ -110,6 +109,8 @@ def main(impl: str, out_dir: str) -> None:
 
 
 def test_parameter_server_shut_down_at_once_trains_as_with_torch(tmp_path):
+    from tests.harness import assert_rel_close
+
     runs = run_both("tests.compat.test_rpc_parameter_server", 3, tmp_path)
     for rank in (1, 2):
         ours, theirs = runs["shardwise"][rank], runs["torch"][rank]

@@ -16,7 +16,6 @@ import sys
 import torch
 from torch import nn
 
-from tests.harness import assert_rel_close
 from tests.rpc.launch import run_both, save
 
 # the program's one line that differs between the two runs: the imports
@@ -78,6 +77,8 @@ def main(impl: str, out_dir: str) -> None:
 
 
 def test_remote_module_with_distributed_optimizer_trains_as_torch(tmp_path):
+    from tests.harness import assert_rel_close
+
     runs = run_both("tests.compat.test_rpc_remote_module", 3, tmp_path)
     ours, theirs = runs["shardwise"][0], runs["torch"][0]
     assert_rel_close(ours["losses"], theirs["losses"], 1e-6, "losses")

@@ -15,14 +15,14 @@ from pathlib import Path
 
 import torch
 
-from tests.rpc.conftest import ROOT, free_port, python_path
-
 IMPLS = ("torch", "shardwise")
 
 
 def run_program(module: str, impl: str, world: int, out_dir: Path, torchrun: bool = False,
                 timeout: float = 180) -> list[dict]:
     """Run every rank of ``module`` with ``impl``; returns each rank's saved results."""
+    from tests.rpc.conftest import ROOT, free_port, python_path  # (not in the ranks: pytest)
+
     env = dict(os.environ, PYTHONPATH=python_path(), OMP_NUM_THREADS="1",
                TP_SOCKET_IFNAME="lo", GLOO_SOCKET_IFNAME="lo")
     args = [module, impl, str(out_dir)]
