@@ -28,9 +28,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def python_path() -> str:
+    """The tests' root and this checkout's sources first (not an installed shardwise)."""
+    return os.pathsep.join(p for p in (str(ROOT), str(ROOT / "src"),
+                                       os.environ.get("PYTHONPATH", "")) if p)
+
+
 def spawn(module: str, rank: int, world: int, port: int, extra_env=None) -> subprocess.Popen:
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-               WORLD_SIZE=str(world), PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1",
+               WORLD_SIZE=str(world), PYTHONPATH=python_path(), OMP_NUM_THREADS="1",
                **(extra_env or {}))
     return subprocess.Popen([sys.executable, "-m", module], env=env, cwd=ROOT)
 

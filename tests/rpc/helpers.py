@@ -184,3 +184,92 @@ def meet(key: str, parties: int) -> int:
     with _meetings_lock:
         barrier = _meetings.setdefault(key, threading.Barrier(parties, timeout=30))
     return barrier.wait()
+
+
+# ---------------------------------------------------------------- async_execution
+@rpc.functions.async_execution
+def async_add_then(to: str, x, y, z):
+    """torch's docs' example: a nested RPC whose ``.then`` future is the reply."""
+    return rpc.rpc_async(to, torch.add, args=(x, y)).then(lambda fut: fut.wait() + z)
+
+
+@rpc.functions.async_execution
+def async_collect(to: str, xs):
+    """``collect_all`` of several RPCs, summed in ``.then`` (a plain torch._C.Future)."""
+    futs = [rpc.rpc_async(to, torch.mul, args=(x, 2)) for x in xs]
+    return torch.futures.collect_all(futs).then(lambda f: sum(g.wait() for g in f.wait()))
+
+
+@rpc.functions.async_execution
+def async_not_a_future(x):
+    return x
+
+
+@rpc.functions.async_execution
+def async_fails(message: str):
+    fut = torch.futures.Future()
+    fut.set_exception(ValueError(message))
+    return fut
+
+
+class AsyncOps:
+    """async_execution on a staticmethod, a classmethod and a method (torch's docs)."""
+
+    @staticmethod
+    @rpc.functions.async_execution
+    def static_add(to: str, x, y, z):
+        return rpc.rpc_async(to, torch.add, args=(x, y)).then(lambda fut: fut.wait() + z)
+
+    @classmethod
+    @rpc.functions.async_execution
+    def class_add(cls, to: str, x, y, z):
+        out = torch.futures.Future()
+        rpc.rpc_async(to, torch.add, args=(x, y)).then(lambda fut: out.set_result(fut.wait() + z))
+        return out
+
+    @rpc.functions.async_execution
+    def bound_add(self, to: str, x, y, z):
+        return rpc.rpc_async(to, torch.add, args=(x, y)).then(lambda fut: fut.wait() + z)
+
+
+class BatchSum:
+    """The batch-update pattern: every caller gets the same pending future; the call that
+    completes a batch of ``size`` sets its result to the batch's sum."""
+
+    def __init__(self, size: int):
+        self.size, self.lock = size, threading.Lock()
+        self.items: list = []
+        self.future = torch.futures.Future()
+
+    @staticmethod
+    @rpc.functions.async_execution
+    def add(batch_rref, x):
+        self = batch_rref.local_value()
+        with self.lock:
+            self.items.append(x)
+            fut = self.future
+            if len(self.items) == self.size:
+                total = sum(self.items)
+                self.items, self.future = [], torch.futures.Future()
+                fut.set_result(total)
+        return fut.then(lambda f: f.wait() * 1)
+
+
+def scalar_loss(x, w):
+    return (x * w).sum()
+
+
+def remote_module_forward(remote_module, x):
+    """A RemoteModule received in an RPC, used on this worker."""
+    return remote_module(x), remote_module.forward_async(x).wait()
+
+
+def remote_module_owner(remote_module) -> str:
+    return remote_module.get_module_rref().owner_name()
+
+
+def local_backward_of_owned(x):
+    """An owner RRef of a scalar, backward without a distributed context: ``.grad``."""
+    leaf = x.detach().requires_grad_()
+    rpc.RRef((leaf * leaf).sum()).backward()
+    return leaf.grad

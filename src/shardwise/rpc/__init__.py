@@ -4,14 +4,18 @@ Same names and signatures as ``torch.distributed.rpc``; ``shardwise.rpc.autograd
 ``torch.distributed.autograd``. One agent per process (init_rpc ... shutdown). Layout: agent.py
 (requests, serving, shutdown), transport.py / wire.py / auth.py (sockets, frames, handshake),
 serialization.py / callables.py (payloads, what peers may name), rref.py / rref_context.py
-(references and their counting), device_maps.py / cuda_transfer.py, autograd/, optimizer.py.
+(references and their counting), device_maps.py / cuda_transfer.py, autograd/, optimizer.py,
+functions.py (``async_execution``), remote_module.py (``RemoteModule``, torch's
+``torch.distributed.nn.RemoteModule``).
 """
 
-from shardwise.rpc import autograd
+from shardwise.rpc import autograd, functions
 from shardwise.rpc.agent import WorkerDied
 from shardwise.rpc.api import (
+    get_rpc_timeout,
     get_worker_info,
     init_rpc,
+    is_available,
     remote,
     rpc_async,
     rpc_sync,
@@ -27,6 +31,7 @@ from shardwise.rpc.options import (
     TensorPipeRpcBackendOptions,
     WorkerInfo,
 )
+from shardwise.rpc.remote_module import RemoteModule
 from shardwise.rpc.rendezvous import RendezvousError
 from shardwise.rpc.rref import RRef
 
@@ -35,6 +40,7 @@ __all__ = [
     "DistributedOptimizer",
     "ForbiddenCallable",
     "RRef",
+    "RemoteModule",
     "RemoteException",
     "RendezvousError",
     "RpcBackendOptions",
@@ -42,8 +48,11 @@ __all__ = [
     "WorkerDied",
     "WorkerInfo",
     "autograd",
+    "functions",
+    "get_rpc_timeout",
     "get_worker_info",
     "init_rpc",
+    "is_available",
     "register_module",
     "remote",
     "rpc_async",

@@ -5,10 +5,15 @@ applies the order-sensitive part of RRef bookkeeping; a pool of ``num_worker_thr
 (workers.py) runs user functions and sends every reply (a reader never sends); one thread times
 calls out (pending.py); one sends RRef deletions (rref_context.py).
 
-[Note: shutdown] ``shutdown(graceful=True)``: (1) send queued RRef deletions and wait for this
-worker's outstanding calls, (2) a store barrier that every live worker reaches once its own
-calls are done, while all keep serving their peers, (3) close. Ranks known to be dead are not
-waited for, and every step has a deadline, so a dead peer cannot make shutdown hang.
+[Note: shutdown] ``shutdown(graceful=True)``, as torch's: (1) send queued RRef deletions and wait
+for this worker's outstanding calls, (2) a store barrier that every worker reaches once its own
+calls are done, while all keep serving their peers, (3) close. So a parameter server that calls
+``shutdown()`` right after ``init_rpc`` serves its trainers until the last of them shuts down.
+Like torch's default (``timeout=0``) the barrier has no time limit; a positive ``timeout`` bounds
+it (TimeoutError naming the ranks that never arrived). It still cannot hang on a dead peer: a
+worker whose connection is lost before it reached the barrier stops the wait, and shutdown
+closes this agent and raises WorkerDied naming it (after waiting for the live ones). A process
+that dies closes its sockets at once; a host that vanishes is found by TCP keepalive (wire.py).
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import time
 from enum import Enum
 from typing import Any
 
@@ -27,6 +33,7 @@ from shardwise.rpc.autograd.container import AutogradContainer
 from shardwise.rpc.callables import qualified_name, resolve
 from shardwise.rpc.cuda_transfer import CudaTransfer
 from shardwise.rpc.device_maps import DeviceMap, inverse
+from shardwise.rpc.functions import check_async_result, is_future
 from shardwise.rpc.messages import (
     ENVELOPE,
     REQUESTS,
@@ -114,10 +121,11 @@ class RpcAgent:
             try:
                 with self.autograd.bound(ctx_id):
                     result = func(*args, **kwargs)
+                check_async_result(func, result)
             except BaseException as exc:  # noqa: BLE001 - delivered through the future
                 fut.set_exception(exc)
                 return
-            if isinstance(result, torch.futures.Future):
+            if is_future(result):
                 result.add_done_callback(lambda f: _copy_future(f, fut))
             else:
                 fut.set_result(result)
@@ -218,10 +226,11 @@ class RpcAgent:
             func = resolve(fname)
             with self.autograd.bound(ctx_id), self.cuda.reply_map(peer, reply_map):
                 result = func(*args, **kwargs)
+            check_async_result(func, result)
         except BaseException as exc:  # noqa: BLE001 - sent to the caller
             self._send_reply(peer, msg_id, None, exc, ctx_id, reply_map)
             return
-        if isinstance(result, torch.futures.Future):
+        if is_future(result):
             self.reply_when_done(peer, msg_id, result, ctx_id, reply_map)
         else:
             self._send_reply(peer, msg_id, result, None, ctx_id, reply_map)
@@ -267,11 +276,12 @@ class RpcAgent:
                 func = resolve(fname)
                 with self.autograd.bound(ctx_id), self.cuda.reply_map(peer, reply_map):
                     result = func(*args, **kwargs)
+                check_async_result(func, result)
             except BaseException as exc:  # noqa: BLE001
                 entry.future.set_exception(exc)
                 self._send_reply(peer, msg_id, None, exc)
                 return
-            if isinstance(result, torch.futures.Future):
+            if is_future(result):
                 result.add_done_callback(lambda f: _copy_future(f, entry.future))
             else:
                 entry.future.set_result(result)
@@ -346,36 +356,51 @@ class RpcAgent:
             f"({type(exc).__name__}: {exc})"))
 
     def shutdown(self, graceful: bool = True, timeout: float | None = None) -> None:
-        timeout = self.options.shutdown_timeout if timeout is None else timeout
+        """Leave the group ([Note: shutdown]); ``timeout`` 0 or None: no limit."""
         if self.state is AgentState.CLOSED:
             return
-        if graceful:
-            self._drain(timeout)
-        self.state = AgentState.CLOSED
-        self.pending.fail_all(lambda call: RuntimeError(f"{call.what}: RPC agent shut down"))
-        self.rrefs.close()
-        self.transport.close()
-        self.pending.close()
-        self.pool.shutdown()
+        timeout = self.options.shutdown_timeout if timeout is None else float(timeout)
+        try:
+            if graceful:
+                self._drain(timeout if timeout > 0 else None)
+        finally:  # closed also when the barrier reports a dead or late worker
+            self.state = AgentState.CLOSED
+            self.pending.fail_all(lambda call: RuntimeError(f"{call.what}: RPC agent shut down"))
+            self.rrefs.close()
+            self.transport.close()
+            self.pending.close()
+            self.pool.shutdown()
 
-    def _drain(self, timeout: float) -> None:
-        self.rrefs.flush(timeout)
-        if not self.pending.wait_empty(timeout):
+    def _drain(self, limit: float | None) -> None:
+        deadline = None if limit is None else time.monotonic() + limit
+
+        def left() -> float | None:
+            return None if deadline is None else max(deadline - time.monotonic(), 0.0)
+
+        self.rrefs.flush(left())
+        if not self.pending.wait_empty(left()):
             log.warning("shardwise.rpc %s: %d calls still outstanding at shutdown",
                         self.name, self.pending.count())
         self.state = AgentState.DRAINING
         try:
             missing = rendezvous.barrier(self.store, "shutdown", self.rank, self.world_size,
-                                         timeout, skip=lambda: set(self.dead))
-            if missing:
-                log.warning("shardwise.rpc %s: ranks %s never reached shutdown within %.0f s",
-                            self.name, missing, timeout)
-            left = rendezvous.barrier(self.store, "left", self.rank, self.world_size,
-                                      timeout if self.rank == 0 else 0.0,
-                                      skip=lambda: set(self.dead) | set(missing))
-            del left
+                                         left(), dead=lambda: set(self.dead))
+            # the store's host (rank 0 without a launcher) stays until everyone has read it
+            rendezvous.barrier(self.store, "left", self.rank, self.world_size,
+                               left() if self.rank == 0 else 0.0,
+                               dead=lambda: set(self.dead) | set(missing))
         except (RuntimeError, OSError, dist.DistStoreError) as exc:  # store host gone
-            log.warning("shardwise.rpc %s: shutdown barrier interrupted: %s", self.name, exc)
+            raise rendezvous.RendezvousError(
+                f"shutdown on {self.name!r}: lost the rendezvous store while waiting for the "
+                f"other workers ({type(exc).__name__}: {exc})") from exc
+        died = [r for r in missing if r in self.dead]
+        if died:
+            names = ", ".join(f"{self.workers[r].name!r} (rank {r})" for r in died)
+            raise WorkerDied(f"shutdown on {self.name!r}: worker {names} died before calling "
+                             "shutdown(); this worker has shut down")
+        if missing:
+            raise TimeoutError(f"shutdown on {self.name!r}: ranks {missing} did not call "
+                               f"shutdown() within {limit:g} s; this worker has shut down")
 
 
 def _copy_future(src: torch.futures.Future, dst: torch.futures.Future) -> None:
@@ -392,9 +417,9 @@ def start_agent(name: str, rank: int, world_size: int, options: TensorPipeRpcBac
     from shardwise.rpc.device_maps import as_device, local_devices, validate_device_maps
 
     devices = local_devices(options.devices, options.device_maps)  # bad maps fail before
-    store = options.store or rendezvous.make_store(options.init_method, rank, world_size,
-                                                   options.connect_timeout)
-    token = rendezvous.share_token(store, rank)
+    store = rendezvous.scoped(options.store or rendezvous.make_store(
+        options.init_method, rank, world_size, options.connect_timeout))
+    token = rendezvous.share_token(store, rank, options.connect_timeout)
     store_host = None if options.store else _store_host(options.init_method)
     host = rendezvous.advertised_host(store_host)
     holder: dict[str, Transport] = {}

@@ -22,7 +22,9 @@ def init_rpc(name: str, backend: Any = None, rank: int = -1, world_size: int | N
     """Join the RPC group as worker ``name``; returns once every worker is connected.
 
     ``rank`` / ``world_size`` default to $RANK / $WORLD_SIZE (torchrun). ``backend`` is accepted
-    for torch's signature; there is one backend.
+    for torch's signature; there is one backend. The rendezvous store at MASTER_ADDR /
+    MASTER_PORT (or ``tcp://``) is shared with a process group on the same address, made before
+    or after this call ([Note: shared store] in rendezvous.py).
     """
     if not isinstance(name, str) or not name:
         raise ValueError(f"worker name must be a non-empty string, got {name!r}")
@@ -40,8 +42,11 @@ def init_rpc(name: str, backend: Any = None, rank: int = -1, world_size: int | N
 
 
 def shutdown(graceful: bool = True, timeout: float | None = None) -> None:
-    """Leave the group. ``graceful``: first wait (bounded) until no worker has work in flight;
-    see [Note: shutdown] in agent.py."""
+    """Leave the group. ``graceful`` (torch's default): first wait until every worker has
+    called ``shutdown()``, serving peers meanwhile; ``timeout`` seconds bound that wait (None:
+    the agent's ``shutdown_timeout``; 0: no limit, torch's default). A worker that died before
+    calling it is a :class:`WorkerDied` error, raised after this worker has shut down. See
+    [Note: shutdown] in agent.py."""
     agent = current.maybe_agent()
     if agent is None:
         return
@@ -49,6 +54,16 @@ def shutdown(graceful: bool = True, timeout: float | None = None) -> None:
         agent.shutdown(graceful, timeout)
     finally:
         current.set_agent(None)
+
+
+def get_rpc_timeout() -> float:
+    """The default timeout of this worker's calls, in seconds (0: none), as torch's."""
+    return float(current.get_agent().options.rpc_timeout)
+
+
+def is_available() -> bool:
+    """Whether RPC can be used in this build: always, it needs only sockets and c10d's store."""
+    return True
 
 
 def get_worker_info(worker_name: str | None = None) -> WorkerInfo:

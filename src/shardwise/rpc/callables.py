@@ -74,12 +74,22 @@ def qualified_name(func: Callable[..., Any]) -> str:
             found = _walk(sys.modules[module], name)
         except (KeyError, AttributeError):
             continue
-        if found is func or getattr(found, "__func__", found) is func:
+        if _same_callable(found, func):
             return f"{module}:{name}"
     raise TypeError(
         f"RPC function {func!r} is not reachable as {module}:{qualname}; define it at "
         "module level so that the callee can find it by name"
     )
+
+
+def _same_callable(found: Any, func: Any) -> bool:
+    """``found`` is ``func``; a class method is a new bound object at every access, so two
+    bound methods are the same when their function and their ``__self__`` are."""
+    if found is func or getattr(found, "__func__", found) is func:
+        return True
+    return (getattr(found, "__func__", None) is not None
+            and getattr(found, "__func__", None) is getattr(func, "__func__", None)
+            and getattr(found, "__self__", None) is getattr(func, "__self__", None))
 
 
 def resolve(name: str) -> Any:

@@ -10,6 +10,7 @@ import torch.distributed as dist
 from shardwise.rpc.device_maps import DeviceMap, normalize_device_map, normalize_devices
 
 DEFAULT_RPC_TIMEOUT = 60.0  # seconds, as torch's
+DEFAULT_SHUTDOWN_TIMEOUT = 0.0  # torch's: no limit
 UNSET_RPC_TIMEOUT = -1.0  # "use the agent's rpc_timeout"; 0 means no timeout (torch's rule)
 
 
@@ -26,9 +27,12 @@ class TensorPipeRpcBackendOptions:
     """Agent options with torch's names; ``store`` and ``shutdown_timeout`` are ours.
 
     ``init_method``: ``"env://"`` (MASTER_ADDR / MASTER_PORT, as torchrun sets them) or
-    ``"tcp://host:port"``; rank 0 hosts the c10d TCPStore there. ``store``: an existing c10d
-    store to rendezvous through instead. ``device_maps``: ``{worker_name: {local: remote}}``;
-    ``devices``: the local devices this agent may use (default: those the maps name).
+    ``"tcp://host:port"``: the c10d TCPStore there, shared with the default process group's
+    (see [Note: shared store] in rendezvous.py). ``store``: an existing c10d store to
+    rendezvous through instead. ``shutdown_timeout``: the bound of a graceful ``shutdown()``
+    that passes no timeout; 0 (default, as torch's): wait as long as the live workers work.
+    ``device_maps``: ``{worker_name: {local: remote}}``; ``devices``: the local devices this
+    agent may use (default: those the maps name).
     """
 
     num_worker_threads: int = 16
@@ -37,7 +41,7 @@ class TensorPipeRpcBackendOptions:
     device_maps: dict[str, DeviceMap] = field(default_factory=dict)
     devices: list[Any] | None = None
     store: dist.Store | None = None
-    shutdown_timeout: float = 60.0
+    shutdown_timeout: float = 0.0  # seconds; 0: no limit
     connect_timeout: float = 60.0
 
     def __post_init__(self) -> None:
@@ -45,6 +49,9 @@ class TensorPipeRpcBackendOptions:
             raise ValueError(f"num_worker_threads must be >= 1, got {self.num_worker_threads}")
         if self.rpc_timeout < 0:
             raise ValueError(f"rpc_timeout must be >= 0 seconds (0: none), got {self.rpc_timeout}")
+        if self.shutdown_timeout < 0:
+            raise ValueError(f"shutdown_timeout must be >= 0 seconds (0: none), got "
+                             f"{self.shutdown_timeout}")
         self.device_maps = {str(k): normalize_device_map(v)
                             for k, v in (self.device_maps or {}).items()}
         if self.devices is not None:

@@ -70,11 +70,13 @@ class PendingCalls:
     def count(self) -> int:
         return len(self._calls)
 
-    def wait_empty(self, timeout: float) -> bool:
-        deadline = time.monotonic() + timeout
+    def wait_empty(self, timeout: float | None) -> bool:
+        """Wait until no call is outstanding, at most ``timeout`` seconds (None: no limit;
+        every call has its own deadline unless its timeout is 0)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
         with self._cv:
             while self._calls:
-                left = deadline - time.monotonic()
+                left = 0.1 if deadline is None else deadline - time.monotonic()
                 if left <= 0:
                     return False
                 self._cv.wait(min(left, 0.1))

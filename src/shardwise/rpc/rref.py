@@ -10,6 +10,7 @@ from typing import Any, Generic, TypeVar
 import torch
 
 from shardwise.rpc.current import get_agent
+from shardwise.rpc.functions import check_async_result
 from shardwise.rpc.messages import Kind
 from shardwise.rpc.options import UNSET_RPC_TIMEOUT, WorkerInfo
 from shardwise.rpc.serialization import current_session
@@ -80,6 +81,29 @@ class RRef(Generic[T]):
                             f"to_here() from {self.owner_name()!r}")
         return fut.wait()
 
+    # ---------------------------------------------------------------- autograd
+    def backward(self, dist_autograd_ctx_id: int = -1, retain_graph: bool = False) -> None:
+        """Backward from this RRef's value (a scalar tensor), as torch's ``RRef.backward``.
+
+        ``dist_autograd_ctx_id`` -1: a local backward (``.grad``), only on the owner. Otherwise
+        a distributed backward of that context started on the owner (an RPC when the owner is
+        another worker); gradients are then read with ``autograd.get_gradients``.
+        """
+        if dist_autograd_ctx_id == -1:
+            if not self.is_owner():
+                raise RuntimeError(f"RRef.backward() without a distributed autograd context "
+                                   f"runs on the owner only; this RRef is owned by "
+                                   f"{self.owner_name()!r}")
+            _scalar_value(self).backward(retain_graph=retain_graph)
+            return
+        if self.is_owner():
+            backward_on_owner(self, dist_autograd_ctx_id, retain_graph)
+            return
+        from shardwise.rpc import api
+
+        api.rpc_sync(self.owner(), backward_on_owner,
+                     args=(self, dist_autograd_ctx_id, retain_graph))
+
     # ---------------------------------------------------------------- proxies
     def rpc_sync(self, timeout: float = UNSET_RPC_TIMEOUT) -> _Proxy:
         return _Proxy(self, "rpc_sync", timeout)
@@ -109,8 +133,27 @@ class _Proxy:
 
 
 def invoke_method(method: str, rref: RRef, args: tuple, kwargs: dict) -> Any:
-    """Runs on the owner: ``rref.local_value().method(*args, **kwargs)``."""
-    return getattr(rref.local_value(), method)(*args, **kwargs)
+    """Runs on the owner: ``rref.local_value().method(*args, **kwargs)`` (a future returned by
+    an ``@async_execution`` method is answered when it completes, see functions.py)."""
+    target = getattr(rref.local_value(), method)
+    result = target(*args, **kwargs)
+    check_async_result(target, result)
+    return result
+
+
+def _scalar_value(rref: RRef) -> torch.Tensor:
+    value = rref.local_value()
+    if not isinstance(value, torch.Tensor):
+        raise RuntimeError(f"RRef.backward() needs an RRef of a tensor, this one holds a "
+                           f"{type(value).__name__}")
+    return value
+
+
+def backward_on_owner(rref: RRef, context_id: int, retain_graph: bool) -> None:
+    """Runs on the owner: a distributed backward of ``context_id`` from the RRef's value."""
+    from shardwise.rpc import autograd
+
+    autograd.backward(context_id, [_scalar_value(rref)], retain_graph=retain_graph)
 
 
 def rebuild_rref(rref_id, owner: int, fork) -> RRef:

@@ -156,12 +156,13 @@ class RRefContext:
             self._inflight.discard(fut)
             self._idle.notify_all()
 
-    def flush(self, timeout: float) -> bool:
-        """Wait until queued deletions are sent and acknowledged (graceful shutdown)."""
-        deadline = time.monotonic() + timeout
+    def flush(self, timeout: float | None) -> bool:
+        """Wait until queued deletions are sent and acknowledged (graceful shutdown); each
+        deletion is a call with the RPC timeout, and ``timeout`` (None: none) bounds them all."""
+        deadline = None if timeout is None else time.monotonic() + timeout
         with self._idle:
             while self._queued or self._inflight:
-                left = deadline - time.monotonic()
+                left = 0.05 if deadline is None else deadline - time.monotonic()
                 if left <= 0:
                     log.warning("shardwise.rpc: %d RRef deletions unacknowledged at shutdown",
                                 self._queued + len(self._inflight))

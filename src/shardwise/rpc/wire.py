@@ -42,8 +42,18 @@ class PeerClosed(ConnectionError):
         self.truncated = truncated
 
 
+KEEPALIVE = (30, 5, 4)  # idle seconds, seconds between probes, probes: a vanished host ~50 s
+
+
 def tune(sock: socket.socket) -> None:
+    """No Nagle delay, large buffers, and TCP keepalive, so that a peer whose host vanished
+    without closing the connection (power, network) is noticed as lost: nothing then waits
+    for it forever, not even a graceful shutdown, which has no time limit."""
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for name, value in zip(("TCP_KEEPIDLE", "TCP_KEEPINTVL", "TCP_KEEPCNT"), KEEPALIVE):
+        if hasattr(socket, name):  # Linux; other systems keep their defaults
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER)
 

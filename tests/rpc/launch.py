@@ -1,0 +1,58 @@
+"""Run a small multi-process program once per RPC implementation (tests/compat).
+
+A program is a module run as ``python -m MODULE IMPL OUT_DIR``, with IMPL ``torch`` or
+``shardwise``; every rank saves what it computed to ``OUT_DIR/IMPL_rank<r>.pt``. Ranks get
+RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT as a launcher sets them, or run under torchrun
+itself (``torchrun=True``), whose agent then hosts the store on MASTER_PORT.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+IMPLS = ("torch", "shardwise")
+
+
+def run_program(module: str, impl: str, world: int, out_dir: Path, torchrun: bool = False,
+                timeout: float = 180) -> list[dict]:
+    """Run every rank of ``module`` with ``impl``; returns each rank's saved results."""
+    from tests.rpc.conftest import ROOT, free_port, python_path  # (not in the ranks: pytest)
+
+    env = dict(os.environ, PYTHONPATH=python_path(), OMP_NUM_THREADS="1",
+               TP_SOCKET_IFNAME="lo", GLOO_SOCKET_IFNAME="lo")
+    args = [module, impl, str(out_dir)]
+    if torchrun:
+        cmds = [[sys.executable, "-m", "torch.distributed.run", "--standalone",
+                 f"--nproc-per-node={world}", "-m", *args]]
+        envs = [env]
+    else:
+        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(world))
+        cmds = [[sys.executable, "-m", *args]] * world
+        envs = [dict(env, RANK=str(r), LOCAL_RANK=str(r)) for r in range(world)]
+    procs = [subprocess.Popen(c, cwd=ROOT, env=e, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for c, e in zip(cmds, envs)]
+    outputs = []
+    try:
+        for p in procs:
+            outputs.append(p.communicate(timeout=timeout)[0])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    failed = [(p.args, out) for p, out in zip(procs, outputs) if p.returncode != 0]
+    assert not failed, f"{impl} run of {module} failed:\n" + "\n".join(o for _, o in failed)
+    return [torch.load(out_dir / f"{impl}_rank{r}.pt", weights_only=True) for r in range(world)]
+
+
+def run_both(module: str, world: int, out_dir: Path, torchrun: bool = False) -> dict:
+    """``{impl: per-rank results}`` for torch's RPC and ours."""
+    return {impl: run_program(module, impl, world, out_dir, torchrun) for impl in IMPLS}
+
+
+def save(out_dir: str, impl: str, rank: int, results: dict) -> None:
+    torch.save(results, Path(out_dir) / f"{impl}_rank{rank}.pt")
