@@ -131,8 +131,10 @@ def to_load(model: nn.Module, optim: torch.optim.Optimizer,
 
 
 def _import(value: Any, param: nn.Parameter, what: str) -> Any:
-    if not isinstance(value, torch.Tensor) or value.dim() == 0:
+    if not isinstance(value, torch.Tensor):
         return value
+    if value.dim() == 0:  # e.g. Adam's step, which the optimizer increments in place
+        return value.detach().clone()
     if tuple(value.shape) != tuple(param.shape):
         raise ValueError(f"optimizer state {what} has shape {tuple(value.shape)}, the parameter "
                          f"{tuple(param.shape)}")
