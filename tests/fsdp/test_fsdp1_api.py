@@ -259,6 +259,44 @@ def test_optim_state_dict_round_trips(world_size):
             assert_rel_close(p, after[name], 1e-4, f"plain {via} {name}")
 
 
+def _optim_rank0_only(ctx):
+    """Only rank 0 holds the full optimizer state: FullOptimStateDictConfig(rank0_only=True)
+    when loading, and scatter_full_optim_state_dict, send it to the others."""
+    reference, model = _models()
+    opt, ref_opt = _adam(model.parameters()), _adam(reference.parameters())
+    _step(model, reference, ctx, 0, [opt, ref_opt])
+    cfg = TorchFullOptimConfig(rank0_only=True)
+    with FSDP.state_dict_type(model, TorchStateDictType.FULL_STATE_DICT,
+                              TorchFullConfig(rank0_only=False), cfg):
+        model_state = model.state_dict()
+        saved = FSDP.optim_state_dict(model, opt)  # collective; {} on ranks other than 0
+    saved = _clone(saved) if ctx.rank == 0 else saved
+    _step(model, reference, ctx, 1, [ref_opt])
+    after = {n: p.detach().clone() for n, p in reference.named_parameters()}
+    for via in ("rank0_only", "scatter"):
+        _, fresh = _models()
+        fresh.load_state_dict(model_state)
+        fresh_opt = _adam(fresh.parameters())
+        mine = copy.deepcopy(saved) if ctx.rank == 0 else None
+        if via == "scatter":
+            loaded = FSDP.scatter_full_optim_state_dict(mine, fresh, optim=fresh_opt)
+        else:
+            with FSDP.state_dict_type(fresh, TorchStateDictType.FULL_STATE_DICT,
+                                      TorchFullConfig(), cfg):
+                loaded = FSDP.optim_state_dict_to_load(fresh, fresh_opt, mine or {})
+        fresh_opt.load_state_dict(loaded)
+        assert fresh_opt.param_groups[0]["betas"] == (0.9, 0.999)
+        _step(fresh, _models()[0], ctx, 1, [fresh_opt])
+        with FSDP.summon_full_params(fresh):
+            for name, p in fresh.named_parameters():
+                assert_rel_close(p, after[name], 1e-4, f"{via} resumed {name}")
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_optim_state_from_rank0_only(world_size):
+    run_on_ranks(world_size, _optim_rank0_only)
+
+
 def _clone(osd):
     return {"state": {k: {n: v.detach().clone() if isinstance(v, torch.Tensor) else v
                           for n, v in s.items()} for k, s in osd["state"].items()},

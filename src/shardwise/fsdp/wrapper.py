@@ -36,6 +36,7 @@ from shardwise.fsdp.fsdp1_state_dict import load_local, transform_state_dict
 from shardwise.fsdp.fully_shard import fully_shard
 from shardwise.fsdp.mixed_precision import CPUOffload, MixedPrecision
 from shardwise.fsdp.policies import WrapPolicy, modules_to_wrap
+from shardwise.fsdp.state_broadcast import broadcast_named_state, restore_tuples
 from shardwise.fsdp.state_dict import WRAPPED, check_keys, clean_name
 from shardwise.fsdp.summon import summon_full_params
 from shardwise.fsdp.sync import no_sync
@@ -245,18 +246,17 @@ class FullyShardedDataParallel(nn.Module):
                                  is_named_optimizer: bool = False, load_directly: bool = False,
                                  group: dist.ProcessGroup | None = None) -> dict[str, Any]:
         """The state dict ``optim.load_state_dict`` takes, from a name-keyed one (full or
-        sharded); no collective. Works for a model without wrappers too (then whole tensors
-        load as they are)."""
+        sharded); no collective, except under ``FullOptimStateDictConfig(rank0_only=True)``:
+        then only rank 0's ``optim_state_dict`` is read and sent to the others (structure as
+        JSON, tensors by broadcast; see state_broadcast.py). Works for a model without wrappers
+        too (then whole tensors load as they are)."""
         if is_named_optimizer:
             raise NotImplementedError("is_named_optimizer=True (TorchRec's KeyedOptimizer) is "
                                       "not supported")
         if FullyShardedDataParallel.fsdp_modules(model):
             config = FullyShardedDataParallel.get_state_dict_type(model).optim_state_dict_config
-            if getattr(config, "rank0_only", False) and _world(group) > 1:
-                raise NotImplementedError(
-                    "optim_state_dict_to_load with FullOptimStateDictConfig(rank0_only=True) "
-                    "(rank 0 sending the state to the others) is not supported: give every "
-                    "rank the full state dict and use rank0_only=False")
+            if getattr(config, "rank0_only", False):
+                optim_state_dict = _from_rank0(model, optim, optim_state_dict, group)
         result = osd_mod.to_load(model, optim, optim_state_dict)
         if load_directly:
             optim.load_state_dict(result)
@@ -302,11 +302,15 @@ class FullyShardedDataParallel(nn.Module):
                                       model: nn.Module, optim_input: Any = None,
                                       optim: torch.optim.Optimizer | None = None,
                                       group: Any = None) -> dict[str, Any]:
-        """Not supported: sending rank 0's state to the others would need the state's
-        structure to cross processes. Give every rank the full state dict and call
-        ``shard_full_optim_state_dict`` (or ``optim_state_dict_to_load``)."""
-        raise NotImplementedError("scatter_full_optim_state_dict is not supported; give every "
-                                  "rank the full state dict and use shard_full_optim_state_dict")
+        """Rank 0's full, name-keyed state dict (other ranks pass None) cut to each rank's part
+        for ``optim`` (required). Collective: the structure goes as JSON, the tensors by
+        broadcast (state_broadcast.py)."""
+        _no_optim_input(optim_input)
+        if optim is None:
+            raise TypeError("scatter_full_optim_state_dict needs optim= (the optimizer that "
+                            "will load the result)")
+        full = _from_rank0(model, optim, full_optim_state_dict, group)
+        return osd_mod.to_load(model, optim, full)
 
     @staticmethod
     def rekey_optim_state_dict(optim_state_dict: dict[str, Any], optim_state_key_type: Any,
@@ -423,8 +427,18 @@ def _settings_or_full(model: nn.Module) -> StateDictSettings:
     return as_settings(StateDictType.FULL_STATE_DICT)
 
 
-def _world(group: dist.ProcessGroup | None) -> int:
-    return dist.get_world_size(group)
+def _from_rank0(model: nn.Module, optim: torch.optim.Optimizer, osd: dict[str, Any] | None,
+               group: dist.ProcessGroup | None) -> dict[str, Any]:
+    """Rank 0's full optimizer state dict on every rank of the model's group (or ``group``)."""
+    if group is None:
+        wrappers = FullyShardedDataParallel.fsdp_modules(model)
+        group = wrappers[0].process_group if wrappers else dist.group.WORLD
+    if dist.get_world_size(group) == 1:
+        return osd
+    device = (torch.device("cuda", torch.cuda.current_device())
+              if dist.get_backend(group) == "nccl" else torch.device("cpu"))
+    mine = osd if dist.get_rank(group) == 0 else None
+    return restore_tuples(broadcast_named_state(mine, group, device), optim)
 
 
 def _no_optim_input(optim_input: Any) -> None:
