@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor
 
 from shardwise import FullyShardedDataParallel as FSDP
 from shardwise import MixedPrecision
-from shardwise.fsdp import transformer_auto_wrap_policy, wrapper
+from shardwise.fsdp import fsdp1_args, transformer_auto_wrap_policy
 from shardwise.models import GPT, GPTConfig, lm_loss
 from shardwise.models.gpt import Block
 from tests.harness import assert_rel_close, rank_slice, run_on_ranks, token_batch
@@ -44,7 +44,7 @@ def _errors_and_warnings(ctx):
             FSDP(_gpt(), sharding_strategy=strategy)
     with pytest.raises(ValueError, match="sharding_strategy must be one of"):
         FSDP(_gpt(), sharding_strategy="SOMETIMES")
-    wrapper._WARNED.clear()
+    fsdp1_args._WARNED.clear()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         FSDP(_gpt(), backward_prefetch=TorchBackwardPrefetch.BACKWARD_PRE)  # the default

@@ -12,7 +12,6 @@ the plain model unchanged. The static methods are torch FSDP1's: ``summon_full_p
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -22,27 +21,23 @@ import torch.distributed as dist
 from torch import nn
 
 from shardwise.distributed.collectives import broadcast_coalesced
+from shardwise.fsdp import fsdp1_args as args
 from shardwise.fsdp import optim_state_dict as osd_mod
 from shardwise.fsdp.clip_grad import clip_grad_norm_
 from shardwise.fsdp.fsdp1_config import (
     BackwardPrefetch,
-    ShardingStrategy,
     StateDictSettings,
     StateDictType,
-    as_enum,
     as_settings,
 )
 from shardwise.fsdp.fsdp1_state_dict import load_local, transform_state_dict
 from shardwise.fsdp.fully_shard import fully_shard
-from shardwise.fsdp.mixed_precision import CPUOffload, MixedPrecision
 from shardwise.fsdp.policies import WrapPolicy, modules_to_wrap
 from shardwise.fsdp.state_broadcast import broadcast_named_state, restore_tuples
 from shardwise.fsdp.state_dict import WRAPPED, check_keys, clean_name
 from shardwise.fsdp.summon import summon_full_params
 from shardwise.fsdp.sync import no_sync
 from shardwise.fsdp.unit import units_of
-
-_WARNED: set[str] = set()  # torch arguments already warned about (once per process)
 
 
 class FullyShardedDataParallel(nn.Module):
@@ -85,12 +80,12 @@ class FullyShardedDataParallel(nn.Module):
         if not isinstance(module, nn.Module):
             raise TypeError(f"FullyShardedDataParallel wraps an nn.Module, got "
                             f"{type(module).__name__}")
-        _check_unhonoured(backward_prefetch, limit_all_gathers, use_orig_params)
-        group, mesh = _group_of(process_group, device_mesh)
-        reshard_after_forward = _strategy(sharding_strategy, reshard_after_forward)
-        ignored_mods, ignored_params = _ignored(module, ignored_modules, ignored_states)
+        args.check_unhonoured(backward_prefetch, limit_all_gathers, use_orig_params)
+        group, mesh = args.group_of(process_group, device_mesh)
+        reshard_after_forward = args.strategy(sharding_strategy, reshard_after_forward)
+        ignored_mods, ignored_params = args.ignored(module, ignored_modules, ignored_states)
         if param_init_fn is not None:
-            _materialize(module, param_init_fn, ignored_mods)
+            args.materialize(module, param_init_fn, ignored_mods)
         if device_id is not None:
             module = module.to(torch.device("cuda", device_id) if isinstance(device_id, int)
                                else device_id)
@@ -98,8 +93,8 @@ class FullyShardedDataParallel(nn.Module):
             broadcast_coalesced([p.detach() for p in module.parameters()]
                                 + list(module.buffers()), 0, group)
         options = dict(reshard_after_forward=reshard_after_forward,
-                       mixed_precision=_as_mixed_precision(mixed_precision),
-                       cpu_offload=_as_cpu_offload(cpu_offload),
+                       mixed_precision=args.as_mixed_precision(mixed_precision),
+                       cpu_offload=args.as_cpu_offload(cpu_offload),
                        ignored_params=ignored_params, forward_prefetch=forward_prefetch)
         options["mesh" if mesh is not None else "process_group"] = mesh or group
         if auto_wrap_policy is not None:
@@ -268,7 +263,7 @@ class FullyShardedDataParallel(nn.Module):
                               group: dist.ProcessGroup | None = None) -> dict[str, Any]:
         """The whole optimizer state keyed by parameter name (collective); other ranks get {}
         with ``rank0_only``."""
-        _no_optim_input(optim_input)
+        args.no_optim_input(optim_input)
         return osd_mod.to_named(model, optim, None, full=True, rank0_only=rank0_only,
                                 cpu_offload=True, group=group)
 
@@ -284,7 +279,7 @@ class FullyShardedDataParallel(nn.Module):
                                     optim: torch.optim.Optimizer | None = None
                                     ) -> dict[str, Any]:
         """A full, name-keyed state dict cut to this rank's part for ``optim`` (required)."""
-        _no_optim_input(optim_input)
+        args.no_optim_input(optim_input)
         if optim is None:
             raise TypeError("shard_full_optim_state_dict needs optim= (the optimizer that will "
                             "load the result)")
@@ -305,7 +300,7 @@ class FullyShardedDataParallel(nn.Module):
         """Rank 0's full, name-keyed state dict (other ranks pass None) cut to each rank's part
         for ``optim`` (required). Collective: the structure goes as JSON, the tensors by
         broadcast (state_broadcast.py)."""
-        _no_optim_input(optim_input)
+        args.no_optim_input(optim_input)
         if optim is None:
             raise TypeError("scatter_full_optim_state_dict needs optim= (the optimizer that "
                             "will load the result)")
@@ -318,107 +313,8 @@ class FullyShardedDataParallel(nn.Module):
                                optim: torch.optim.Optimizer | None = None) -> dict[str, Any]:
         """Re-key by parameter name or by position (``OptimStateKeyType``), e.g. to load a full
         name-keyed state into a plain model's optimizer."""
-        _no_optim_input(optim_input)
+        args.no_optim_input(optim_input)
         return osd_mod.rekey(optim_state_dict, optim_state_key_type, model, optim)
-
-
-# ---- constructor helpers ------------------------------------------------------------------
-def _warn_once(name: str, message: str) -> None:
-    if name not in _WARNED:
-        _WARNED.add(name)
-        warnings.warn(message, UserWarning, stacklevel=4)
-
-
-def _check_unhonoured(backward_prefetch: Any, limit_all_gathers: bool,
-                      use_orig_params: bool) -> None:
-    if use_orig_params is not True:
-        raise ValueError("use_orig_params=False is not supported: parameters are always the "
-                         "original ones (Shard(0) DTensors over each unit's flat shard), as "
-                         "with torch's use_orig_params=True; drop the argument")
-    prefetch = None if backward_prefetch is None else as_enum(
-        backward_prefetch, BackwardPrefetch, "backward_prefetch")
-    if prefetch is not BackwardPrefetch.BACKWARD_PRE:
-        _warn_once("backward_prefetch", f"FullyShardedDataParallel(backward_prefetch="
-                   f"{backward_prefetch}) is not honoured: backward always prefetches the "
-                   "next unit's parameters (like BACKWARD_PRE)")
-    if limit_all_gathers is not True:
-        _warn_once("limit_all_gathers", "FullyShardedDataParallel(limit_all_gathers=False) is "
-                   "not honoured: in-flight all-gathers are always limited")
-
-
-def _group_of(group: dist.ProcessGroup | None, mesh: Any) -> tuple[dist.ProcessGroup, Any]:
-    if mesh is None:
-        return group or dist.group.WORLD, None
-    if group is not None:
-        raise TypeError("FullyShardedDataParallel takes process_group= or device_mesh=, "
-                        "not both")
-    if mesh.ndim != 1:
-        raise NotImplementedError(f"a {mesh.ndim}D device_mesh means hybrid sharding, which "
-                                  "is not supported yet; pass a 1D mesh")
-    return mesh.get_group(), mesh
-
-
-def _strategy(strategy: Any, reshard_after_forward: bool) -> bool:
-    if strategy is None:
-        return reshard_after_forward
-    kind = as_enum(strategy, ShardingStrategy, "sharding_strategy")
-    if kind is ShardingStrategy.FULL_SHARD:
-        return True
-    if kind is ShardingStrategy.SHARD_GRAD_OP:
-        return False
-    raise NotImplementedError(f"sharding_strategy {kind.name} is not supported; use FULL_SHARD "
-                              "or SHARD_GRAD_OP (or DistributedDataParallel for NO_SHARD)")
-
-
-def _ignored(module: nn.Module, ignored_modules: Any, ignored_states: Any
-             ) -> tuple[list[nn.Module], set[nn.Parameter]]:
-    if ignored_modules is not None and ignored_states is not None:
-        raise ValueError("pass ignored_modules= or ignored_states=, not both")
-    items = list(ignored_modules or ignored_states or ())
-    mods = [m for m in items if isinstance(m, nn.Module)]
-    params = {p for p in items if isinstance(p, nn.Parameter)}
-    others = [type(x).__name__ for x in items if not isinstance(x, nn.Module | nn.Parameter)]
-    if others:
-        raise TypeError(f"ignored modules/states must be nn.Module or nn.Parameter, got {others}")
-    if module in mods:
-        raise ValueError("the wrapped module itself cannot be ignored")
-    for m in mods:
-        params.update(m.parameters())
-    return mods, params
-
-
-def _materialize(module: nn.Module, init_fn: Callable[[nn.Module], None],
-                 ignored: list[nn.Module]) -> None:
-    """torch FSDP1's ``param_init_fn``: called on each module holding meta-device tensors of
-    its own (outside ignored modules), parents first."""
-    skip = {id(p) for m in ignored for p in m.modules()}
-    for m in list(module.modules()):
-        if id(m) in skip:
-            continue
-        own = list(m.parameters(recurse=False)) + list(m.buffers(recurse=False))
-        if any(t.is_meta for t in own):
-            init_fn(m)
-
-
-def _as_mixed_precision(mp: Any) -> Any:
-    """torch FSDP1's ``MixedPrecision`` as ours (its per-unit/root input casting collapses into
-    one flag); ours or None as given."""
-    if mp is None or isinstance(mp, MixedPrecision) or hasattr(mp, "output_dtype"):
-        return mp
-    if getattr(mp, "keep_low_precision_grads", False):
-        _warn_once("keep_low_precision_grads", "MixedPrecision(keep_low_precision_grads=True) "
-                   "is not honoured: gradients are kept in the parameters' dtype")
-    cast = bool(getattr(mp, "cast_forward_inputs", False)
-                or getattr(mp, "cast_root_forward_inputs", True))
-    return MixedPrecision(mp.param_dtype, mp.reduce_dtype, mp.buffer_dtype, cast)
-
-
-def _as_cpu_offload(offload: Any) -> Any:
-    if offload is None or isinstance(offload, CPUOffload):
-        return offload
-    if type(offload).__name__ == "CPUOffload":  # torch's
-        return CPUOffload(bool(offload.offload_params))
-    return offload
 
 
 def _settings_or_full(model: nn.Module) -> StateDictSettings:
@@ -439,11 +335,6 @@ def _from_rank0(model: nn.Module, optim: torch.optim.Optimizer, osd: dict[str, A
               if dist.get_backend(group) == "nccl" else torch.device("cpu"))
     mine = osd if dist.get_rank(group) == 0 else None
     return restore_tuples(broadcast_named_state(mine, group, device), optim)
-
-
-def _no_optim_input(optim_input: Any) -> None:
-    if optim_input is not None:
-        raise TypeError("optim_input (deprecated in torch) is not supported: pass optim=")
 
 
 # ---- state dict hooks -----------------------------------------------------------------------
