@@ -6,6 +6,21 @@ Start with [Note: flat parameters] (flat_param.py) and [Note: FSDP schedule] (ro
 
 from shardwise.fsdp.clip_grad import clip_grad_norm_
 from shardwise.fsdp.flat_param import ShardState
+from shardwise.fsdp.fsdp1_config import (
+    BackwardPrefetch,
+    FullOptimStateDictConfig,
+    FullStateDictConfig,
+    LocalOptimStateDictConfig,
+    LocalStateDictConfig,
+    OptimStateDictConfig,
+    OptimStateKeyType,
+    ShardedOptimStateDictConfig,
+    ShardedStateDictConfig,
+    ShardingStrategy,
+    StateDictConfig,
+    StateDictSettings,
+    StateDictType,
+)
 from shardwise.fsdp.fully_shard import fully_shard
 from shardwise.fsdp.mixed_precision import (
     CPUOffload,
@@ -18,6 +33,8 @@ from shardwise.fsdp.module import FSDPModule, UnshardHandle
 from shardwise.fsdp.policies import (
     ModuleWrapPolicy,
     SizeBasedWrapPolicy,
+    always_wrap_policy,
+    lambda_auto_wrap_policy,
     size_based_auto_wrap_policy,
     transformer_auto_wrap_policy,
 )
@@ -47,20 +64,35 @@ def unsharded_grad_bytes(module) -> int:
 
 
 __all__ = [
+    "BackwardPrefetch",
     "CPUOffload",
     "CPUOffloadPolicy",
     "FSDPModule",
+    "FullOptimStateDictConfig",
+    "FullStateDictConfig",
     "FullyShardedDataParallel",
+    "LocalOptimStateDictConfig",
+    "LocalStateDictConfig",
     "MixedPrecision",
     "MixedPrecisionPolicy",
-    "OffloadPolicy",
-    "UnshardHandle",
     "ModuleWrapPolicy",
+    "OffloadPolicy",
+    "OptimStateDictConfig",
+    "OptimStateKeyType",
     "ShardState",
+    "ShardedOptimStateDictConfig",
+    "ShardedStateDictConfig",
+    "ShardingStrategy",
     "SizeBasedWrapPolicy",
+    "StateDictConfig",
+    "StateDictSettings",
+    "StateDictType",
+    "UnshardHandle",
+    "always_wrap_policy",
     "clip_grad_norm_",
     "full_state_dict",
     "fully_shard",
+    "lambda_auto_wrap_policy",
     "load_full_state_dict",
     "load_sharded_state_dict",
     "no_sync",

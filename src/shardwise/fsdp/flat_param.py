@@ -34,8 +34,10 @@ rows sit in them is [Note: FSDP layout], layout.py):
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum, auto
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -133,6 +135,9 @@ class FlatParamHandle:
         self.state = ShardState.SHARDED
         self.views_set = False
         self._gather: Pending | None = None
+        # (state, hook): FSDP1's register_comm_hook; hook(state, full_grad, out) replaces the
+        # reduce-scatter and must leave this rank's reduced shard in `out`
+        self.comm_hook: tuple[Any, Callable[..., None]] | None = None
         self.use_sharded_params()
 
     # ---- construction -------------------------------------------------------------------
@@ -318,6 +323,12 @@ class FlatParamHandle:
         """Issue the averaging reduce-scatter of ``full_grad`` (1D, rank-major) in the reduce
         dtype; with hybrid sharding its result is then averaged across the replicas."""
         full_grad = full_grad.to(self.reduce_dtype)
+        if self.comm_hook is not None:  # runs synchronously, as torch's hooks do
+            state, hook = self.comm_hook
+            out = torch.empty(self.layout.shard_numel, dtype=self.reduce_dtype,
+                              device=full_grad.device)
+            hook(state, full_grad, out)
+            return GradReduction(Pending([]), out, full_grad)
         if self.world == 1:
             pending, out = Pending([]), full_grad
         else:
