@@ -20,6 +20,7 @@ from torch.distributed.tensor import DTensor
 
 from shardwise import FullyShardedDataParallel as FSDP
 from shardwise import MixedPrecision
+from shardwise.distributed import init_device_mesh
 from shardwise.fsdp import fsdp1_args, transformer_auto_wrap_policy
 from shardwise.models import GPT, GPTConfig, lm_loss
 from shardwise.models.gpt import Block
@@ -39,9 +40,14 @@ def _errors_and_warnings(ctx):
         FSDP(_gpt(), bogus=1)
     with pytest.raises(ValueError, match="use_orig_params=False is not supported.*original"):
         FSDP(_gpt(), use_orig_params=False)
-    for strategy in (TorchShardingStrategy.NO_SHARD, TorchShardingStrategy.HYBRID_SHARD):
-        with pytest.raises(NotImplementedError, match=f"sharding_strategy {strategy.name}"):
-            FSDP(_gpt(), sharding_strategy=strategy)
+    with pytest.raises(ValueError, match="process_group=\\(shard group, replicate group\\)"
+                                         " or a 2D device_mesh; one group is ambiguous"):
+        FSDP(_gpt(), sharding_strategy=TorchShardingStrategy.HYBRID_SHARD,
+             process_group=ctx.group)
+    with pytest.raises(ValueError, match="goes with a HYBRID sharding_strategy"):
+        FSDP(_gpt(), process_group=(ctx.group, ctx.group))
+    with pytest.raises(ValueError, match="a 2D device_mesh means hybrid sharding"):
+        FSDP(_gpt(), device_mesh=init_device_mesh("cpu", (1, ctx.world_size)))
     with pytest.raises(ValueError, match="sharding_strategy must be one of"):
         FSDP(_gpt(), sharding_strategy="SOMETIMES")
     fsdp1_args._WARNED.clear()

@@ -17,7 +17,8 @@ import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 
 from shardwise import FullyShardedDataParallel, MixedPrecision, fully_shard
-from shardwise.fsdp import ModuleWrapPolicy, full_state_dict, no_sync, units_of
+from shardwise.distributed import init_device_mesh
+from shardwise.fsdp import ModuleWrapPolicy, ShardingStrategy, full_state_dict, no_sync, units_of
 from shardwise.models import GPT, GPTConfig, lm_loss
 from shardwise.models.gpt import Block
 from tests.harness import (
@@ -79,12 +80,23 @@ def _wrap(model, variant: str, api: str):
         kwargs["mesh"] = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))
     if variant == "bf16":
         kwargs["mixed_precision"] = MixedPrecision(param_dtype=torch.bfloat16)
-    if api == "wrapper":
+    if api.startswith("wrapper"):  # wrapper or wrapper:<ShardingStrategy name>
+        if ":" in api:
+            kwargs = {"sharding_strategy": ShardingStrategy[api.split(":")[1]]}
+            if api.endswith("HYBRID_SHARD") or api.endswith("ZERO2"):
+                kwargs["device_mesh"] = _hybrid_mesh()
         return FullyShardedDataParallel(model, auto_wrap_policy=ModuleWrapPolicy({Block}),
                                         **kwargs)
     for block in model.blocks:
         fully_shard(block, **kwargs)
     return fully_shard(model, **kwargs)
+
+
+def _hybrid_mesh():
+    """(replicate, shard): 2 x 2 at world size 4, 1 x 2 at 2, 1 x 1 at 1."""
+    world = dist.get_world_size()
+    return init_device_mesh("cpu", (2, 2) if world == 4 else (1, world),
+                            mesh_dim_names=("replicate", "shard"))
 
 
 def _global_batch(step: int, micro: int):
@@ -199,6 +211,13 @@ def test_hybrid_sharding_on_a_2d_mesh_equals_single_process(world_size, mesh):
     """HSDP (fully_shard with a (replicate, shard) mesh): gathered within the shard group,
     gradients reduce-scattered there and averaged across the replicas."""
     run_on_ranks(world_size, _train, f"hybrid:{mesh}")
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+@pytest.mark.parametrize("strategy", ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD",
+                                      "_HYBRID_SHARD_ZERO2"])
+def test_every_sharding_strategy_of_the_wrapper_equals_single_process(world_size, strategy):
+    run_on_ranks(world_size, _train, "plain", f"wrapper:{strategy}")
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)

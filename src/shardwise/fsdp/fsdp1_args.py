@@ -7,11 +7,20 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
+from shardwise.distributed.mesh import init_device_mesh
+from shardwise.distributed.topology import (
+    HSDP_DIM_NAMES,
+    hybrid_mesh_shape,
+    local_world_size_from_env,
+)
 from shardwise.fsdp.fsdp1_config import BackwardPrefetch, ShardingStrategy, as_enum
 from shardwise.fsdp.mixed_precision import CPUOffload, MixedPrecision
 
@@ -41,28 +50,100 @@ def check_unhonoured(backward_prefetch: Any, limit_all_gathers: bool,
                    "not honoured: in-flight all-gathers are always limited")
 
 
-def group_of(group: dist.ProcessGroup | None, mesh: Any) -> tuple[dist.ProcessGroup, Any]:
-    if mesh is None:
-        return group or dist.group.WORLD, None
-    if group is not None:
+@dataclass(frozen=True)
+class Layout:
+    """Where a FullyShardedDataParallel shards and replicates."""
+
+    group: dist.ProcessGroup  # the shard group (torch's ``process_group`` attribute)
+    mesh: Any  # a DeviceMesh for fully_shard, or None to shard over ``group``
+    reshard_after_forward: bool
+    sync_group: dist.ProcessGroup  # every replica of every shard: sync_module_states' group
+
+
+def layout_of(strategy: Any, group: Any, mesh: Any, reshard_after_forward: bool) -> Layout:
+    """torch's sharding strategies on our runtime: FULL_SHARD and SHARD_GRAD_OP shard over the
+    group (or 1D mesh); HYBRID_SHARD and _HYBRID_SHARD_ZERO2 shard within a shard group and
+    replicate across groups (a 2D ``device_mesh``, ``process_group=(shard, replicate)``, or by
+    default shards within a node as torchrun's LOCAL_WORLD_SIZE says); NO_SHARD replicates
+    (a (world, 1) mesh: gathers are no-ops, gradients are all-reduced)."""
+    if mesh is not None and group is not None:
         raise TypeError("FullyShardedDataParallel takes process_group= or device_mesh=, "
                         "not both")
+    kind = ShardingStrategy.FULL_SHARD if strategy is None else as_enum(
+        strategy, ShardingStrategy, "sharding_strategy")
+    if kind in (ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP):
+        reshard = reshard_after_forward if strategy is None else (
+            kind is ShardingStrategy.FULL_SHARD)
+        return _flat_layout(group, mesh, reshard)
+    if kind is ShardingStrategy.NO_SHARD:
+        if mesh is not None or isinstance(group, tuple):
+            raise ValueError("NO_SHARD takes one process group (every rank a replica)")
+        group = group or dist.group.WORLD
+        return _hybrid_layout(_no_shard_mesh(group), reshard_after_forward)
+    reshard = kind is ShardingStrategy.HYBRID_SHARD
+    return _hybrid_layout(_hybrid_mesh(group, mesh), reshard)
+
+
+def _flat_layout(group: Any, mesh: Any, reshard: bool) -> Layout:
+    if isinstance(group, tuple):
+        raise ValueError("process_group=(shard, replicate) goes with a HYBRID sharding_strategy")
+    if mesh is None:
+        group = group or dist.group.WORLD
+        return Layout(group, None, reshard, group)
     if mesh.ndim != 1:
-        raise NotImplementedError(f"a {mesh.ndim}D device_mesh means hybrid sharding, which "
-                                  "is not supported yet; pass a 1D mesh")
-    return mesh.get_group(), mesh
+        raise ValueError(f"a {mesh.ndim}D device_mesh means hybrid sharding: pass "
+                         "sharding_strategy=ShardingStrategy.HYBRID_SHARD with it")
+    return Layout(mesh.get_group(), mesh, reshard, mesh.get_group())
 
 
-def strategy(strategy: Any, reshard_after_forward: bool) -> bool:
-    if strategy is None:
-        return reshard_after_forward
-    kind = as_enum(strategy, ShardingStrategy, "sharding_strategy")
-    if kind is ShardingStrategy.FULL_SHARD:
-        return True
-    if kind is ShardingStrategy.SHARD_GRAD_OP:
-        return False
-    raise NotImplementedError(f"sharding_strategy {kind.name} is not supported; use FULL_SHARD "
-                              "or SHARD_GRAD_OP (or DistributedDataParallel for NO_SHARD)")
+def _hybrid_layout(mesh: DeviceMesh, reshard: bool) -> Layout:
+    return Layout(mesh.get_group(1), mesh, reshard, dist.group.WORLD)
+
+
+def _hybrid_mesh(group: Any, mesh: Any) -> DeviceMesh:
+    if mesh is not None:
+        if mesh.ndim != 2:
+            raise ValueError(f"hybrid sharding needs a 2D device_mesh (replicate, shard), got "
+                             f"a {mesh.ndim}D one of shape {tuple(mesh.shape)}")
+        return mesh
+    if isinstance(group, tuple):
+        if len(group) != 2:
+            raise ValueError("process_group for hybrid sharding is a pair (shard group, "
+                             f"replicate group), got {len(group)} groups")
+        return _mesh_from_groups(*group)
+    if group is not None:
+        raise ValueError("hybrid sharding takes process_group=(shard group, replicate group) "
+                         "or a 2D device_mesh; one group is ambiguous")
+    world = dist.get_world_size()
+    shape = hybrid_mesh_shape(world, local_world_size_from_env(world))
+    return init_device_mesh(_device_type(), shape, HSDP_DIM_NAMES)
+
+
+def _no_shard_mesh(group: dist.ProcessGroup) -> DeviceMesh:
+    if group is not dist.group.WORLD and dist.get_world_size(group) != dist.get_world_size():
+        raise ValueError("NO_SHARD on a subgroup is not supported; use DistributedDataParallel")
+    return init_device_mesh(_device_type(), (dist.get_world_size(), 1), HSDP_DIM_NAMES)
+
+
+def _mesh_from_groups(shard: dist.ProcessGroup, replicate: dist.ProcessGroup) -> DeviceMesh:
+    """The (replicate, shard) mesh of two given groups: every rank tells the world its place
+    (one all-gather of three integers), so that every rank knows the whole grid."""
+    me = torch.tensor([dist.get_rank(replicate), dist.get_rank(shard), dist.get_rank()])
+    places = [torch.zeros_like(me) for _ in range(dist.get_world_size())]
+    dist.all_gather(places, me)
+    grid = torch.full((dist.get_world_size(replicate), dist.get_world_size(shard)), -1)
+    for r, s, g in (p.tolist() for p in places):
+        grid[r, s] = g
+    if (grid < 0).any() or grid.numel() != dist.get_world_size():
+        raise ValueError(f"process_group=(shard, replicate) groups of sizes "
+                         f"{dist.get_world_size(shard)} and {dist.get_world_size(replicate)} do "
+                         f"not tile the world of {dist.get_world_size()} ranks")
+    return DeviceMesh.from_group([replicate, shard], _device_type(), mesh=grid,
+                                 mesh_dim_names=HSDP_DIM_NAMES)
+
+
+def _device_type() -> str:
+    return "cuda" if dist.get_backend() == "nccl" else "cpu"
 
 
 def ignored(module: nn.Module, ignored_modules: Any, ignored_states: Any

@@ -46,17 +46,20 @@ class FullyShardedDataParallel(nn.Module):
     torch FSDP1's arguments, honoured: ``auto_wrap_policy`` (torch's policy functions, e.g.
     ``functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={Block})``, its
     ``ModuleWrapPolicy``, or ours) picks the submodules that become units of their own; the
-    module itself is the root unit and owns the rest. ``sharding_strategy`` FULL_SHARD
-    (default) or SHARD_GRAD_OP (parameters stay gathered from forward to backward);
-    NO_SHARD and the HYBRID strategies are refused. ``cpu_offload`` and ``mixed_precision``
-    (torch's classes or ours; MixedPrecision's ``cast_root_forward_inputs`` and
-    ``cast_forward_inputs`` both mean: cast each unit's inputs). ``ignored_modules`` /
-    ``ignored_states``: their parameters stay whole, unsharded and unreduced, and their modules
-    are not wrapped. ``param_init_fn(module)`` is called on every module that holds meta-device
-    parameters or buffers before sharding. ``device_id``, ``sync_module_states`` (rank 0's
-    parameters and buffers broadcast before sharding), ``forward_prefetch``, ``device_mesh`` (a
-    1D mesh; instead of ``process_group``). ``use_orig_params`` must be True (the default here,
-    unlike torch): parameters are always the original ones, as ``Shard(0)`` DTensors.
+    module itself is the root unit and owns the rest. ``sharding_strategy``: FULL_SHARD
+    (default), SHARD_GRAD_OP (parameters stay gathered from forward to backward), NO_SHARD
+    (replicated; gradients all-reduced), HYBRID_SHARD and _HYBRID_SHARD_ZERO2 (sharded within
+    a shard group, replicated across groups: ``process_group=(shard, replicate)``, a 2D
+    ``device_mesh`` (replicate, shard), or by default sharded within a node).
+    ``cpu_offload`` and ``mixed_precision`` (torch's classes or ours; MixedPrecision's
+    ``cast_root_forward_inputs`` and ``cast_forward_inputs`` both mean: cast each unit's
+    inputs). ``ignored_modules`` / ``ignored_states``: their parameters stay whole, unsharded
+    and unreduced, and their modules are not wrapped. ``param_init_fn(module)`` is called on
+    every module that holds meta-device parameters or buffers before sharding. ``device_id``,
+    ``sync_module_states`` (rank 0's parameters and buffers broadcast before sharding),
+    ``forward_prefetch``, ``device_mesh`` (1D, or 2D for hybrid sharding; instead of
+    ``process_group``). ``use_orig_params`` must be True (the default here, unlike torch):
+    parameters are always the original ones, as ``Shard(0)`` DTensors.
 
     Accepted but not honoured (a warning, once, when set to a non-default value):
     ``backward_prefetch`` (backward always prefetches the next unit, like BACKWARD_PRE) and
@@ -81,8 +84,10 @@ class FullyShardedDataParallel(nn.Module):
             raise TypeError(f"FullyShardedDataParallel wraps an nn.Module, got "
                             f"{type(module).__name__}")
         args.check_unhonoured(backward_prefetch, limit_all_gathers, use_orig_params)
-        group, mesh = args.group_of(process_group, device_mesh)
-        reshard_after_forward = args.strategy(sharding_strategy, reshard_after_forward)
+        layout = args.layout_of(sharding_strategy, process_group, device_mesh,
+                                reshard_after_forward)
+        group, mesh = layout.group, layout.mesh
+        reshard_after_forward = layout.reshard_after_forward
         ignored_mods, ignored_params = args.ignored(module, ignored_modules, ignored_states)
         if param_init_fn is not None:
             args.materialize(module, param_init_fn, ignored_mods)
@@ -91,7 +96,7 @@ class FullyShardedDataParallel(nn.Module):
                                else device_id)
         if sync_module_states:
             broadcast_coalesced([p.detach() for p in module.parameters()]
-                                + list(module.buffers()), 0, group)
+                                + list(module.buffers()), 0, layout.sync_group)
         options = dict(reshard_after_forward=reshard_after_forward,
                        mixed_precision=args.as_mixed_precision(mixed_precision),
                        cpu_offload=args.as_cpu_offload(cpu_offload),
