@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable
+from torch.distributed.device_mesh import DeviceMesh
 
 from shardwise.ddp.comm_hooks import CommHook, check_comm_hook, run_comm_hook
 from shardwise.ddp.join import DDPJoinHook, active_ranks, announce_reduction, common_rank
@@ -61,9 +62,11 @@ class DistributedDataParallel(nn.Module, Joinable):
         check_reduction: bool = False,
         gradient_as_bucket_view: bool = False,
         static_graph: bool = False,
+        device_mesh: DeviceMesh | None = None,
     ):
         super().__init__()
         Joinable.__init__(self)
+        process_group = _group_of(process_group, device_mesh)
         _check_module(module, device_ids)
         self.module = module
         self.device_ids = device_ids
@@ -214,6 +217,20 @@ class DistributedDataParallel(nn.Module, Joinable):
 
 def _state_tensors(module: nn.Module) -> list[torch.Tensor]:
     return [p.detach() for p in module.parameters()] + list(module.buffers())
+
+
+def _group_of(group: dist.ProcessGroup | None, mesh: DeviceMesh | None
+              ) -> dist.ProcessGroup | None:
+    """torch's ``device_mesh=``: a 1D mesh whose group replicates the module."""
+    if mesh is None:
+        return group
+    if group is not None:
+        raise TypeError("DistributedDataParallel takes process_group= or device_mesh=, not both")
+    if mesh.ndim != 1:
+        raise ValueError(f"DistributedDataParallel needs a 1D device_mesh, got a {mesh.ndim}D "
+                         f"one of shape {tuple(mesh.shape)}; pass the data-parallel dimension, "
+                         "e.g. mesh['dp']")
+    return mesh.get_group()
 
 
 def _check_module(module: nn.Module, device_ids: list | None) -> None:
