@@ -4,8 +4,8 @@ checkpoint is written under a temporary name and renamed only when complete."""
 
 from shardwise.checkpoint.atomic import atomic_save, atomic_write_text
 from shardwise.checkpoint.export import export_safetensors, inspect
-from shardwise.checkpoint.load import load
-from shardwise.checkpoint.save import async_save, save
+from shardwise.checkpoint.loader import load
+from shardwise.checkpoint.saver import async_save, save
 from shardwise.checkpoint.state_dict import (
     get_model_state_dict,
     get_state_dict,

@@ -20,7 +20,7 @@ from shardwise.checkpoint import boxes, exchange
 from shardwise.checkpoint.flatten import Leaf, flatten, is_tensor_like
 from shardwise.checkpoint.format import checkpoint_dir, read_metadata
 from shardwise.checkpoint.reader import BlockReader
-from shardwise.checkpoint.save import wait_previous
+from shardwise.checkpoint.saver import wait_previous
 from shardwise.checkpoint.train_state import CheckpointError
 
 _SHOW = 20  # names listed in an error
