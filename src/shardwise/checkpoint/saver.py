@@ -24,7 +24,7 @@ from shardwise.checkpoint import commit as commit_mod
 from shardwise.checkpoint import exchange
 from shardwise.checkpoint.boxes import LocalChunk
 from shardwise.checkpoint.flatten import flatten
-from shardwise.checkpoint.format import checkpoint_dir, rank_file, tmp_dir
+from shardwise.checkpoint.format import checkpoint_dir, rank_file, read_metadata, tmp_dir
 from shardwise.checkpoint.plan import SavePlan, WriteItem, make_plan
 from shardwise.checkpoint.train_state import CheckpointError
 from shardwise.checkpoint.writer import write_file
@@ -42,12 +42,11 @@ def save(state_dict: dict[str, Any], *, checkpoint_id: str | Path,
     final, tmp, plan = _prepare(state_dict, checkpoint_id, process_group)
     error = _try(lambda: _write(tmp, plan))
     _raise_any(exchange.all_gather_json(error, process_group), "writing")
-    meta, error = None, None
+    error = None
     if plan.rank == 0:
-        parts = commit_mod.wait_for_parts(tmp, plan, timeout_s=60.0)
-        error = _try(lambda: commit_mod.commit(tmp, final, plan, parts, _fault_hook))
+        error = _try(lambda: _commit_now(tmp, final, plan))
     _raise_any(exchange.all_gather_json(error, process_group), "committing")
-    return meta if meta is not None else _meta_of(final)
+    return read_metadata(final)
 
 
 def async_save(state_dict: dict[str, Any], *, checkpoint_id: str | Path,
@@ -137,7 +136,6 @@ def _raise_any(errors: list[str | None], what: str) -> None:
             f"rank {r}: {e}" for r, e in failed))
 
 
-def _meta_of(final: Path) -> dict[str, Any]:
-    from shardwise.checkpoint.format import read_metadata
-
-    return read_metadata(final)
+def _commit_now(tmp: Path, final: Path, plan: SavePlan) -> None:
+    parts = commit_mod.wait_for_parts(tmp, plan, timeout_s=60.0)
+    commit_mod.commit(tmp, final, plan, parts, _fault_hook)
