@@ -34,9 +34,14 @@ def write_json(path: Path, obj: Any) -> None:
 
 
 def write_part(tmp: Path, plan: SavePlan, file_name: str, records: list[dict]) -> None:
+    """Written under another name and renamed, so that rank 0, polling, never reads half of
+    it."""
     size = (tmp / file_name).stat().st_size
-    write_json(part_file(tmp, plan.rank),
-               {"token": plan.token, "file": file_name, "size": size, "chunks": records})
+    final = part_file(tmp, plan.rank)
+    partial = final.with_name(final.name + ".partial")
+    write_json(partial, {"token": plan.token, "file": file_name, "size": size,
+                         "chunks": records})
+    os.rename(partial, final)
 
 
 def wait_for_parts(tmp: Path, plan: SavePlan, timeout_s: float) -> list[dict]:
