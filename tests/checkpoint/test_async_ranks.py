@@ -36,3 +36,41 @@ def test_async_save_on_ranks(tmp_path, strategy, world, dst, dst_world):
     assert step == 2
     for key, value in before.items():
         assert torch.equal(loaded[key], value), key
+
+
+def _fail_on_rank1(ctx, path: str) -> str:
+    from shardwise.checkpoint import CheckpointError, save, saver
+
+    def hook(point, index):
+        if point == "parts" and ctx.rank == 1:
+            raise OSError("no space left (simulated)")
+
+    saver._fault_hook = hook
+    try:
+        save({"w": torch.ones(4) * ctx.rank}, checkpoint_id=path)
+    except CheckpointError as err:
+        return str(err)
+    finally:
+        saver._fault_hook = None
+    return "no error"
+
+
+def test_write_failure_on_one_rank_raised_on_all(tmp_path):
+    messages = run_on_ranks(2, _fail_on_rank1, str(tmp_path / "ck"))
+    for text in messages:
+        assert "save failed while writing: rank 1: OSError: no space left" in text
+    assert not (tmp_path / "ck").exists()
+
+
+def test_load_into_other_shapes_lists_them(tmp_path):
+    from shardwise.checkpoint import CheckpointError, load
+    from shardwise.models import GPT, GPTConfig
+
+    path = str(tmp_path / "ck")
+    run_on_ranks(2, S.train_and_save, "fsdp", path, 1)
+    other = GPT(GPTConfig(vocab_size=64, seq_len=8, n_layer=1, n_head=4, d_model=32))
+    with pytest.raises(CheckpointError) as err:
+        load({"model": other.state_dict()}, checkpoint_id=path, strict=True)
+    text = str(err.value)
+    assert "model.blocks.0.mlp.fc1.weight: checkpoint (64, 16), requested (128, 32)" in text
+    assert "unexpected keys" in text and "'model.blocks.1.attn.qkv.weight'" in text
