@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from shardwise import DistributedDataParallel, ZeroRedundancyOptimizer, fully_shard
@@ -18,8 +19,8 @@ from tests.harness import rank_slice, token_batch
 CFG = GPTConfig(vocab_size=64, seq_len=8, n_layer=2, n_head=4, d_model=16)
 BATCH = 8
 LR = 1e-2
-STRATEGIES = ("plain", "ddp", "zero1", "zero2", "fsdp", "tp")
-DATA_PARALLEL = {"ddp", "zero1", "zero2", "fsdp"}
+STRATEGIES = ("plain", "ddp", "zero1", "zero2", "fsdp", "hsdp", "tp")
+DATA_PARALLEL = {"ddp", "zero1", "zero2", "fsdp", "hsdp"}
 
 
 def tp_plan(world: int) -> dict:
@@ -52,6 +53,12 @@ def build(strategy: str, group, seed: int, cfg: GPTConfig = CFG):
         for block in model.blocks:
             fully_shard(block, process_group=group)
         fully_shard(model, process_group=group)
+        return model, adamw(model.parameters()), model
+    if strategy == "hsdp":  # replicate over mesh dim 0, shard over dim 1
+        mesh = init_device_mesh("cpu", (2, dist.get_world_size(group) // 2))
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
         return model, adamw(model.parameters()), model
     if strategy == "tp":
         shard_module(model, tp_plan(dist.get_world_size(group)), gather_output=["head"],

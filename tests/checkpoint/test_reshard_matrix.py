@@ -24,6 +24,8 @@ PAIRS = [
     (("plain", 1), ("tp", 4)),
     (("zero2", 2), ("ddp", 1)),
     (("fsdp", 2), ("fsdp", 4)),
+    (("hsdp", 4), ("fsdp", 2)),
+    (("zero1", 4), ("hsdp", 4)),
 ]
 
 _saved: dict[tuple[str, int], tuple[str, dict]] = {}
@@ -65,3 +67,16 @@ def test_saved_state_matches_one_process(ckpt_root):
     _, plain = _saved_under(ckpt_root, "plain", 1)
     for key, value in plain.items():
         assert max_rel_diff(saved[key], value) < 1e-5, key
+
+
+def test_hsdp_replicas_written_once(ckpt_root):
+    """(Replicate(), Shard(0)) on a 2x2 mesh: only ranks 0 and 1 (coordinate 0 of the
+    replicating dim) write chunks; the other replica's ranks write only what no one else has."""
+    from shardwise.checkpoint import inspect
+
+    path, _ = _saved_under(ckpt_root, "hsdp", 4)
+    info = inspect(path)["tensors"]
+    files = {c["file"] for name, t in info.items() if name.startswith("model.")
+             for c in t["chunks"]}
+    assert files == {"rank_00000.bin", "rank_00001.bin"}
+    assert len(info["model.blocks.0.mlp.fc1.weight"]["chunks"]) == 2
