@@ -9,6 +9,10 @@ import ctypes
 import gc
 from pathlib import Path
 
+import torch
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
 from shardwise.checkpoint import get_state_dict, load, save
 from shardwise.checkpoint.format import BLOCK_BYTES
 from shardwise.models import GPTConfig
@@ -60,7 +64,13 @@ def _phases(ctx, path: str) -> dict:
     base = _reset_peak()
     load(state, checkpoint_id=path)
     loaded = _status("VmHWM") - base
-    return {"share": share, "save": saved, "load": loaded,
+    columns = {k: _column_sharded(v) for k, v in msd.items()}  # another layout: Shard(1)
+    base = _reset_peak()
+    load({"model": columns}, checkpoint_id=path)
+    resharded = _status("VmHWM") - base
+    want = msd["blocks.1.mlp.fc1.weight"].full_tensor()[:, 256 * ctx.rank : 256 * (ctx.rank + 1)]
+    assert torch.equal(columns["blocks.1.mlp.fc1.weight"]._local_tensor, want)
+    return {"share": share, "save": saved, "load": loaded, "reshard": resharded,
             "nonzero": bool(msd["blocks.0.attn.qkv.weight"]._local_tensor.abs().sum() > 0)}
 
 
@@ -71,6 +81,15 @@ def test_peak_memory_of_save_and_load(tmp_path):
         assert r["share"] > 40 * MIB  # the bound below is far under one rank's share
         assert r["save"] <= 2 * BLOCK_BYTES + SLACK, out
         assert r["load"] <= 2 * BLOCK_BYTES + SLACK, out
+        assert r["reshard"] <= 2 * BLOCK_BYTES + SLACK, out
     assert out[0]["save"] <= out[1]["save"] + SLACK, out
     assert out[0]["load"] <= out[1]["load"] + SLACK, out
-    print({k: [round(r[k] / MIB, 1) for r in out] for k in ("share", "save", "load")})
+    print({k: [round(r[k] / MIB, 1) for r in out] for k in ("share", "save", "load", "reshard")})
+
+
+def _column_sharded(t: DTensor) -> DTensor:
+    """A zero (pages touched) DTensor of ``t``'s global shape, sharded on dim 1 (dim 0 when 1-D)."""
+    placements = [Shard(1 if t.dim() > 1 else 0)]
+    shape, _ = compute_local_shape_and_global_offset(t.shape, t.device_mesh, placements)
+    return DTensor.from_local(torch.zeros(shape), t.device_mesh, placements, run_check=False,
+                              shape=t.shape, stride=t.stride())
