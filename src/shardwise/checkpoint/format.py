@@ -1,0 +1,94 @@
+"""The on-disk format of a sharded checkpoint (see docs/checkpoint.md).
+
+    <id>/metadata.json        written last, by rank 0: every tensor's global shape, dtype and
+                              chunks, every non-tensor value, every data file's size
+    <id>/rank_00000.bin       raw little-endian tensor bytes, chunk after chunk, no header
+
+A chunk record names its file, byte offset and length, its box in the global tensor
+(``offsets``, ``sizes``, row-major bytes), and a CRC-32 per block of ``block_rows`` rows along
+dim 0 (blocks of about ``BLOCK_BYTES``), so a reader that needs only some rows verifies exactly
+the blocks it reads. While being written the directory is ``<id>.tmp``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from shardwise.checkpoint.train_state import CheckpointError
+
+FORMAT = "shardwise-checkpoint"
+VERSION = 1
+METADATA = "metadata.json"
+BLOCK_BYTES = 8 * 1024 * 1024
+TMP_SUFFIX = ".tmp"
+
+_DTYPES = {str(d).removeprefix("torch."): d for d in (
+    torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,
+    torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128,
+    torch.float8_e4m3fn, torch.float8_e5m2)}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    name = str(dtype).removeprefix("torch.")
+    if name not in _DTYPES:
+        raise ValueError(f"dtype {dtype} cannot be stored in a checkpoint")
+    return name
+
+
+def dtype_from(name: str) -> torch.dtype:
+    if name not in _DTYPES:
+        raise CheckpointError(f"checkpoint metadata names an unknown dtype {name!r}")
+    return _DTYPES[name]
+
+
+def rank_file(rank: int) -> str:
+    return f"rank_{rank:05d}.bin"
+
+
+def tmp_dir(final: Path) -> Path:
+    return final.with_name(final.name + TMP_SUFFIX)
+
+
+def checkpoint_dir(checkpoint_id: str | os.PathLike | None) -> Path:
+    if checkpoint_id is None:
+        raise TypeError("checkpoint_id (the checkpoint directory) is required")
+    return Path(checkpoint_id)
+
+
+def read_metadata(path: str | os.PathLike) -> dict[str, Any]:
+    """The validated metadata of the complete checkpoint at ``path``; a clear error when the
+    directory is missing or incomplete."""
+    path = Path(path)
+    if not path.is_dir():
+        leftover = tmp_dir(path)
+        if leftover.exists():
+            raise CheckpointError(f"checkpoint {path} is incomplete: a save did not finish "
+                                  f"(only {leftover} exists)")
+        raise CheckpointError(f"no checkpoint at {path} (no such directory)")
+    meta_file = path / METADATA
+    if not meta_file.is_file():
+        raise CheckpointError(f"checkpoint {path} is incomplete or not a sharded checkpoint: "
+                              f"it has no {METADATA}")
+    try:
+        meta = json.loads(meta_file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise CheckpointError(f"{meta_file} is corrupt: {err}") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise CheckpointError(f"{meta_file} is not a {FORMAT} metadata file")
+    if meta.get("version") != VERSION:
+        raise CheckpointError(f"{meta_file} has format version {meta.get('version')}; this "
+                              f"shardwise reads version {VERSION}")
+    return meta
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

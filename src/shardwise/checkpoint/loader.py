@@ -1,0 +1,120 @@
+"""``load``: fill a state dict's own tensors in place from a checkpoint of any layout.
+
+Every rank reads the metadata, works out the boxes its destination tensors hold (a plain tensor:
+the whole tensor; a DTensor: its local box; a ShardedTensor: its local shards), and for each
+stored chunk that overlaps one of them reads only the overlapping rows, block by block, checking
+each block's CRC-32 (reader.py). So loading reshards from any saved layout (world size,
+strategy) to any requested one, and each rank holds its own share plus one read buffer.
+No collective, except one JSON all-gather of the requested keys when ``strict=True``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from shardwise.checkpoint import boxes, exchange
+from shardwise.checkpoint.flatten import Leaf, flatten, is_tensor_like
+from shardwise.checkpoint.format import checkpoint_dir, read_metadata
+from shardwise.checkpoint.reader import BlockReader
+from shardwise.checkpoint.saver import wait_previous
+from shardwise.checkpoint.train_state import CheckpointError
+
+_SHOW = 20  # names listed in an error
+
+
+def load(state_dict: dict[str, Any], *, checkpoint_id: str | Path,
+         process_group: dist.ProcessGroup | None = None, strict: bool = False) -> None:
+    """Load the checkpoint at ``checkpoint_id`` into ``state_dict`` in place. Every requested
+    key must be in the checkpoint with the same global shape (else one error lists every
+    missing key and every mismatch with both shapes). ``strict=True`` also rejects checkpoint
+    keys that no rank requested (collective then: every rank calls it)."""
+    if not isinstance(state_dict, dict):
+        raise TypeError(f"state_dict must be a dict, got {type(state_dict).__name__}")
+    wait_previous()
+    root = checkpoint_dir(checkpoint_id)
+    meta = read_metadata(root)
+    flat = flatten(state_dict)
+    check_request(root, meta, flat, process_group if strict else None, strict)
+    check_files(root, meta, flat)
+    reader = BlockReader(root)
+    try:
+        with torch.no_grad():
+            for key, leaf in flat.items():
+                if is_tensor_like(leaf.value):
+                    _load_tensor(reader, key, meta["tensors"][key], leaf.value)
+                else:
+                    _set_value(leaf, meta["values"][key])
+    finally:
+        reader.close()
+
+
+def check_request(root: Path, meta: dict, flat: dict[str, Leaf], group, strict: bool) -> None:
+    tensors, values = meta["tensors"], meta["values"]
+    missing, mismatched = [], []
+    for key, leaf in flat.items():
+        if is_tensor_like(leaf.value):
+            if key not in tensors:
+                missing.append(key)
+            elif list(boxes.global_shape(leaf.value)) != tensors[key]["shape"]:
+                mismatched.append(f"{key}: checkpoint {tuple(tensors[key]['shape'])}, "
+                                  f"requested {boxes.global_shape(leaf.value)}")
+        elif key not in values:
+            missing.append(key)
+    unexpected = []
+    if strict:
+        wanted = set()
+        for keys in exchange.all_gather_json(sorted(flat), group):
+            wanted.update(keys)
+        unexpected = sorted((set(tensors) | set(values)) - wanted)
+    if missing or mismatched or unexpected:
+        raise CheckpointError(f"checkpoint {root} does not fit the state dict: "
+                              + "; ".join(_parts(missing, mismatched, unexpected)))
+
+
+def _parts(missing: list, mismatched: list, unexpected: list) -> list[str]:
+    out = []
+    if missing:
+        out.append(f"missing keys (requested, not in the checkpoint) {_few(missing)}")
+    if unexpected:
+        out.append(f"unexpected keys (in the checkpoint, not requested) {_few(unexpected)}")
+    if mismatched:
+        out.append(f"shape mismatches {_few(mismatched)}")
+    return out
+
+
+def _few(names: list[str]) -> str:
+    more = f" and {len(names) - _SHOW} more" if len(names) > _SHOW else ""
+    return f"{names[:_SHOW]}{more}"
+
+
+def check_files(root: Path, meta: dict, flat: dict[str, Leaf]) -> None:
+    """Every data file this rank reads exists and has the size the metadata records."""
+    needed: dict[str, str] = {}
+    for key, leaf in flat.items():
+        if is_tensor_like(leaf.value):
+            for rec in meta["tensors"][key]["chunks"]:
+                needed.setdefault(rec["file"], key)
+    for name, key in needed.items():
+        path = root / name
+        want = meta["files"].get(name)
+        have = path.stat().st_size if path.is_file() else None
+        if have != want:
+            state = "missing" if have is None else f"{have} bytes, expected {want}"
+            raise CheckpointError(f"checkpoint file {path} (holding tensor {key}, among others) "
+                                  f"is truncated or damaged: {state}")
+
+
+def _load_tensor(reader: BlockReader, key: str, entry: dict, value: Any) -> None:
+    for chunk in boxes.local_chunks(key, value):
+        for rec in entry["chunks"]:
+            reader.copy_overlap(key, entry["dtype"], rec, chunk.box, chunk.tensor)
+
+
+def _set_value(leaf: Leaf, saved: Any) -> None:
+    if isinstance(leaf.value, tuple) and isinstance(saved, list):
+        saved = tuple(saved)
+    leaf.container[leaf.slot] = saved
