@@ -54,6 +54,8 @@ def main(argv: list[str]) -> int:
         _record(exc, heartbeat)
         return 1
     finally:
+        if heartbeat is not None:
+            heartbeat.stop()
         sys.stdout.flush()
         sys.stderr.flush()
     return 0
