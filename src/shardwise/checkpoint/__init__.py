@@ -5,7 +5,9 @@ from shardwise.checkpoint.train_state import (
     CheckpointError,
     latest_checkpoint,
     load_rank_state,
+    prune,
     read_meta,
+    remove_leftovers,
     save_train_state,
 )
 
@@ -15,6 +17,8 @@ __all__ = [
     "atomic_write_text",
     "latest_checkpoint",
     "load_rank_state",
+    "prune",
     "read_meta",
+    "remove_leftovers",
     "save_train_state",
 ]

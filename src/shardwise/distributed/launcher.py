@@ -43,13 +43,12 @@ from shardwise.distributed.errors import ERROR_FILE_VAR, read_record
 from shardwise.distributed.lifeline import LAUNCHER_FD_VAR, LAUNCHER_PID_VAR
 from shardwise.distributed.nodes import Layout, NodeError, NodeLink, open_store
 from shardwise.distributed.output import PrefixedRelay, lines_since, stack_dump
+from shardwise.distributed.preemption import DEFAULT_GRACE_SECONDS, GRACE_VAR
 from shardwise.distributed.progress import read_progress
 from shardwise.distributed.timeouts import as_timedelta
 from shardwise.distributed.watchdog import Hang, Watchdog
 
 LOCALHOST = "127.0.0.1"
-DEFAULT_GRACE_SECONDS = 30.0
-GRACE_VAR = "SHARDWISE_GRACE_SECONDS"
 SETTLE_SECONDS = 2.0  # after a first failure: time for the other ranks' records to arrive
 POLL_SECONDS = 0.2
 _SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
