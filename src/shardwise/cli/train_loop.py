@@ -184,12 +184,75 @@ def _save(cfg: TrainConfig, prepared: Prepared, step: int, world: int, group,
     result.save_seconds = time.perf_counter() - start
 
 
+def _first_mismatch(saved, own, where: str = "state") -> str | None:
+    """Where ``saved`` does not have the structure of ``own`` (keys, lengths, tensor shapes and
+    dtypes), so that a checkpoint of another layout is refused before anything is loaded."""
+    if isinstance(own, torch.Tensor):
+        if not isinstance(saved, torch.Tensor):
+            return f"{where} is {type(saved).__name__} in the checkpoint, a tensor here"
+        if saved.shape != own.shape or saved.dtype != own.dtype:
+            return (f"{where} is {tuple(saved.shape)} {saved.dtype} in the checkpoint, "
+                    f"{tuple(own.shape)} {own.dtype} here")
+        return None
+    if isinstance(own, dict):
+        if not own:  # filled lazily (an optimizer's state before its first step)
+            return None
+        if not isinstance(saved, dict) or set(saved) != set(own):
+            extra = sorted(map(str, set(saved) - set(own))) if isinstance(saved, dict) else []
+            missing = sorted(map(str, set(own) - set(saved))) if isinstance(saved, dict) else []
+            return f"{where} has other entries (only in the checkpoint: {extra[:3]}; " \
+                   f"only here: {missing[:3]})"
+        for key in own:
+            found = _first_mismatch(saved[key], own[key], f"{where}[{key!r}]")
+            if found:
+                return found
+        return None
+    if isinstance(own, (list, tuple)):
+        if not isinstance(saved, (list, tuple)) or len(saved) != len(own):
+            return f"{where} differs in length"
+        for i, (a, b) in enumerate(zip(saved, own)):
+            found = _first_mismatch(a, b, f"{where}[{i}]")
+            if found:
+                return found
+    return None
+
+
+def _optimizer_mismatch(saved: dict, optimizer: torch.optim.Optimizer) -> str | None:
+    """For a plain torch optimizer (whose state is empty until its first step): the saved
+    per-parameter state must have the shapes of this run's parameters."""
+    saved = saved.get("optimizer") if isinstance(saved, dict) else None
+    if not type(optimizer).__module__.startswith("torch.optim") or not isinstance(saved, dict):
+        return None
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    groups = saved.get("param_groups", [])
+    count = sum(len(g.get("params", [])) for g in groups if isinstance(g, dict))
+    if count != len(params):
+        return f"the optimizer has {count} parameters in the checkpoint, {len(params)} here"
+    for index, entry in saved.get("state", {}).items():
+        for name, value in entry.items() if isinstance(entry, dict) else ():
+            param = params[int(index)] if 0 <= int(index) < len(params) else None
+            if isinstance(value, torch.Tensor) and value.dim() and (
+                    param is None or value.shape != param.shape):
+                shape = tuple(param.shape) if param is not None else None
+                return (f"optimizer state {name!r} of parameter {index} is "
+                        f"{tuple(value.shape)} in the checkpoint, the parameter is {shape} here")
+    return None
+
+
 def _maybe_resume(cfg: TrainConfig, prepared: Prepared, rank: int) -> int:
     if not cfg.resume:
         return 0
     path = latest_checkpoint(cfg.checkpoint_dir)
     meta = read_meta(path)
     state = load_rank_state(path, rank)
+    mismatch = _first_mismatch(state, prepared.state_dict()) or _optimizer_mismatch(
+        state, prepared.optimizer)
+    if mismatch:
+        raise CheckpointError(
+            f"checkpoint {path} (strategy {meta['strategy']}, world size {meta['world_size']}) "
+            f"cannot be loaded by strategy {cfg.strategy} at world size "
+            f"{dist.get_world_size()}: {mismatch}"
+        )
     try:
         prepared.load_state_dict(state)
     except (RuntimeError, KeyError, ValueError, TypeError, IndexError) as exc:
