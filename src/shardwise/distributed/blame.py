@@ -29,7 +29,9 @@ class Blame:
     ranks: list[int]
     text: str
     code: int  # the launcher's exit status
-    consequence: bool = False  # only a consequence was found: the cause may be on another node
+    # no failure of its own was found: the cause may be elsewhere (ranks that never arrived
+    # may sit on another node)
+    consequence: bool = False
 
 
 def signal_name(number: int) -> str:
@@ -85,7 +87,7 @@ def _blame_missing(cause: FailureRecord, missing: list[RankExit]) -> Blame:
     for e in missing:
         if e.stack:
             text += f"\nrank {e.rank} was at:\n{e.stack}"
-    return Blame(sorted(cause.waiting_for), text, 1)
+    return Blame(sorted(cause.waiting_for), text, 1, consequence=True)
 
 
 def _how(code: int | None) -> str:

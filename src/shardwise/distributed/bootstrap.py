@@ -83,7 +83,8 @@ def _exit_status(exc: SystemExit, heartbeat) -> int:
 def _record(exc: BaseException, heartbeat) -> None:
     rank = int_var("RANK", default=0, minimum=0)
     waiting_for = []
-    if heartbeat is not None and errors.is_consequence(exc):
+    if heartbeat is not None and errors.is_timeout(exc):  # only then are the others' records
+        # settled enough to compare: a rank that never arrived has been still for the timeout
         waiting_for = heartbeat.stragglers()
     try:
         errors.write_record(errors.failure_of(exc, rank, waiting_for))

@@ -66,6 +66,19 @@ def is_consequence(exc: BaseException) -> bool:
     return False
 
 
+def is_timeout(exc: BaseException) -> bool:
+    """True when ``exc`` (or what it was raised from) says a wait timed out."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        text = str(exc).lower()
+        if isinstance(exc, TimeoutError) or "Timeout" in type(exc).__name__ or any(
+                marker in text for marker in ("timed out", "timeout after", "wait timeout")):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
 def failure_of(exc: BaseException, rank: int, waiting_for: list[int] | None = None,
                where: str = "") -> FailureRecord:
     """The record of ``exc`` as raised on ``rank`` now."""

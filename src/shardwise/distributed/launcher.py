@@ -288,7 +288,13 @@ class _Job:
     def _on_success(self, attempt: int) -> int:
         if self.link is None:
             return 0
-        self.link.finish(attempt)
+        try:
+            if self.link.finish(attempt) or self.node_rank != 0:
+                return 0  # only node 0 must stay: it hosts the store the others still use
+        except _STORE_ERRORS as exc:
+            self._say(f"shardwise: node {self.node_rank}'s ranks finished, but the rendezvous "
+                      f"store on node 0 is gone ({exc})")
+            return 1
         deadline = time.monotonic() + self.timeout
         while not self.link.all_finished(attempt):  # node 0 hosts the store: keep it up
             trouble = self._remote_trouble(attempt, time.monotonic())

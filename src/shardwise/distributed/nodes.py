@@ -136,8 +136,9 @@ class NodeLink:
                 return k, self.store.get(key).decode(errors="replace")
         return None
 
-    def finish(self, attempt: int) -> None:
-        self.store.add(f"shardwise/attempt_{attempt}/finished", 1)
+    def finish(self, attempt: int) -> bool:
+        """Say this node's ranks all succeeded; True when it is the last node to say so."""
+        return self.store.add(f"shardwise/attempt_{attempt}/finished", 1) >= self.nnodes
 
     def all_finished(self, attempt: int) -> bool:
         return self.store.add(f"shardwise/attempt_{attempt}/finished", 0) >= self.nnodes
