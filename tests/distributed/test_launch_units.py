@@ -168,3 +168,14 @@ def test_stack_dump_keeps_the_main_thread_without_the_launch_frames():
     assert stack_dump(lines) == ("Current thread 0x02 (most recent call first):\n"
                                  '  File "train.py", line 9 in step\n'
                                  '  File "train.py", line 20 in <module>')
+
+
+def test_without_records_a_consequence_traceback_is_not_blamed_over_a_real_one():
+    # a command not started through bootstrap.py: only exit order and stderr are known
+    reset = ["[rank0]: Traceback (most recent call last):", f"[rank0]: RuntimeError: {RESET}"]
+    real = ["[rank1]: Traceback (most recent call last):", "[rank1]: ValueError: broke"]
+    found = blame([RankExit(0, 1, 5.0, False, None, stderr=reset),
+                   RankExit(1, 1, 6.0, False, None, stderr=real)])
+    assert found.ranks == [1]
+    assert found.text.endswith("rank 1's error:\nTraceback (most recent call last):\n"
+                               "ValueError: broke")

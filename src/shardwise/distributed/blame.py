@@ -3,10 +3,11 @@ errors.py). Pure: the launcher gathers the facts, this decides and words them.""
 
 from __future__ import annotations
 
+import re
 import signal
 from dataclasses import dataclass, field
 
-from shardwise.distributed.errors import FailureRecord, root_cause
+from shardwise.distributed.errors import FailureRecord, root_cause, says_consequence
 from shardwise.distributed.output import last_traceback
 
 
@@ -34,6 +35,13 @@ class Blame:
     consequence: bool = False
 
 
+_TORCH_PREFIX = re.compile(r"^\[rank\d+\]: ")  # torch's excepthook prefixes a rank's traceback
+
+
+def _plain(lines: list[str]) -> list[str]:
+    return [_TORCH_PREFIX.sub("", line) for line in lines]
+
+
 def signal_name(number: int) -> str:
     try:
         return signal.Signals(number).name
@@ -43,10 +51,13 @@ def signal_name(number: int) -> str:
 
 def blame(exits: list[RankExit]) -> Blame | None:
     """The root cause among ``exits``; None when nothing failed."""
+    for e in exits:
+        e.stderr, e.output = _plain(e.stderr), _plain(e.output)
     by_rank = {e.rank: e for e in exits}
     own = [e for e in exits if e.code not in (None, 0) and not e.stopped]
     candidates = [(e.record.time, e) for e in exits if e.record and not e.record.consequence]
-    candidates += [(e.time or 0.0, e) for e in own if e.record is None]
+    candidates += [(e.time or 0.0, e) for e in own if e.record is None
+                   and not says_consequence(last_traceback(e.stderr)[-300:])]
     if candidates:
         return _blame_one(min(candidates, key=lambda c: c[0])[1])
     cause = root_cause([e.record for e in exits if e.record])
@@ -54,7 +65,7 @@ def blame(exits: list[RankExit]) -> Blame | None:
         return _blame_missing(cause, [by_rank[r] for r in cause.waiting_for if r in by_rank])
     if cause is not None:
         return _blame_one(by_rank[cause.rank])
-    if own:
+    if own:  # only consequences, none recorded: the first to go
         return _blame_one(min(own, key=lambda e: e.time or 0.0))
     return None
 

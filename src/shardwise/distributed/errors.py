@@ -66,6 +66,11 @@ def is_consequence(exc: BaseException) -> bool:
     return False
 
 
+def says_consequence(text: str) -> bool:
+    """True when an error message (e.g. a traceback's last line) reads like a consequence."""
+    return any(marker in text.lower() for marker in _CONSEQUENCE_MARKERS)
+
+
 def is_timeout(exc: BaseException) -> bool:
     """True when ``exc`` (or what it was raised from) says a wait timed out."""
     seen: set[int] = set()

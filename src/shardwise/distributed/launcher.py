@@ -313,6 +313,10 @@ class _Job:
         while time.monotonic() < deadline and any(
                 r.alive() or r.exit_time is None for r in ranks):
             self._drain(ranks, exits, watchdog, wait=0.05)
+        for rank in ranks:  # the last lines of the ranks that exited, for the report
+            if not rank.alive():
+                for relay in rank.relays:
+                    relay.join(timeout=max(0.0, deadline - time.monotonic()) + 0.5)
         found = blame(self._exits(ranks))
         if found is not None:  # dump where the ranks it names are, before stopping them
             self._dump_stacks([r for r in ranks if r.rank in found.ranks and r.alive()])
