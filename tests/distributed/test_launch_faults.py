@@ -32,9 +32,11 @@ def _report(err):
 
 
 def test_a_raising_rank_1_is_blamed_every_time():
-    # rank 0 fails too, moments later, with gloo's "Connection closed by peer": a consequence
-    for _ in range(20):
-        code, _, err = _launch(2, "fail_on_rank1.py")
+    # rank 0 fails too, moments later, with gloo's "Connection closed by peer": a consequence.
+    # Half the runs make rank 1 exit a second after rank 0, so exit order would blame rank 0.
+    for attempt in range(20):
+        script = "fail_then_linger.py" if attempt % 2 else "fail_on_rank1.py"
+        code, _, err = _launch(2, script)
         report = _report(err)
         assert code == 1, err
         assert report.startswith("shardwise: rank 1 failed (exit code 1)"), report

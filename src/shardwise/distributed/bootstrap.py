@@ -53,9 +53,7 @@ def main(argv: list[str]) -> int:
         traceback.print_exception(exc)
         _record(exc, heartbeat)
         return 1
-    finally:
-        if heartbeat is not None:
-            heartbeat.stop()
+    finally:  # the heartbeat goes on through teardown (atexit): the rank is alive until it exits
         sys.stdout.flush()
         sys.stderr.flush()
     return 0

@@ -171,6 +171,7 @@ class _Job:
     nnodes: int = 1
     trap: _SignalTrap | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
+    node_lost: bool = False  # a node (or the store) is gone: restarting cannot help
 
     def run(self) -> int:
         workdir = Path(tempfile.mkdtemp(prefix="shardwise-launch-"))
@@ -180,7 +181,7 @@ class _Job:
         try:
             for attempt in range(self.max_restarts + 1):
                 code, final = self._attempt(attempt, workdir / f"attempt_{attempt}")
-                if code == 0 or final or attempt == self.max_restarts:
+                if code == 0 or final or self.node_lost or attempt == self.max_restarts:
                     return code
                 self._say(f"shardwise: restarting every rank (restart {attempt + 1} of "
                           f"{self.max_restarts}) with a fresh rendezvous")
@@ -266,12 +267,14 @@ class _Job:
             remote = self.link.remote_failure(attempt)
             lost = self.link.lost_nodes(now)
         except _STORE_ERRORS as exc:
+            self.node_lost = True
             return (f"shardwise: node {self.node_rank} lost contact with node 0 (the host of the "
                     f"rendezvous store) ({exc}); this node's ranks were stopped.")
         if remote is not None:
             return (f"shardwise: node {remote[0]} failed; this node's ranks were stopped. "
                     f"Node {remote[0]} reported:\n{remote[1]}")
         if lost:
+            self.node_lost = True
             return (f"shardwise: node(s) {', '.join(map(str, lost))} lost: no word from their "
                     f"launcher for more than {self.timeout:g} s; this node's ranks were stopped.")
         return None
