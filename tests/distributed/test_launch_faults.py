@@ -6,6 +6,7 @@ with short timeouts, so that each costs about the import of torch in two ranks.
 
 import io
 import os
+import re
 from pathlib import Path
 
 from shardwise.distributed import launch
@@ -39,7 +40,8 @@ def test_a_raising_rank_1_is_blamed_every_time():
         code, _, err = _launch(2, script)
         report = _report(err)
         assert code == 1, err
-        assert report.startswith("shardwise: rank 1 failed (exit code 1)"), report
+        # "it raised": its failure record came while it was still tearing down
+        assert re.match(r"shardwise: rank 1 failed \((exit code 1|it raised)\)", report), report
         assert "ValueError: rank one broke on purpose" in report
         assert "Connection closed" not in report
 
@@ -66,7 +68,8 @@ def test_a_rank_left_hanging_after_the_others_exit_is_stopped_and_named():
 def test_a_frozen_rank_is_named_by_its_missing_heartbeat():
     code, _, err = _launch(2, "freeze_self.py")
     assert code == 1
-    assert _report(err).startswith("shardwise: rank(s) 1 no heartbeat for more than 3 s")
+    assert _report(err).startswith(
+        "shardwise: rank(s) 1 stopped making progress: no heartbeat for more than 3 s")
 
 
 def test_a_killed_rank_is_reported_killed_with_its_output_as_output():

@@ -179,3 +179,11 @@ def test_without_records_a_consequence_traceback_is_not_blamed_over_a_real_one()
     assert found.ranks == [1]
     assert found.text.endswith("rank 1's error:\nTraceback (most recent call last):\n"
                                "ValueError: broke")
+
+
+def test_a_rank_stopped_after_recording_its_failure_is_blamed_for_what_it_raised():
+    exits = [RankExit(0, 1, 5.0, False, _record(0, 4.9, True, message=RESET)),
+             RankExit(1, -15, 7.0, True, _record(1, 4.8, message="rank one broke"))]
+    found = blame(exits)
+    assert found.ranks == [1] and found.code == 1
+    assert found.text.startswith("shardwise: rank 1 failed (it raised)")

@@ -73,11 +73,11 @@ def blame(exits: list[RankExit]) -> Blame | None:
 def _blame_one(e: RankExit) -> Blame:
     stopped = "; the other ranks were stopped."
     if e.record is not None:
-        how = _how(e.code) if e.code not in (None, 0) else "it raised"
+        how = _how(e.code) if e.code not in (None, 0) and not e.stopped else "it raised"
         kind = " (a consequence: a peer went away or timed out)" if e.record.consequence else ""
         return Blame([e.rank], f"shardwise: rank {e.rank} failed ({how}){kind}{stopped}\n"
-                     f"rank {e.rank}'s error:\n{e.record.traceback.rstrip()}", _status(e.code),
-                     e.record.consequence)
+                     f"rank {e.rank}'s error:\n{e.record.traceback.rstrip()}",
+                     1 if e.stopped else _status(e.code), e.record.consequence)
     if e.code is not None and e.code < 0:
         return Blame([e.rank], f"shardwise: rank {e.rank} was killed by {signal_name(-e.code)}"
                      f"{stopped}\n{_output(e)}", _status(e.code))

@@ -91,10 +91,11 @@ def launch(
         raise ValueError(f"max_restarts must be at least 0, got {max_restarts}")
     if not (math.isfinite(grace_seconds) and grace_seconds > 0):
         raise ValueError(f"grace_seconds must be positive and finite, got {grace_seconds}")
-    if nnodes < 1 or not 0 <= node_rank < nnodes:
+    if nnodes < 1:
+        raise NodeError(f"--nnodes must be at least 1, got {nnodes}")
+    if not 0 <= node_rank < nnodes:
         raise NodeError(f"--node-rank must be in [0, {nnodes}) for --nnodes {nnodes}, "
-                        f"got {node_rank}" if nnodes >= 1 else f"--nnodes must be at least 1, "
-                        f"got {nnodes}")
+                        f"got {node_rank}")
     if nnodes > 1 and rdzv_endpoint is None:
         raise NodeError("--nnodes above 1 needs --rdzv-endpoint host:port (node 0's address)")
     seconds = as_timedelta(timeout).total_seconds()
@@ -219,7 +220,8 @@ class _Job:
             if self.trap is not None and self.trap.received is not None:
                 return self._on_signal(ranks, self.trap.received), True
             self._drain(ranks, exits, watchdog, wait=POLL_SECONDS)
-            if any(r.proc.returncode not in (None, 0) and not r.stopped for r in ranks):
+            if any(r.proc.returncode not in (None, 0) and not r.stopped or r.error_file.exists()
+                   for r in ranks):  # a failure record counts before its rank has exited
                 return self._on_failure(attempt, ranks, exits, watchdog), False
             if all(r.proc.returncode == 0 for r in ranks):
                 return self._on_success(attempt), False

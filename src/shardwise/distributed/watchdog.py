@@ -64,7 +64,8 @@ class Watchdog:
         silent = [r for r, s in live.items()
                   if s.beat_at is not None and now - s.beat_at > self.timeout]
         if silent:
-            return Hang(silent, f"no heartbeat for more than {self.timeout:g} s")
+            return Hang(silent, f"stopped making progress: no heartbeat for more than "
+                                f"{self.timeout:g} s")
         if self._first_clean_exit is None:
             return None
         stuck = [r for r, s in live.items()
