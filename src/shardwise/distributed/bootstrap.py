@@ -37,6 +37,9 @@ def main(argv: list[str]) -> int:
         print(USAGE, file=sys.stderr)
         return 2
     lifeline.install()
+    # ignored first, so that a dump asked for during interpreter teardown (when faulthandler
+    # has restored the previous handler) does not kill the rank
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     faulthandler.register(signal.SIGUSR1, all_threads=True, chain=False)
     heartbeat = _start_heartbeat()
     sys.argv = list(argv)

@@ -323,8 +323,10 @@ class _Job:
                 for relay in rank.relays:
                     relay.join(timeout=max(0.0, deadline - time.monotonic()) + 0.5)
         found = blame(self._exits(ranks))
-        if found is not None:  # dump where the ranks it names are, before stopping them
-            self._dump_stacks([r for r in ranks if r.rank in found.ranks and r.alive()])
+        if found is not None:  # where the ranks it names are (unless they raised: the traceback
+            # says where), before stopping them
+            self._dump_stacks([r for r in ranks if r.rank in found.ranks and r.alive()
+                               and not r.error_file.exists()])
         self._stop(ranks)
         found = blame(self._exits(ranks))
         if found is None:
