@@ -216,3 +216,15 @@ def test_a_missing_checkpoint_state_is_a_checkpoint_error(tmp_path):
     (tmp_path / "step_000002" / "rank_00000.pt").write_bytes(b"not a torch file")
     with pytest.raises(RankFailure, match="cannot load"):
         run_on_ranks(1, _train, dataclasses.replace(cfg, steps=4, resume=True))
+
+
+def test_tensor_parallel_resume_loads_sharded_state_without_unrestricted_unpickling(tmp_path):
+    # rank states are loaded with weights_only=True; TP's sharded tensors are allow-listed
+    straight = dataclasses.replace(TINY, steps=4, strategy="tp")
+    first = dataclasses.replace(straight, steps=2, checkpoint_dir=str(tmp_path))
+    expected = run_on_ranks(2, _train, straight)[0][0]
+    run_on_ranks(2, _train, first)
+    got = run_on_ranks(2, _train, dataclasses.replace(first, steps=4, resume=True))[0][0]
+    assert sorted(got) == [2, 3]
+    for step in (2, 3):
+        assert got[step] == pytest.approx(expected[step], rel=1e-5)

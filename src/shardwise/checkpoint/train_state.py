@@ -141,9 +141,27 @@ def load_rank_state(path: str | Path, rank: int) -> dict[str, Any]:
     if not file.is_file():
         raise CheckpointError(f"checkpoint {path} has no state for rank {owner}")
     try:
-        return torch.load(file, map_location="cpu", weights_only=True)
+        with torch.serialization.safe_globals(_state_classes()):
+            return torch.load(file, map_location="cpu", weights_only=True)
     except Exception as exc:  # noqa: BLE001 - unpickling errors have no common base class
         raise CheckpointError(f"cannot load {file}: {type(exc).__name__}: {exc}") from None
+
+
+def _state_classes() -> list[type]:
+    """The only classes a rank state may hold besides tensors and plain containers: those of a
+    tensor-parallel state (sharded tensors and their metadata). Anything else is refused."""
+    from shardwise.sharded_tensor.metadata import (
+        Placement,
+        ShardedTensorMetadata,
+        ShardMetadata,
+        TensorProperties,
+    )
+    from shardwise.sharded_tensor.shard import Shard
+    from shardwise.sharded_tensor.sharded_tensor import ShardedTensor
+    from shardwise.sharded_tensor.spec import ChunkShardingSpec, EnumerableShardingSpec
+
+    return [ShardedTensor, ShardedTensorMetadata, Shard, ShardMetadata, TensorProperties,
+            Placement, ChunkShardingSpec, EnumerableShardingSpec]
 
 
 def _barrier(group: dist.ProcessGroup | None) -> None:
