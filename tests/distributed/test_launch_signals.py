@@ -59,3 +59,19 @@ def test_sigkill_to_the_launcher_takes_its_ranks_down():
     launcher.kill()
     launcher.wait()
     assert _wait_gone(pids, GRACE + 2.0) == []
+
+
+def test_the_lifeline_pipe_alone_ends_a_rank_when_the_launcher_end_closes():
+    # the portable half of the lifeline (no PR_SET_PDEATHSIG): end-of-file on the pipe
+    read_end, write_end = os.pipe()
+    code = ("import time; from shardwise.distributed import lifeline; lifeline.install(); "
+            "print('ready', flush=True); time.sleep(60)")
+    env = {**os.environ, "SHARDWISE_LAUNCHER_FD": str(read_end), "RANK": "5"}
+    env.pop("SHARDWISE_LAUNCHER_PID", None)
+    child = subprocess.Popen([sys.executable, "-c", code], env=env, pass_fds=(read_end,),
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    os.close(read_end)
+    assert child.stdout.readline() == "ready\n"
+    os.close(write_end)
+    assert child.wait(timeout=30) == 128 + signal.SIGHUP
+    assert "shardwise: rank 5: the launcher is gone; exiting" in child.stderr.read()
