@@ -15,7 +15,9 @@ from shardwise.checkpoint.train_state import (
     CheckpointError,
     latest_checkpoint,
     load_rank_state,
+    prune,
     read_meta,
+    remove_leftovers,
     save_train_state,
 )
 
@@ -31,7 +33,9 @@ __all__ = [
     "latest_checkpoint",
     "load",
     "load_rank_state",
+    "prune",
     "read_meta",
+    "remove_leftovers",
     "save",
     "save_train_state",
     "set_state_dict",

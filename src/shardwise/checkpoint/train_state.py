@@ -14,6 +14,7 @@ the previous checkpoint intact and ``latest`` pointing at it.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,9 @@ import torch.distributed as dist
 from shardwise.checkpoint.atomic import atomic_save, atomic_write_text
 
 LATEST = "latest"
+_STEP_DIR = re.compile(r"step_\d+")
+# meta.json's required fields and their types
+_META_FIELDS = {"model": dict, "strategy": str, "world_size": int, "step": int, "per_rank": bool}
 
 
 class CheckpointError(RuntimeError):
@@ -57,18 +61,75 @@ def save_train_state(directory: str | Path, step: int, state: dict[str, Any], me
 
 
 def latest_checkpoint(directory: str | Path) -> Path:
-    """The newest complete checkpoint in ``directory``; a clear error if there is none."""
+    """The newest complete checkpoint in ``directory``; a clear error if there is none.
+
+    ``latest`` may only name a ``step_N`` directory directly inside ``directory``: a pointer to
+    anywhere else (``../other/step_000040``, an absolute path) is refused, so that a resume never
+    loads state from outside the checkpoint directory.
+    """
     pointer = Path(directory) / LATEST
     if not pointer.is_file():
         raise CheckpointError(f"no checkpoint to resume from in {directory} (no '{LATEST}' file)")
-    path = Path(directory) / pointer.read_text().strip()
+    try:
+        name = pointer.read_text().strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"cannot read {pointer}: {exc}") from None
+    if not _STEP_DIR.fullmatch(name):
+        raise CheckpointError(f"{pointer} names {name!r}, which is not a checkpoint directory "
+                              f"inside {directory} (expected step_NNNNNN)")
+    path = Path(directory) / name
     if not (path / "meta.json").is_file():
         raise CheckpointError(f"checkpoint {path} is incomplete (no meta.json)")
     return path
 
 
 def read_meta(path: str | Path) -> dict[str, Any]:
-    return json.loads((Path(path) / "meta.json").read_text())
+    """``meta.json`` of the checkpoint at ``path``; a damaged one is an error naming the file."""
+    file = Path(path) / "meta.json"
+    try:
+        meta = json.loads(file.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise CheckpointError(f"checkpoint metadata {file} is damaged or unreadable: {exc}") \
+            from None
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"checkpoint metadata {file} is damaged: not a JSON object")
+    for key, kind in _META_FIELDS.items():
+        if key not in meta:
+            raise CheckpointError(f"checkpoint metadata {file} is damaged: no {key!r} field")
+        if not isinstance(meta[key], kind) or (kind is int and isinstance(meta[key], bool)):
+            raise CheckpointError(f"checkpoint metadata {file} is damaged: {key!r} must be "
+                                  f"{kind.__name__}, got {meta[key]!r}")
+    return meta
+
+
+def remove_leftovers(directory: str | Path) -> list[Path]:
+    """Remove what a crashed save left in ``directory`` (``step_N.tmp`` directories, temporary
+    files); the paths removed. Call on one rank, before any save."""
+    removed = []
+    for path in Path(directory).glob("step_*.tmp"):
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+    for path in Path(directory).glob(f"{LATEST}.tmp-*"):
+        path.unlink(missing_ok=True)
+        removed.append(path)
+    return removed
+
+
+def prune(directory: str | Path, keep: int) -> list[Path]:
+    """Keep the newest ``keep`` complete checkpoints (and always the one ``latest`` names);
+    remove the older ones. The paths removed."""
+    if keep < 1:
+        raise ValueError(f"keep must be at least 1, got {keep}")
+    steps = sorted(p for p in Path(directory).iterdir()
+                   if p.is_dir() and _STEP_DIR.fullmatch(p.name))
+    pointer = Path(directory) / LATEST
+    current = pointer.read_text().strip() if pointer.is_file() else None
+    removed = []
+    for path in steps[:-keep]:
+        if path.name != current:
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
 
 
 def load_rank_state(path: str | Path, rank: int) -> dict[str, Any]:
@@ -79,7 +140,28 @@ def load_rank_state(path: str | Path, rank: int) -> dict[str, Any]:
     file = path / f"rank_{owner:05d}.pt"
     if not file.is_file():
         raise CheckpointError(f"checkpoint {path} has no state for rank {owner}")
-    return torch.load(file, map_location="cpu", weights_only=False)
+    try:
+        with torch.serialization.safe_globals(_state_classes()):
+            return torch.load(file, map_location="cpu", weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - unpickling errors have no common base class
+        raise CheckpointError(f"cannot load {file}: {type(exc).__name__}: {exc}") from None
+
+
+def _state_classes() -> list[type]:
+    """The only classes a rank state may hold besides tensors and plain containers: those of a
+    tensor-parallel state (sharded tensors and their metadata). Anything else is refused."""
+    from shardwise.sharded_tensor.metadata import (
+        Placement,
+        ShardedTensorMetadata,
+        ShardMetadata,
+        TensorProperties,
+    )
+    from shardwise.sharded_tensor.shard import Shard
+    from shardwise.sharded_tensor.sharded_tensor import ShardedTensor
+    from shardwise.sharded_tensor.spec import ChunkShardingSpec, EnumerableShardingSpec
+
+    return [ShardedTensor, ShardedTensorMetadata, Shard, ShardMetadata, TensorProperties,
+            Placement, ChunkShardingSpec, EnumerableShardingSpec]
 
 
 def _barrier(group: dist.ProcessGroup | None) -> None:

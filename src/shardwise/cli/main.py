@@ -11,8 +11,10 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from shardwise.cli.launch_args import add_launch_args, check_launch_args, run_launcher
 from shardwise.cli.train_args import ConfigError, build_parser, config_from_args, validate
-from shardwise.distributed import launch, launched
+from shardwise.distributed import launched
+from shardwise.distributed.launcher import python_command
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -29,9 +31,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="shardwise", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    build_parser(sub.add_parser("train", help="train the demo GPT on the stdlib corpus"))
-    run = sub.add_parser("run", help="run a script as N local ranks (like torchrun, one node)")
-    run.add_argument("--nproc", type=int, default=2)
+    train = build_parser(sub.add_parser("train", help="train the demo GPT on the stdlib corpus"))
+    add_launch_args(train)
+    run = sub.add_parser("run", help="run a script as N ranks per node (like torchrun)")
+    run.add_argument("--nproc", "--nproc-per-node", dest="nproc", type=int, default=2)
+    add_launch_args(run)
     run.add_argument("-m", dest="module", action="store_true", help="run a module, as python -m")
     run.add_argument("script", help="the script (or module with -m) to run")
     run.add_argument("script_args", nargs=argparse.REMAINDER)
@@ -47,18 +51,25 @@ def _train(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: list
         from shardwise.cli.rank_main import train_rank
 
         return train_rank(cfg)
+    problem = check_launch_args(args)
+    if problem:
+        parser.exit(2, f"shardwise train: error: {problem}\n")
     try:
-        validate(cfg, cfg.nproc)
+        validate(cfg, cfg.nproc * args.nnodes)
     except ConfigError as exc:
         parser.exit(2, f"shardwise train: error: {exc}\n")
-    return launch(cfg.nproc, [sys.executable, "-m", "shardwise", *argv])
+    return run_launcher("shardwise train", cfg.nproc,
+                        python_command("shardwise", argv, module=True), args)
 
 
 def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     if args.nproc < 1:
         parser.exit(2, f"shardwise run: error: --nproc must be at least 1, got {args.nproc}\n")
-    target = ["-m", args.script] if args.module else [args.script]
-    return launch(args.nproc, [sys.executable, *target, *args.script_args])
+    problem = check_launch_args(args)
+    if problem:
+        parser.exit(2, f"shardwise run: error: {problem}\n")
+    return run_launcher("shardwise run", args.nproc,
+                        python_command(args.script, args.script_args, module=args.module), args)
 
 
 def _plan(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:

@@ -33,6 +33,8 @@ class TrainConfig:
     checkpoint_dir: str | None = None
     checkpoint_every: int = 0
     resume: bool = False
+    override: tuple[str, ...] = ()  # what a resume may change: names in OVERRIDABLE
+    keep: int = 0  # checkpoints to keep (0: all)
     mixed_precision: str | None = None
     cpu_offload: bool = False
     progress: bool = True
@@ -40,6 +42,10 @@ class TrainConfig:
     def model_config(self) -> GPTConfig:
         return GPTConfig(seq_len=self.seq_len, n_layer=self.n_layer, n_head=self.n_head,
                          d_model=self.d_model)
+
+
+# What `--resume` compares with the checkpoint, and `--override` may allow to differ.
+OVERRIDABLE = ("seed", "batch_size", "lr", "model", "strategy")
 
 
 class ConfigError(ValueError):
@@ -68,10 +74,23 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     add("--checkpoint-dir", default=None)
     add("--checkpoint-every", type=int, default=d.checkpoint_every, help="0: only at the end")
     add("--resume", action="store_true", help="continue from --checkpoint-dir's latest checkpoint")
+    add("--override", type=_override_list, default=(),
+        help="what a --resume may change from the checkpoint's run, comma-separated: "
+             + ", ".join(OVERRIDABLE))
+    add("--keep", type=int, default=d.keep, help="keep the newest N checkpoints (0: all)")
     add("--mixed-precision", default=None, choices=["bf16", "fp16"], help="fsdp only")
     add("--cpu-offload", action="store_true", help="fsdp only")
     add("--no-progress", dest="progress", action="store_false", help="no progress bar")
     return parser
+
+
+def _override_list(text: str) -> tuple[str, ...]:
+    names = tuple(n.strip().replace("-", "_") for n in text.split(",") if n.strip())
+    unknown = [n for n in names if n not in OVERRIDABLE]
+    if unknown:
+        raise argparse.ArgumentTypeError(
+            f"unknown name(s) {', '.join(unknown)}; --override takes {', '.join(OVERRIDABLE)}")
+    return names
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
@@ -88,8 +107,10 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
         cfg.model_config()
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
-    if cfg.lr <= 0:
-        raise ConfigError(f"--lr must be positive, got {cfg.lr}")
+    if not cfg.lr > 0 or cfg.lr == float("inf"):
+        raise ConfigError(f"--lr must be positive and finite, got {cfg.lr}")
+    if cfg.keep < 0:
+        raise ConfigError(f"--keep must be at least 0, got {cfg.keep}")
     if cfg.batch_size < world_size:
         raise ConfigError(
             f"--batch-size {cfg.batch_size} is smaller than the world size {world_size}: "
@@ -108,16 +129,20 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
 
 
 def check_resumable(cfg: TrainConfig, world_size: int) -> None:
+    """Refuse a resume whose run differs from the checkpoint's (every difference listed) unless
+    ``--override`` allows it; and one that cannot work at all."""
     try:
         path = latest_checkpoint(cfg.checkpoint_dir)
+        meta = read_meta(path)
     except CheckpointError as exc:
         raise ConfigError(str(exc)) from None
-    meta = read_meta(path)
-    wanted = asdict(cfg.model_config())
-    diffs = [f"{k}={meta['model'].get(k)} (this run: {v})" for k, v in wanted.items()
-             if meta["model"].get(k) != v]
+    diffs = [d for name, d in _differences(cfg, meta) if name not in cfg.override]
     if diffs:
-        raise ConfigError(f"checkpoint {path} is of a different model: " + ", ".join(diffs))
+        raise ConfigError(
+            f"checkpoint {path} is of a different model or run: {'; '.join(diffs)}. "
+            "Resume with the same settings, or name what may change with --override "
+            f"(one or more of {','.join(OVERRIDABLE)})"
+        )
     moved = meta["strategy"] != cfg.strategy or meta["world_size"] != world_size
     if moved and meta["per_rank"]:
         raise ConfigError(
@@ -127,6 +152,19 @@ def check_resumable(cfg: TrainConfig, world_size: int) -> None:
     if meta["step"] >= cfg.steps:
         raise ConfigError(f"checkpoint {path} is already at step {meta['step']} >= --steps "
                           f"{cfg.steps}: nothing left to train")
+
+
+def _differences(cfg: TrainConfig, meta: dict) -> list[tuple[str, str]]:
+    """(override name, description) of each way this run differs from the checkpoint's."""
+    found = [("model", f"{k}={meta['model'].get(k)} (this run: {v})")
+             for k, v in asdict(cfg.model_config()).items() if meta["model"].get(k) != v]
+    if meta["strategy"] != cfg.strategy:
+        found.append(("strategy", f"strategy={meta['strategy']} (this run: {cfg.strategy})"))
+    for name in ("seed", "batch_size", "lr"):
+        if name in meta and meta[name] != getattr(cfg, name):
+            flag = "--" + name.replace("_", "-")
+            found.append((name, f"{flag}={meta[name]} (this run: {getattr(cfg, name)})"))
+    return found
 
 
 def _positive(cfg: TrainConfig, *names: str) -> None:

@@ -1,40 +1,65 @@
-"""The local launcher: N ranks of one command on this machine, no cluster needed.
+"""The launcher: N ranks of one command per node, no cluster manager needed.
 
-The launcher hosts the rendezvous TCPStore itself on a port the OS picks (so two launches never
-race for a port) and tells the ranks so through ``TORCHELASTIC_USE_AGENT_STORE``, as torchrun's
-agent does; scripts that call ``torch.distributed.init_process_group`` themselves work unchanged.
-Each rank's output is relayed with ``[rankN]:`` in front. When one rank fails, the others are
-stopped at once and the launcher exits with that rank's code, repeating its traceback.
+The launcher owns its ranks (see docs/launcher.md for the whole design):
+
+* it hosts the rendezvous TCPStore (node 0 of a multi-node job hosts it at ``--rdzv-endpoint``)
+  and tells the ranks so through ``TORCHELASTIC_USE_AGENT_STORE``, as torchrun's agent does;
+  scripts that call ``torch.distributed.init_process_group`` themselves work unchanged;
+* each rank's output is relayed with ``[rankN]:`` in front;
+* on SIGTERM, SIGHUP or SIGINT it forwards SIGTERM to every rank, waits ``grace_seconds``, kills
+  what is left and exits 128+signal; if the launcher itself is killed, its ranks notice within a
+  second and exit (lifeline.py);
+* when a rank fails it stops the others and reports the root cause (the earliest failure that is
+  not a consequence of another, [Note: blame] in errors.py), or, with ``max_restarts``, restarts
+  the whole group with a fresh rendezvous (``TORCHELASTIC_RESTART_COUNT`` counts the restarts);
+* its watchdog (watchdog.py) stops and names ranks that stop making progress, and ranks left
+  hanging after the others exited 0, with a stack dump of where they were.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import queue
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
+from collections import deque
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TextIO
 
 import torch.distributed as dist
 
+from shardwise.distributed.blame import Blame, RankExit, blame
 from shardwise.distributed.env import AGENT_STORE_VAR
-from shardwise.distributed.output import PrefixedRelay, last_traceback
+from shardwise.distributed.errors import ERROR_FILE_VAR, read_record
+from shardwise.distributed.lifeline import LAUNCHER_FD_VAR, LAUNCHER_PID_VAR
+from shardwise.distributed.nodes import Layout, NodeError, NodeLink, open_store
+from shardwise.distributed.output import PrefixedRelay, lines_since, stack_dump
+from shardwise.distributed.preemption import DEFAULT_GRACE_SECONDS, GRACE_VAR
+from shardwise.distributed.progress import read_progress
+from shardwise.distributed.timeouts import as_timedelta
+from shardwise.distributed.watchdog import Hang, Watchdog
 
 LOCALHOST = "127.0.0.1"
-STOP_GRACE_SECONDS = 5.0
+SETTLE_SECONDS = 2.0  # after a first failure: time for the other ranks' records to arrive
+POLL_SECONDS = 0.2
+_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
+_STORE_ERRORS = (RuntimeError, dist.DistError, OSError)
 
 
-@dataclass
-class _Rank:
-    rank: int
-    proc: subprocess.Popen
-    relays: list[PrefixedRelay]
+def python_command(target: str, args: Sequence[str] = (), module: bool = False) -> list[str]:
+    """The command that runs a Python script (or ``-m`` module) as a rank the launcher owns:
+    through bootstrap.py, for the lifeline, the failure record and the progress records."""
+    head = ["-m", target] if module else [target]
+    return [sys.executable, "-m", "shardwise.distributed.bootstrap", *head, *args]
 
 
 def launch(
@@ -44,117 +69,392 @@ def launch(
     env: Mapping[str, str] | None = None,
     stdout: TextIO | None = None,
     stderr: TextIO | None = None,
+    max_restarts: int = 0,
+    grace_seconds: float = DEFAULT_GRACE_SECONDS,
+    nnodes: int = 1,
+    node_rank: int = 0,
+    rdzv_endpoint: str | None = None,
+    timeout: float | None = None,
 ) -> int:
-    """Run ``argv`` as ``nproc`` ranks and return the job's exit code (0 when all succeed)."""
+    """Run ``argv`` as ``nproc`` ranks on this node and return the job's exit status.
+
+    0 when every rank of every node succeeded; the failed rank's status (or 1) otherwise;
+    128+signal when the launcher was told to stop. ``timeout`` (default ``$SHARDWISE_TIMEOUT``)
+    bounds the rendezvous of nodes and the watchdog's patience. Raises ``NodeError`` when the
+    launchers of a multi-node job do not agree.
+    """
     if nproc < 1:
         raise ValueError(f"nproc must be at least 1, got {nproc}")
     if not argv:
         raise ValueError("launch needs a command to run")
-    stdout, stderr = stdout or sys.stdout, stderr or sys.stderr
-    store = dist.TCPStore(LOCALHOST, 0, nproc, is_master=True, wait_for_workers=False)
-    lock = threading.Lock()
-    ranks = [_start(r, nproc, store.port, argv, env, stdout, stderr, lock) for r in range(nproc)]
-    try:
-        failed = _watch(ranks)
-    except KeyboardInterrupt:
-        _stop(ranks)
-        return 130
-    finally:
-        _stop(ranks)
-        for rank in ranks:
-            for relay in rank.relays:
-                relay.join(timeout=5)
-    if failed is None:
-        return 0
-    _report(failed, stderr, lock)
-    return _exit_code(failed.proc.returncode)
+    if max_restarts < 0:
+        raise ValueError(f"max_restarts must be at least 0, got {max_restarts}")
+    if not (math.isfinite(grace_seconds) and grace_seconds > 0):
+        raise ValueError(f"grace_seconds must be positive and finite, got {grace_seconds}")
+    if nnodes < 1:
+        raise NodeError(f"--nnodes must be at least 1, got {nnodes}")
+    if not 0 <= node_rank < nnodes:
+        raise NodeError(f"--node-rank must be in [0, {nnodes}) for --nnodes {nnodes}, "
+                        f"got {node_rank}")
+    if nnodes > 1 and rdzv_endpoint is None:
+        raise NodeError("--nnodes above 1 needs --rdzv-endpoint host:port (node 0's address)")
+    seconds = as_timedelta(timeout).total_seconds()
+    job = _Job(list(argv), dict(os.environ if env is None else env), stdout or sys.stdout,
+               stderr or sys.stderr, max_restarts, grace_seconds, seconds)
+    if rdzv_endpoint is None:
+        job.store = dist.TCPStore(LOCALHOST, 0, None, is_master=True, wait_for_workers=False)
+        job.host, job.layout = LOCALHOST, Layout(0, nproc)
+    else:
+        job.store = open_store(rdzv_endpoint, node_rank, nnodes, seconds)
+        job.host = rdzv_endpoint.rpartition(":")[0].strip("[]")
+        job.link = NodeLink(job.store, node_rank, nnodes, nproc, max_restarts, seconds)
+        job.layout = job.link.join()
+    job.nproc, job.node_rank, job.nnodes = nproc, node_rank, nnodes
+    with _SignalTrap() as trap:
+        job.trap = trap
+        return job.run()
 
 
-def rank_env(rank: int, nproc: int, port: int, base: Mapping[str, str] | None) -> dict[str, str]:
-    """The environment torchrun would give rank ``rank`` of ``nproc`` on one node."""
-    env = dict(os.environ if base is None else base)
-    env.update(
-        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
-        GROUP_RANK="0", MASTER_ADDR=LOCALHOST, MASTER_PORT=str(port), PYTHONUNBUFFERED="1",
-        TORCHELASTIC_RESTART_COUNT="0",
-    )
-    env[AGENT_STORE_VAR] = "True"
-    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
-    return env
+@dataclass
+class _Rank:
+    rank: int
+    local_rank: int
+    proc: subprocess.Popen
+    relays: list[PrefixedRelay]
+    merged: deque[str]
+    error_file: Path
+    exit_time: float | None = None
+    stopped: bool = False
+    stack: str = ""
+    published: bool = False  # it wrote a progress record (it runs bootstrap.py)
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
 
 
-def _start(rank, nproc, port, argv, env, stdout, stderr, lock) -> _Rank:
-    proc = subprocess.Popen(
-        list(argv), env=rank_env(rank, nproc, port, env), stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
-    )
-    prefix = f"[rank{rank}]: "
-    relays = [
-        PrefixedRelay(os.dup(proc.stdout.fileno()), prefix, stdout, lock),
-        PrefixedRelay(os.dup(proc.stderr.fileno()), prefix, stderr, lock),
-    ]
-    proc.stdout.close()
-    proc.stderr.close()
-    for relay in relays:
-        relay.start()
-    return _Rank(rank, proc, relays)
+class _SignalTrap:
+    """Notes the first SIGTERM/SIGHUP/SIGINT (main thread only); the loop acts on it."""
+
+    def __init__(self) -> None:
+        self.received: int | None = None
+        self._old: dict[int, object] = {}
+
+    def __enter__(self) -> _SignalTrap:
+        if threading.current_thread() is threading.main_thread():
+            for sig in _SIGNALS:
+                self._old[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum: int, frame) -> None:
+        if self.received is None:
+            self.received = signum
+
+    def __exit__(self, *exc) -> None:
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
 
 
-def _watch(ranks: list[_Rank]) -> _Rank | None:
-    """Wait until all ranks succeed (None) or one fails: the first to exit non-zero.
+@dataclass
+class _Job:
+    argv: list[str]
+    base_env: dict[str, str]
+    stdout: TextIO
+    stderr: TextIO
+    max_restarts: int
+    grace: float
+    timeout: float
+    store: dist.Store | None = None
+    host: str = LOCALHOST
+    layout: Layout = field(default_factory=lambda: Layout(0, 1))
+    link: NodeLink | None = None
+    nproc: int = 1
+    node_rank: int = 0
+    nnodes: int = 1
+    trap: _SignalTrap | None = None
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    node_lost: bool = False  # a node (or the store) is gone: restarting cannot help
 
-    A thread per rank waits for its process and reports the exit as it happens, so exits are
-    seen in the order they occur. That order matters: when one rank dies, its peers fail moments
-    later in their collectives ("connection closed by peer"), and the rank to report is the one
-    that died first, with its own traceback, not the lowest-numbered of those that failed.
-    """
-    exits: queue.Queue[tuple[int, int]] = queue.Queue()
-    for rank in ranks:
-        threading.Thread(target=lambda r=rank: exits.put((r.rank, r.proc.wait())),
-                         daemon=True, name=f"shardwise-wait-rank{rank.rank}").start()
-    for _ in ranks:
-        index, code = _next_exit(exits)
-        if code != 0:
-            return ranks[index]
-    return None
-
-
-def _next_exit(exits: queue.Queue) -> tuple[int, int]:
-    while True:  # a timeout, so that Ctrl-C reaches the main thread promptly
-        with contextlib.suppress(queue.Empty):
-            return exits.get(timeout=0.5)
-
-
-def _stop(ranks: list[_Rank]) -> None:
-    """SIGTERM every live rank's process group, then SIGKILL what is left after a grace period."""
-    live = [r for r in ranks if r.proc.poll() is None]
-    for rank in live:
-        _signal_group(rank.proc, signal.SIGTERM)
-    deadline = time.monotonic() + STOP_GRACE_SECONDS
-    for rank in live:
+    def run(self) -> int:
+        workdir = Path(tempfile.mkdtemp(prefix="shardwise-launch-"))
+        read_end, self._lifeline = os.pipe()
+        os.set_inheritable(read_end, True)
+        self._read_end = read_end
         try:
-            rank.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            _signal_group(rank.proc, signal.SIGKILL)
-            rank.proc.wait()
+            for attempt in range(self.max_restarts + 1):
+                code, final = self._attempt(attempt, workdir / f"attempt_{attempt}")
+                if code == 0 or final or self.node_lost or attempt == self.max_restarts:
+                    return code
+                self._say(f"shardwise: restarting every rank (restart {attempt + 1} of "
+                          f"{self.max_restarts}) with a fresh rendezvous")
+            return 1
+        finally:
+            os.close(read_end)
+            os.close(self._lifeline)
+            shutil.rmtree(workdir, ignore_errors=True)
+
+    # -- one attempt -------------------------------------------------------------------------
+
+    def _attempt(self, attempt: int, workdir: Path) -> tuple[int, bool]:
+        """Run every local rank once; (exit status, whether restarting is ruled out)."""
+        ranks = [self._start(attempt, local, workdir) for local in range(self.nproc)]
+        exits: queue.Queue[tuple[int, int, float]] = queue.Queue()
+        for i, rank in enumerate(ranks):
+            threading.Thread(target=lambda i=i, p=rank.proc: exits.put((i, p.wait(), time.time())),
+                             daemon=True, name=f"shardwise-wait-rank{rank.rank}").start()
+        watchdog = Watchdog([r.rank for r in ranks], self.timeout)
+        try:
+            return self._watch(attempt, ranks, exits, watchdog)
+        except NodeError as exc:
+            self._stop(ranks)
+            self._say(f"shardwise: node {self.node_rank}: {exc}; this node's ranks were stopped.")
+            return 1, True
+        finally:
+            self._stop(ranks)
+            for rank in ranks:
+                for relay in rank.relays:
+                    relay.join(timeout=5)
+
+    def _watch(self, attempt, ranks, exits, watchdog) -> tuple[int, bool]:
+        next_beat = 0.0
+        while True:
+            if self.trap is not None and self.trap.received is not None:
+                return self._on_signal(ranks, self.trap.received), True
+            self._drain(ranks, exits, watchdog, wait=POLL_SECONDS)
+            if any(r.proc.returncode not in (None, 0) and not r.stopped or r.error_file.exists()
+                   for r in ranks):  # a failure record counts before its rank has exited
+                return self._on_failure(attempt, ranks, exits, watchdog), False
+            if all(r.proc.returncode == 0 for r in ranks):
+                return self._on_success(attempt), False
+            now = time.monotonic()
+            self._observe(attempt, ranks, watchdog, now)
+            hang = watchdog.verdict(now)
+            if hang is not None:
+                return self._on_hang(attempt, ranks, hang), False
+            if self.link is not None and now >= next_beat:
+                next_beat = now + 0.5
+                remote = self._remote_trouble(attempt, now)
+                if remote is not None:
+                    self._stop(ranks)
+                    self._say(remote)
+                    return 1, False
+
+    def _drain(self, ranks, exits, watchdog, wait: float) -> None:
+        try:
+            item = exits.get(timeout=wait)
+        except queue.Empty:
+            return
+        while True:
+            index, code, when = item
+            ranks[index].exit_time = when
+            watchdog.exited(ranks[index].rank, code, time.monotonic())
+            try:
+                item = exits.get_nowait()
+            except queue.Empty:
+                return
+
+    def _observe(self, attempt, ranks, watchdog, now) -> None:
+        for rank in ranks:
+            if not rank.alive():
+                continue
+            try:
+                record = read_progress(self.store, attempt, rank.rank)
+            except _STORE_ERRORS as exc:
+                raise NodeError(f"lost contact with the rendezvous store ({exc})") from exc
+            rank.published = rank.published or record is not None
+            watchdog.observe(rank.rank, record, now)
+
+    def _remote_trouble(self, attempt: int, now: float) -> str | None:
+        try:
+            self.link.beat()
+            remote = self.link.remote_failure(attempt)
+            lost = self.link.lost_nodes(now)
+        except _STORE_ERRORS as exc:
+            self.node_lost = True
+            return (f"shardwise: node {self.node_rank} lost contact with node 0 (the host of the "
+                    f"rendezvous store) ({exc}); this node's ranks were stopped.")
+        if remote is not None:
+            return (f"shardwise: node {remote[0]} failed; this node's ranks were stopped. "
+                    f"Node {remote[0]} reported:\n{remote[1]}")
+        if lost:
+            self.node_lost = True
+            return (f"shardwise: node(s) {', '.join(map(str, lost))} lost: no word from their "
+                    f"launcher for more than {self.timeout:g} s; this node's ranks were stopped.")
+        return None
+
+    # -- endings ---------------------------------------------------------------------------
+
+    def _on_signal(self, ranks: list[_Rank], signum: int) -> int:
+        name = signal.Signals(signum).name
+        self._say(f"shardwise: received {name}; sending SIGTERM to every rank "
+                  f"(grace period {self.grace:g} s)")
+        self._stop(ranks)
+        return 128 + signum
+
+    def _on_success(self, attempt: int) -> int:
+        if self.link is None:
+            return 0
+        try:
+            if self.link.finish(attempt) or self.node_rank != 0:
+                return 0  # only node 0 must stay: it hosts the store the others still use
+        except _STORE_ERRORS as exc:
+            self._say(f"shardwise: node {self.node_rank}'s ranks finished, but the rendezvous "
+                      f"store on node 0 is gone ({exc})")
+            return 1
+        deadline = time.monotonic() + self.timeout
+        while not self.link.all_finished(attempt):  # node 0 hosts the store: keep it up
+            trouble = self._remote_trouble(attempt, time.monotonic())
+            if trouble is not None:
+                self._say(trouble)
+                return 1
+            if time.monotonic() > deadline:
+                self._say(f"shardwise: node {self.node_rank}'s ranks finished, but not every "
+                          f"node's did within {self.timeout:g} s")
+                return 1
+            time.sleep(POLL_SECONDS)
+        return 0
+
+    def _on_failure(self, attempt, ranks, exits, watchdog) -> int:
+        deadline = time.monotonic() + SETTLE_SECONDS
+        while time.monotonic() < deadline and any(
+                r.alive() or r.exit_time is None for r in ranks):
+            self._drain(ranks, exits, watchdog, wait=0.05)
+        for rank in ranks:  # the last lines of the ranks that exited, for the report
+            if not rank.alive():
+                for relay in rank.relays:
+                    relay.join(timeout=max(0.0, deadline - time.monotonic()) + 0.5)
+        found = blame(self._exits(ranks))
+        if found is not None:  # where the ranks it names are (unless they raised: the traceback
+            # says where), before stopping them
+            self._dump_stacks([r for r in ranks if r.rank in found.ranks and r.alive()
+                               and not r.error_file.exists()])
+        self._stop(ranks)
+        found = blame(self._exits(ranks))
+        if found is None:
+            return 0
+        return self._report(attempt, found)
+
+    def _report(self, attempt: int, found: Blame) -> int:
+        text = found.text
+        if self.link is not None:
+            text = self._with_remote_cause(attempt, found)
+            with contextlib.suppress(*_STORE_ERRORS):
+                self.link.report_failure(attempt, text)
+        self._say("\n" + text)
+        return found.code
+
+    def _with_remote_cause(self, attempt: int, found: Blame) -> str:
+        """When this node's failures only followed from elsewhere, wait (up to the timeout) for
+        another node's report or for a node to be declared lost, and say that instead."""
+        if not found.consequence:
+            return found.text
+        deadline = time.monotonic() + self.timeout + 1.0
+        while time.monotonic() < deadline:
+            remote = self._remote_trouble(attempt, time.monotonic())
+            if remote is not None:
+                return remote
+            time.sleep(0.25)
+        return found.text
+
+    def _on_hang(self, attempt: int, ranks: list[_Rank], hang: Hang) -> int:
+        hung = [r for r in ranks if r.rank in hang.ranks]
+        self._dump_stacks(hung)
+        self._stop(ranks)
+        names = ", ".join(str(r.rank) for r in hung)
+        text = f"shardwise: rank(s) {names} {hang.reason}; every rank was stopped."
+        for rank in hung:
+            text += f"\nrank {rank.rank} was at:\n{rank.stack}" if rank.stack else ""
+        if self.link is not None:
+            with contextlib.suppress(*_STORE_ERRORS):
+                self.link.report_failure(attempt, text)
+        self._say("\n" + text)
+        return 1
+
+    def _exits(self, ranks: list[_Rank]) -> list[RankExit]:
+        return [RankExit(r.rank, r.proc.returncode, r.exit_time, r.stopped,
+                         read_record(r.error_file), list(r.merged), list(r.relays[1].tail),
+                         r.stack) for r in ranks]
+
+    # -- processes -------------------------------------------------------------------------
+
+    def _start(self, attempt: int, local: int, workdir: Path) -> _Rank:
+        rank = self.layout.rank_offset + local
+        error_file = workdir / f"rank_{rank}" / "error.json"
+        error_file.parent.mkdir(parents=True, exist_ok=True)
+        proc = subprocess.Popen(
+            self.argv, env=self._rank_env(attempt, rank, local, error_file),
+            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            start_new_session=True, pass_fds=(self._read_end,),
+        )
+        prefix, merged = f"[rank{rank}]: ", deque(maxlen=400)
+        relays = [PrefixedRelay(os.dup(proc.stdout.fileno()), prefix, self.stdout, self.lock,
+                                merged=merged),
+                  PrefixedRelay(os.dup(proc.stderr.fileno()), prefix, self.stderr, self.lock,
+                                merged=merged)]
+        proc.stdout.close()
+        proc.stderr.close()
+        for relay in relays:
+            relay.start()
+        return _Rank(rank, local, proc, relays, merged, error_file)
+
+    def _rank_env(self, attempt: int, rank: int, local: int, error_file: Path) -> dict[str, str]:
+        env = dict(self.base_env)
+        env.update(
+            RANK=str(rank), LOCAL_RANK=str(local), WORLD_SIZE=str(self.layout.world_size),
+            LOCAL_WORLD_SIZE=str(self.nproc), GROUP_RANK=str(self.node_rank),
+            GROUP_WORLD_SIZE=str(self.nnodes), ROLE_RANK=str(rank),
+            ROLE_WORLD_SIZE=str(self.layout.world_size), MASTER_ADDR=self.host,
+            MASTER_PORT=str(self.store.port), PYTHONUNBUFFERED="1",
+            TORCHELASTIC_RESTART_COUNT=str(attempt),
+            TORCHELASTIC_MAX_RESTARTS=str(self.max_restarts),
+        )
+        env[AGENT_STORE_VAR] = "True"
+        env[ERROR_FILE_VAR] = str(error_file)
+        env[LAUNCHER_PID_VAR] = str(os.getpid())
+        env[LAUNCHER_FD_VAR] = str(self._read_end)
+        env[GRACE_VAR] = repr(self.grace)
+        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // self.nproc)))
+        return env
+
+    def _dump_stacks(self, ranks: list[_Rank]) -> None:
+        """Ask each rank (that runs bootstrap.py, so has faulthandler on SIGUSR1) where it is."""
+        asked = []
+        for rank in ranks:
+            if rank.published and rank.alive():
+                with contextlib.suppress(ProcessLookupError):
+                    asked.append((rank, rank.relays[1].count))
+                    os.kill(rank.proc.pid, signal.SIGUSR1)
+        deadline = time.monotonic() + 2.0
+        for rank, before in asked:
+            while time.monotonic() < deadline:
+                lines = lines_since(rank.relays[1], before)
+                if any(" in <module>" in line for line in lines):
+                    time.sleep(0.1)  # the rest of the dump
+                    break
+                time.sleep(0.05)
+            rank.stack = stack_dump(lines_since(rank.relays[1], before))
+
+    def _stop(self, ranks: list[_Rank]) -> None:
+        """SIGTERM every live rank's process group, then SIGKILL what is left after the grace
+        period."""
+        live = [r for r in ranks if r.alive()]
+        for rank in live:
+            rank.stopped = True
+            _signal_group(rank.proc, signal.SIGTERM)
+            _signal_group(rank.proc, signal.SIGCONT)  # a stopped (frozen) rank gets it too
+        deadline = time.monotonic() + self.grace
+        for rank in live:
+            try:
+                rank.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                _signal_group(rank.proc, signal.SIGKILL)
+                rank.proc.wait()
+
+    def _say(self, text: str) -> None:
+        with self.lock:
+            self.stderr.write(text + "\n")
+            self.stderr.flush()
 
 
 def _signal_group(proc: subprocess.Popen, sig: int) -> None:
-    with contextlib.suppress(ProcessLookupError):
+    with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, sig)
-
-
-def _report(failed: _Rank, stderr: TextIO, lock: threading.Lock) -> None:
-    code = failed.proc.returncode
-    how = f"exit code {code}" if code >= 0 else f"signal {signal.Signals(-code).name}"
-    lines = list(failed.relays[1].tail)
-    with lock:
-        stderr.write(
-            f"\nshardwise: rank {failed.rank} failed ({how}); the other ranks were stopped.\n"
-            f"rank {failed.rank}'s error:\n{last_traceback(lines)}\n"
-        )
-        stderr.flush()
-
-
-def _exit_code(returncode: int) -> int:
-    return returncode if returncode > 0 else 128 + (-returncode)

@@ -2,13 +2,15 @@
 
 Every process group shardwise creates carries a timeout, so that a dead or missing rank turns into
 an error on the others instead of a hang. The default can be changed for a whole run through the
-environment variable ``SHARDWISE_TIMEOUT`` (seconds).
+environment variable ``SHARDWISE_TIMEOUT`` (seconds: positive and finite).
 """
 
 from __future__ import annotations
 
-import os
+import math
 from datetime import timedelta
+
+from shardwise.distributed.env import seconds_var
 
 ENV_VAR = "SHARDWISE_TIMEOUT"
 DEFAULT_SECONDS = 300.0
@@ -16,14 +18,7 @@ DEFAULT_SECONDS = 300.0
 
 def default_timeout() -> timedelta:
     """The timeout used when a caller gives none: ``$SHARDWISE_TIMEOUT`` or 300 seconds."""
-    raw = os.environ.get(ENV_VAR)
-    if raw is None:
-        return timedelta(seconds=DEFAULT_SECONDS)
-    try:
-        seconds = float(raw)
-    except ValueError as exc:
-        raise ValueError(f"{ENV_VAR} must be a number of seconds, got {raw!r}") from exc
-    return as_timedelta(seconds)
+    return timedelta(seconds=seconds_var(ENV_VAR, DEFAULT_SECONDS))
 
 
 def as_timedelta(timeout: float | timedelta | None) -> timedelta:
@@ -31,7 +26,10 @@ def as_timedelta(timeout: float | timedelta | None) -> timedelta:
     if timeout is None:
         return default_timeout()
     if not isinstance(timeout, timedelta):
-        timeout = timedelta(seconds=float(timeout))
+        seconds = float(timeout)
+        if not math.isfinite(seconds):
+            raise ValueError(f"timeout must be a finite number of seconds, got {timeout}")
+        timeout = timedelta(seconds=seconds)
     if timeout.total_seconds() <= 0:
         raise ValueError(f"timeout must be positive, got {timeout.total_seconds()} s")
     return timeout

@@ -1,0 +1,63 @@
+"""A rank dies with its launcher, even when the launcher is killed with SIGKILL.
+
+Two mechanisms, because neither alone is enough:
+
+* on Linux, ``prctl(PR_SET_PDEATHSIG, SIGKILL)`` asks the kernel to kill this process when its
+  parent dies (checked right after, since the parent may already be gone);
+* everywhere, the launcher keeps the write end of a pipe whose read end every rank inherits
+  (``SHARDWISE_LAUNCHER_FD``); a watcher thread blocks reading it, and end-of-file means the
+  launcher is gone: the rank says so on stderr and exits at once (the launcher can no longer
+  stop it, nor report anything it does).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+import signal
+import sys
+import threading
+
+from shardwise.distributed.env import int_var
+
+LAUNCHER_PID_VAR = "SHARDWISE_LAUNCHER_PID"
+LAUNCHER_FD_VAR = "SHARDWISE_LAUNCHER_FD"
+PR_SET_PDEATHSIG = 1
+EXIT_LAUNCHER_GONE = 128 + signal.SIGHUP
+
+
+def install() -> None:
+    """Tie this process's life to the launcher named in the environment (no-op without one)."""
+    pid = int_var(LAUNCHER_PID_VAR, default=0, minimum=0)
+    fd = int_var(LAUNCHER_FD_VAR, default=-1, minimum=-1)
+    if pid:
+        _die_with_parent(pid)
+    if fd >= 0:
+        threading.Thread(target=_watch_pipe, args=(fd,), daemon=True,
+                         name="shardwise-lifeline").start()
+
+
+def _die_with_parent(launcher_pid: int) -> None:
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != launcher_pid:  # the launcher died before prctl took effect
+        _launcher_gone()
+
+
+def _watch_pipe(fd: int) -> None:
+    try:
+        while os.read(fd, 1):
+            pass
+    except OSError:
+        pass
+    _launcher_gone()
+
+
+def _launcher_gone() -> None:
+    rank = os.environ.get("RANK", "?")
+    try:
+        os.write(2, f"shardwise: rank {rank}: the launcher is gone; exiting\n".encode())
+    finally:
+        os._exit(EXIT_LAUNCHER_GONE)

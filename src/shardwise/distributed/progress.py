@@ -1,0 +1,117 @@
+"""Progress records: each rank says, through the rendezvous store, how far it has got.
+
+[Note: progress records] A background thread in every rank started by our launcher writes, once
+per interval, the key ``shardwise/progress/attempt_<k>/rank_<r>`` = JSON ``{"seq": ..., "beats":
+..., "t": ...}``: ``seq`` is the number of collectives this rank has entered on the default
+process group (c10d's own sequence number), ``beats`` counts calls to ``beat()`` (a training loop
+calls it once per step), ``t`` is the wall time of the write. Two readers use them:
+
+* a rank whose collective timed out compares its own ``seq`` with the others': the ranks behind
+  it never reached that collective, and its failure record names them (errors.py);
+* the launcher's watchdog: a record that stops changing means the rank stopped (no heartbeat),
+  and ``seq``/``beats`` that stop changing mean it is alive but makes no progress.
+
+Reads and writes go through the thread's own store client, under a lock, never the client the
+process group uses.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from typing import Any
+
+import torch.distributed as dist
+
+PREFIX = "shardwise/progress/"
+_beats = 0
+
+
+def progress_key(attempt: int, rank: int) -> str:
+    return f"{PREFIX}attempt_{attempt}/rank_{rank}"
+
+
+def beat() -> None:
+    """Count one unit of progress (a training step) for the launcher's watchdog."""
+    global _beats
+    _beats += 1
+
+
+def collective_count() -> int:
+    """Collectives entered on the default group so far; -1 before the group exists."""
+    try:
+        if not dist.is_initialized():
+            return -1
+        return int(dist.group.WORLD._get_sequence_number_for_group())
+    except (RuntimeError, AttributeError, ValueError):
+        return -1
+
+
+def parse_record(raw: bytes | str | None) -> dict[str, Any] | None:
+    """A progress record as written by ``Heartbeat``; None for anything else."""
+    if raw is None:
+        return None
+    try:
+        record = json.loads(raw)
+        return {"seq": int(record["seq"]), "beats": int(record["beats"]),
+                "t": float(record["t"])}
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+def read_progress(store: dist.Store, attempt: int, rank: int) -> dict[str, Any] | None:
+    """Rank ``rank``'s latest record, or None if it has written none (never blocks)."""
+    key = progress_key(attempt, rank)
+    if not store.check([key]):
+        return None
+    return parse_record(store.get(key))
+
+
+class Heartbeat(threading.Thread):
+    """Publishes this rank's progress record every ``interval`` seconds until ``stop()``."""
+
+    def __init__(self, store: dist.Store, attempt: int, rank: int, world_size: int,
+                 interval: float):
+        super().__init__(daemon=True, name="shardwise-heartbeat")
+        self.store, self.attempt, self.rank = store, attempt, rank
+        self.world_size, self.interval = world_size, interval
+        self._lock = threading.Lock()
+        self._stopped = threading.Event()
+
+    def run(self) -> None:
+        while not self._stopped.is_set():
+            try:
+                self.publish()
+            except (RuntimeError, dist.DistError, OSError):
+                return  # the store (the launcher) is gone; the lifeline handles that
+            self._stopped.wait(self.interval)
+
+    def publish(self) -> None:
+        record = {"seq": collective_count(), "beats": _beats, "t": time.time(),
+                  "pid": os.getpid()}
+        with self._lock:
+            self.store.set(progress_key(self.attempt, self.rank), json.dumps(record))
+
+    def stop(self) -> None:
+        self._stopped.set()
+
+    def stragglers(self) -> list[int]:
+        """Ranks whose published collective count is behind this rank's: those that never
+        reached the collective this rank is waiting in (empty when unknown)."""
+        mine = collective_count()
+        if mine < 0:
+            return []
+        behind = []
+        with self._lock:
+            for rank in range(self.world_size):
+                if rank == self.rank:
+                    continue
+                try:
+                    record = read_progress(self.store, self.attempt, rank)
+                except (RuntimeError, dist.DistError, OSError):
+                    return []
+                if record is None or record["seq"] < mine:
+                    behind.append(rank)
+        return behind

@@ -1,0 +1,96 @@
+"""The launcher under failures: the right rank is blamed, hangs are stopped and named, restarts.
+
+Every job here is a tiny script (tests/distributed/scripts) run in-process through ``launch``
+with short timeouts, so that each costs about the import of torch in two ranks.
+"""
+
+import io
+import os
+import re
+from pathlib import Path
+
+from shardwise.distributed import launch
+from shardwise.distributed.launcher import python_command
+
+SCRIPTS = Path(__file__).parent / "scripts"
+SHORT = 3.0  # seconds: SHARDWISE_TIMEOUT for the ranks and the watchdog's patience
+
+
+def _launch(nproc, script, *args, timeout=SHORT, **kwargs):
+    out, err = io.StringIO(), io.StringIO()
+    env = {**os.environ, "SHARDWISE_TIMEOUT": str(timeout)}
+    code = launch(nproc, python_command(str(SCRIPTS / script), args), env=env, stdout=out,
+                  stderr=err, timeout=timeout, grace_seconds=5, **kwargs)
+    return code, out.getvalue(), err.getvalue()
+
+
+def _report(err):
+    """The launcher's own report: what follows its last 'shardwise:' line at column 0."""
+    lines = err.splitlines()
+    starts = [i for i, line in enumerate(lines) if line.startswith("shardwise: ")]
+    assert starts, err
+    return "\n".join(lines[starts[-1]:])
+
+
+def test_a_raising_rank_1_is_blamed_every_time():
+    # rank 0 fails too, moments later, with gloo's "Connection closed by peer": a consequence.
+    # Half the runs make rank 1 exit a second after rank 0, so exit order would blame rank 0.
+    for attempt in range(20):
+        script = "fail_then_linger.py" if attempt % 2 else "fail_on_rank1.py"
+        code, _, err = _launch(2, script)
+        report = _report(err)
+        assert code == 1, err
+        # "it raised": its failure record came while it was still tearing down
+        assert re.match(r"shardwise: rank 1 failed \((exit code 1|it raised)\)", report), report
+        assert "ValueError: rank one broke on purpose" in report
+        assert "Connection closed" not in report
+
+
+def test_a_rank_that_sleeps_before_a_collective_is_named():
+    code, _, err = _launch(2, "sleep_before_collective.py")
+    report = _report(err)
+    assert code == 1
+    assert report.startswith("shardwise: rank(s) 1 never reached the collective that rank 0 "
+                             "waited in"), report
+    assert "rank 1 was at:" in report and "sleep_before_collective.py" in report
+
+
+def test_a_rank_left_hanging_after_the_others_exit_is_stopped_and_named():
+    code, out, err = _launch(2, "hang_after_others.py")
+    report = _report(err)
+    assert code == 1
+    assert "[rank0]: rank 0 done" in out
+    assert report.startswith("shardwise: rank(s) 1 neither finished nor made progress"), report
+    assert "after rank(s) 0 exited 0" in report
+    assert 'hang_after_others.py", line 11 in <module>' in report  # where it hung
+
+
+def test_a_frozen_rank_is_named_by_its_missing_heartbeat():
+    code, _, err = _launch(2, "freeze_self.py")
+    assert code == 1
+    assert _report(err).startswith(
+        "shardwise: rank(s) 1 stopped making progress: no heartbeat for more than 3 s")
+
+
+def test_a_killed_rank_is_reported_killed_with_its_output_as_output():
+    code, _, err = _launch(2, "kill_self.py")
+    report = _report(err)
+    assert code == 128 + 9
+    assert report.startswith("shardwise: rank 1 was killed by SIGKILL"), report
+    assert "last output lines (its output, not an error message):\n  | step 7/10 loss=1.23" \
+        in report
+    assert "error:" not in report
+
+
+def test_restart_after_a_failure_runs_a_fresh_attempt():
+    code, out, err = _launch(2, "restart_once.py", max_restarts=1)
+    assert code == 0, err
+    assert "restarting every rank (restart 1 of 1)" in err
+    assert "[rank0]: attempt 1 total=2" in out and "[rank1]: attempt 1 total=2" in out
+
+
+def test_without_restarts_the_first_failure_ends_the_job():
+    code, out, err = _launch(2, "restart_once.py", max_restarts=0)
+    assert code == 1
+    assert "attempt 1" not in out
+    assert "RuntimeError: first attempt fails on purpose" in _report(err)

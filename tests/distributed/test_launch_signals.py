@@ -1,0 +1,77 @@
+"""Signals to the launcher: no rank outlives it (checked by PID) and it exits 128+signal."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+SCRIPTS = Path(__file__).parent / "scripts"
+GRACE = 2.0
+
+
+def _start_job(*script_args):
+    cmd = [sys.executable, "-m", "shardwise", "run", "--nproc", "2", "--grace-seconds",
+           str(GRACE), str(SCRIPTS / "forever.py"), *script_args]
+    launcher = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    pids = {}
+    while len(pids) < 2:
+        line = launcher.stdout.readline()
+        assert line, launcher.stderr.read()
+        if "pid " in line:
+            rank, pid = line.split("pid ", 1)[1].split()
+            pids[int(rank)] = int(pid)
+    return launcher, list(pids.values())
+
+
+def _alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:  # a zombie is dead
+        return f.read().split(")")[-1].split()[0] != "Z"
+
+
+def _wait_gone(pids, seconds):
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and any(_alive(p) for p in pids):
+        time.sleep(0.1)
+    return [p for p in pids if _alive(p)]
+
+
+@pytest.mark.parametrize(("sig", "ignore_term"), [
+    (signal.SIGTERM, True), (signal.SIGHUP, False), (signal.SIGINT, False)])
+def test_signal_stops_every_rank_within_the_grace_period(sig, ignore_term):
+    # ignore_term: the ranks ignore SIGTERM, so the launcher must kill them after the grace period
+    launcher, pids = _start_job(*(["--ignore-term"] if ignore_term else []))
+    launcher.send_signal(sig)
+    assert _wait_gone(pids, GRACE + 2.0) == []
+    assert launcher.wait(timeout=10) == 128 + sig
+    assert f"received {signal.Signals(sig).name}" in launcher.stderr.read()
+
+
+def test_sigkill_to_the_launcher_takes_its_ranks_down():
+    launcher, pids = _start_job("--ignore-term")
+    launcher.kill()
+    launcher.wait()
+    assert _wait_gone(pids, GRACE + 2.0) == []
+
+
+def test_the_lifeline_pipe_alone_ends_a_rank_when_the_launcher_end_closes():
+    # the portable half of the lifeline (no PR_SET_PDEATHSIG): end-of-file on the pipe
+    read_end, write_end = os.pipe()
+    code = ("import time; from shardwise.distributed import lifeline; lifeline.install(); "
+            "print('ready', flush=True); time.sleep(60)")
+    env = {**os.environ, "SHARDWISE_LAUNCHER_FD": str(read_end), "RANK": "5"}
+    env.pop("SHARDWISE_LAUNCHER_PID", None)
+    child = subprocess.Popen([sys.executable, "-c", code], env=env, pass_fds=(read_end,),
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    os.close(read_end)
+    assert child.stdout.readline() == "ready\n"
+    os.close(write_end)
+    assert child.wait(timeout=30) == 128 + signal.SIGHUP
+    assert "shardwise: rank 5: the launcher is gone; exiting" in child.stderr.read()

@@ -1,0 +1,189 @@
+"""The launcher's pure parts: blame, the watchdog, failure records, environment validation."""
+
+import pytest
+
+from shardwise.distributed.blame import RankExit, blame
+from shardwise.distributed.env import EnvError, flag_var, read_env
+from shardwise.distributed.errors import (
+    FailureRecord,
+    failure_of,
+    is_consequence,
+    is_timeout,
+    read_record,
+    write_record,
+)
+from shardwise.distributed.nodes import NodeError, parse_endpoint
+from shardwise.distributed.output import stack_dump
+from shardwise.distributed.timeouts import default_timeout
+from shardwise.distributed.watchdog import Watchdog
+
+RESET = "[pair.cc:537] Read error [127.0.0.1]:1: Connection reset by peer"
+
+
+def _record(rank, t, consequence=False, waiting_for=(), message="boom"):
+    return FailureRecord(rank, "RuntimeError", message, f"Traceback\nRuntimeError: {message}", t,
+                         consequence, list(waiting_for))
+
+
+def test_the_earliest_own_failure_is_blamed_even_when_its_rank_exited_last():
+    exits = [RankExit(0, 1, 10.0, False, _record(0, 5.2, True, message=RESET)),
+             RankExit(1, 1, 11.0, False, _record(1, 5.0, message="rank one broke"))]
+    found = blame(exits)
+    assert found.ranks == [1] and found.code == 1 and not found.consequence
+    assert found.text.startswith("shardwise: rank 1 failed (exit code 1)")
+    assert "rank one broke" in found.text
+
+
+def test_a_killed_rank_is_blamed_with_its_output_not_as_its_error():
+    exits = [RankExit(0, 1, 10.2, False, _record(0, 10.1, True, message=RESET)),
+             RankExit(1, -9, 10.0, False, None, output=["step 3 loss=1.0\r"])]
+    found = blame(exits)
+    assert found.ranks == [1] and found.code == 137
+    assert "rank 1 was killed by SIGKILL" in found.text
+    assert "its output, not an error message" in found.text and "step 3" in found.text
+
+
+def test_ranks_that_never_arrived_are_named_when_every_failure_is_a_consequence():
+    exits = [RankExit(0, 1, 9.0, False, _record(0, 8.0, True, [2, 3], "Timed out waiting")),
+             RankExit(1, -15, 9.5, True, None),
+             RankExit(2, -15, 9.5, True, None, stack="  File 'x.py', line 3 in <module>"),
+             RankExit(3, -15, 9.5, True, None)]
+    found = blame(exits)
+    assert found.ranks == [2, 3]
+    assert found.text.startswith("shardwise: rank(s) 2, 3 never reached the collective that "
+                                 "rank 0 waited in")
+    assert "rank 2 was at:\n  File 'x.py'" in found.text
+
+
+def test_ranks_the_launcher_stopped_are_not_blamed():
+    exits = [RankExit(0, -15, 9.0, True, None), RankExit(1, 3, 8.0, False, None,
+                                                         stderr=["no traceback here"])]
+    found = blame(exits)
+    assert found.ranks == [1] and found.code == 3
+    assert "failed (exit code 3) without a Python exception" in found.text
+
+
+def test_nothing_to_blame_when_all_succeeded():
+    assert blame([RankExit(0, 0, 1.0, False, None)]) is None
+
+
+def test_watchdog_names_a_rank_whose_heartbeat_stopped():
+    dog = Watchdog([0, 1], timeout=5)
+    for t in range(0, 20):
+        dog.observe(0, {"seq": 1, "beats": 0, "t": float(t)}, float(t))
+        if t < 3:
+            dog.observe(1, {"seq": 1, "beats": 0, "t": float(t)}, float(t))
+        if t <= 7:  # the last beat of rank 1 was at t=2: silent for 5 s, not yet more
+            assert dog.verdict(float(t)) is None
+    hang = dog.verdict(19.0)
+    assert hang.ranks == [1] and "no heartbeat" in hang.reason
+
+
+def test_watchdog_names_a_rank_left_hanging_after_others_exited_0():
+    dog = Watchdog([0, 1, 2], timeout=5)
+    for t in range(0, 30):
+        for rank in (1, 2):  # alive and beating; rank 2 also makes progress
+            dog.observe(rank, {"seq": 4 + (t if rank == 2 else 0), "beats": 0, "t": float(t)},
+                        float(t))
+        if t == 10:
+            dog.exited(0, 0, 10.0)
+        if t <= 15:
+            assert dog.verdict(float(t)) is None, t
+    hang = dog.verdict(29.0)
+    assert hang.ranks == [1] and "after rank(s) 0 exited 0" in hang.reason
+
+
+def test_failure_records_round_trip_through_torchelastic_error_file(tmp_path, monkeypatch):
+    path = tmp_path / "error.json"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(path))
+    try:
+        raise ValueError("bad value")
+    except ValueError as exc:
+        record = failure_of(exc, 3, [1])
+    assert write_record(record) == path
+    again = read_record(path)
+    assert again == record and not again.consequence
+    assert '"py_callstack"' in path.read_text()  # torchrun's layout
+    path.write_text('{"message": {"message": "from torchrun"}}')
+    assert read_record(path) is None
+
+
+@pytest.mark.parametrize(("exc", "consequence", "timeout"), [
+    (RuntimeError(RESET), True, False),
+    (RuntimeError("Connection closed by peer [127.0.0.1]:4"), True, False),
+    (RuntimeError("Timed out waiting 3000ms for recv operation to complete"), True, True),
+    (ValueError("the timeout must be positive"), False, False),
+    (KeyError("x"), False, False),
+])
+def test_consequences_and_timeouts_are_told_apart(exc, consequence, timeout):
+    assert is_consequence(exc) is consequence
+    assert is_timeout(exc) is timeout
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-1", "0", "soon"])
+def test_a_bad_shardwise_timeout_is_an_error_naming_the_variable(monkeypatch, value):
+    monkeypatch.setenv("SHARDWISE_TIMEOUT", value)
+    with pytest.raises(EnvError, match=f"environment variable SHARDWISE_TIMEOUT must be .*"
+                                       f"got '{value}'"):
+        default_timeout()
+
+
+@pytest.mark.parametrize(("env", "says"), [
+    ({"RANK": "x", "WORLD_SIZE": "2"}, "RANK must be an integer, got 'x'"),
+    ({"RANK": "2", "WORLD_SIZE": "2"}, "RANK=2 is not below WORLD_SIZE=2"),
+    ({"RANK": "0", "WORLD_SIZE": "0"}, "WORLD_SIZE must be at least 1, got 0"),
+    ({"RANK": "0", "WORLD_SIZE": "1", "MASTER_PORT": "70000"}, "MASTER_PORT must be at most"),
+    ({"RANK": "0", "WORLD_SIZE": "1", "MASTER_PORT": "1", "TORCHELASTIC_RESTART_COUNT": "-1"},
+     "TORCHELASTIC_RESTART_COUNT must be at least 0"),
+])
+def test_launch_variables_are_validated_by_name(monkeypatch, env, says):
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("MASTER_PORT", "1")
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(EnvError, match=says.replace("[", r"\[")):
+        read_env()
+
+
+def test_a_bad_flag_variable_is_named(monkeypatch):
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "maybe")
+    with pytest.raises(EnvError, match="TORCHELASTIC_USE_AGENT_STORE must be 1/true/yes"):
+        flag_var("TORCHELASTIC_USE_AGENT_STORE")
+
+
+@pytest.mark.parametrize("endpoint", ["localhost", "host:", ":29500", "host:99999", "h:x"])
+def test_a_bad_rdzv_endpoint_is_named(endpoint):
+    with pytest.raises(NodeError, match="--rdzv-endpoint must be host:port"):
+        parse_endpoint(endpoint)
+
+
+def test_stack_dump_keeps_the_main_thread_without_the_launch_frames():
+    lines = ["noise", "Thread 0x01 (most recent call first):",
+             '  File "threading.py", line 1 in wait', "",
+             "Current thread 0x02 (most recent call first):",
+             '  File "train.py", line 9 in step', '  File "train.py", line 20 in <module>',
+             '  File "<frozen runpy>", line 88 in _run_code',
+             '  File "/x/shardwise/distributed/bootstrap.py", line 48 in main']
+    assert stack_dump(lines) == ("Current thread 0x02 (most recent call first):\n"
+                                 '  File "train.py", line 9 in step\n'
+                                 '  File "train.py", line 20 in <module>')
+
+
+def test_without_records_a_consequence_traceback_is_not_blamed_over_a_real_one():
+    # a command not started through bootstrap.py: only exit order and stderr are known
+    reset = ["[rank0]: Traceback (most recent call last):", f"[rank0]: RuntimeError: {RESET}"]
+    real = ["[rank1]: Traceback (most recent call last):", "[rank1]: ValueError: broke"]
+    found = blame([RankExit(0, 1, 5.0, False, None, stderr=reset),
+                   RankExit(1, 1, 6.0, False, None, stderr=real)])
+    assert found.ranks == [1]
+    assert found.text.endswith("rank 1's error:\nTraceback (most recent call last):\n"
+                               "ValueError: broke")
+
+
+def test_a_rank_stopped_after_recording_its_failure_is_blamed_for_what_it_raised():
+    exits = [RankExit(0, 1, 5.0, False, _record(0, 4.9, True, message=RESET)),
+             RankExit(1, -15, 7.0, True, _record(1, 4.8, message="rank one broke"))]
+    found = blame(exits)
+    assert found.ranks == [1] and found.code == 1
+    assert found.text.startswith("shardwise: rank 1 failed (it raised)")
