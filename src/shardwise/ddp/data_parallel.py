@@ -25,6 +25,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from shardwise.ddp.comm_hooks import CommHook, check_comm_hook, run_comm_hook
 from shardwise.ddp.join import DDPJoinHook, active_ranks, announce_reduction, common_rank
+from shardwise.distributed.agree import check_same_model
 from shardwise.distributed.collectives import broadcast_coalesced
 from shardwise.distributed.grad_buckets import Bucket, GradBucketer, Waitable
 
@@ -68,6 +69,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         Joinable.__init__(self)
         process_group = _group_of(process_group, device_mesh)
         _check_module(module, device_ids)
+        check_same_model(module, process_group, what="DistributedDataParallel")
         self.module = module
         self.device_ids = device_ids
         self.output_device = output_device

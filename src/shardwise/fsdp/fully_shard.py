@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from shardwise.distributed.agree import check_same_model
 from shardwise.fsdp import checks
 from shardwise.fsdp.dtensor import mesh_for_group
 from shardwise.fsdp.flat_param import FlatParamHandle
@@ -81,6 +82,7 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh | None = None,
                         shard_placement_fn=shard_placement_fn, mp_policy=mp,
                         offload_policy=offload, ignored_params=ignored,
                         forward_prefetch=forward_prefetch)
+    check_same_model(module, group, what="fully_shard")  # before any collective relies on it
     children = list(_child_units(module))
     params = [(p, h) for p, h in _unit_params(module, children) if p not in ignored]
     _check_placements(params, shard_placement_fn)

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from shardwise.distributed.agree import check_same_model
 from shardwise.distributed.collectives import broadcast_coalesced
 from shardwise.fsdp import fsdp1_args as args
 from shardwise.fsdp import optim_state_dict as osd_mod
@@ -94,6 +95,7 @@ class FullyShardedDataParallel(nn.Module):
         if device_id is not None:
             module = module.to(torch.device("cuda", device_id) if isinstance(device_id, int)
                                else device_id)
+        check_same_model(module, layout.sync_group, what="FullyShardedDataParallel")
         if sync_module_states:
             broadcast_coalesced([p.detach() for p in module.parameters()]
                                 + list(module.buffers()), 0, layout.sync_group)
