@@ -97,7 +97,7 @@ def _make_store(env: LaunchEnv, timeout: timedelta) -> dist.Store:
     try:
         return dist.TCPStore(
             env.master_addr, env.master_port, env.world_size, is_master=is_master,
-            timeout=timeout, wait_for_workers=False,
+            timeout=timeout, wait_for_workers=False, multi_tenant=True,  # RPC may share it
         )
     except (RuntimeError, dist.DistError) as exc:
         where = f"{env.master_addr}:{env.master_port}"
