@@ -18,10 +18,12 @@
 #
 #  1. The import: `from shardwise import ZeroRedundancyOptimizer` instead of torch's class. The
 #     test utilities (`_broadcast_object`, DDP, the join and DDP-hook modules) are still torch's.
-#  2. `@skip_if_no_gpu` removed from TestZeroRedundancyOptimizerDistributed's test_step,
+#  2. `@skip_if_no_gpu` on TestZeroRedundancyOptimizerDistributed's test_step,
 #     test_step_with_closure, test_lr_scheduler, test_multiple_param_groups,
-#     test_collect_shards and test_local_optimizer_parity: nothing in them needs a GPU, and on
-#     CPU they run on gloo at the class's world size (2 without GPUs).
+#     test_collect_shards and test_local_optimizer_parity replaced by
+#     `@_skip_if_no_gpu_unless_cpu`: nothing in them needs a GPU, so with no accelerator they
+#     run on CPU with gloo at the class's world size (2); with one, torch's skip applies as
+#     before (the tests then run on it with NCCL, one device per rank).
 #  3. _test_zero_join: the gradient-setting join hook takes the parameters from
 #     `zero_optim.param_groups` instead of `zero_optim._all_params`, a private attribute of
 #     torch's implementation (same parameters, same order).
@@ -103,6 +105,12 @@ device_type = (
     if (acc := torch.accelerator.current_accelerator(check_available=True))
     else "cpu"
 )
+
+
+def _skip_if_no_gpu_unless_cpu(func):
+    """shardwise (change 2): in place of `@skip_if_no_gpu` on tests that run on CPU as well."""
+    return func if device_type == "cpu" else skip_if_no_gpu(func)
+
 
 @contextmanager
 def deterministic_algorithms(enabled=True):
@@ -418,6 +426,7 @@ class TestZeroRedundancyOptimizerDistributed(TestZeroRedundancyOptimizer):
                 msg=f"Model buffers differ:\n{b_a} {b_b}\n" + message,
             )
 
+    @_skip_if_no_gpu_unless_cpu
     def test_step(self):
         """Check that ZeroRedundancyOptimizer properly exposes the ``step()``
         interface."""
@@ -456,6 +465,7 @@ class TestZeroRedundancyOptimizerDistributed(TestZeroRedundancyOptimizer):
             self.assertEqual(m.weight, m_zero.weight)
             self.assertEqual(m.bias, m_zero.bias)
 
+    @_skip_if_no_gpu_unless_cpu
     def test_step_with_closure(self):
         """Check that ZeroRedundancyOptimizer properly exposes the
         ``step(closure)`` interface."""
@@ -504,6 +514,7 @@ class TestZeroRedundancyOptimizerDistributed(TestZeroRedundancyOptimizer):
                 self.assertEqual(m.weight, torch.tensor([[1.1]]))
                 self.assertEqual(m.bias, torch.tensor([2.1]))
 
+    @_skip_if_no_gpu_unless_cpu
     def test_lr_scheduler(self):
         """Check that a normal PyTorch ``lr_scheduler`` is usable with
         ZeroRedundancyOptimizer."""
@@ -605,6 +616,7 @@ class TestZeroRedundancyOptimizerDistributed(TestZeroRedundancyOptimizer):
         all_trainable()
         some_trainable()
 
+    @_skip_if_no_gpu_unless_cpu
     def test_multiple_param_groups(self):
         """
         Check parity between constructing ZeRO with multiple parameter groups
@@ -671,6 +683,7 @@ class TestZeroRedundancyOptimizerDistributed(TestZeroRedundancyOptimizer):
                 torch.testing.assert_close(layer1.bias, layer2.bias)
                 torch.testing.assert_close(layer1.bias, layer3.bias)
 
+    @_skip_if_no_gpu_unless_cpu
     def test_collect_shards(self):
         """Check the state consolidation mechanism and the state dict exposed
         by ZeroRedundancyOptimizer."""
@@ -821,6 +834,7 @@ class TestZeroRedundancyOptimizerDistributed(TestZeroRedundancyOptimizer):
         )
         check(optimizer)
 
+    @_skip_if_no_gpu_unless_cpu
     @parametrize(
         "optimizer_class_str",
         ["Adam", "AdamW", "SGD"],
