@@ -18,7 +18,7 @@ def test_largest_first_balances_bytes():
     # by hand: 8 -> r0, 7 -> r1, 6 -> r2; loads 8/7/6, so 5 -> r2; loads 8/7/11, so 4 -> r1
     part = partition_params([[5, 8, 6, 7, 4]], 3)
     assert part == [[[1]], [[3, 4]], [[0, 2]]]
-    assert rank_loads(part, [[5, 8, 6, 7, 4]]) == [8, 11, 11]
+    assert rank_loads(part, [[5, 8, 6, 7, 4]]) == [(8, 0), (11, 0), (11, 0)]
 
 
 def test_ties_go_to_the_lowest_rank_and_equal_sizes_keep_index_order():
@@ -45,8 +45,9 @@ def test_greedy_bound_total_over_n_plus_largest(world):
                   for _ in range(rng.randint(1, 9))] for _ in range(rng.randint(1, 3))]
         flat = list(itertools.chain(*sizes))
         loads = rank_loads(partition_params(sizes, world), sizes)
-        assert sum(loads) == sum(flat)
-        assert max(loads) <= sum(flat) / world + max(flat)
+        trainable = [load[0] for load in loads]
+        assert sum(trainable) == sum(flat) and all(load[1] == 0 for load in loads)
+        assert max(trainable) <= sum(flat) / world + max(flat)
 
 
 def test_balance_is_over_the_whole_model_across_groups():
@@ -84,3 +85,23 @@ def test_chunk_by_bytes():
     assert chunk_by_bytes([], 8) == []
     with pytest.raises(ValueError, match="chunk cap must be positive"):
         chunk_by_bytes([1], 0)
+
+
+def test_trainable_bytes_balanced_first_then_frozen_bytes():
+    # (trainable, frozen): the frozen 100 weighs nothing against trainable bytes, so the
+    # trainable 6, 5, 4, 3 are balanced as if it were not there (6+3 on r0, 5+4 on r1); the
+    # frozen ones go last, each to the rank with the least (trainable, frozen) load: 100 to r0
+    # (tie, lowest rank), then 7 to r1
+    sizes = [[(0, 100), (3, 0), (5, 0), (0, 7), (6, 0), (4, 0)]]
+    part = partition_params(sizes, 2)
+    assert part == [[[0, 1, 4]], [[2, 3, 5]]]
+    assert rank_loads(part, sizes) == [(9, 100), (9, 7)]
+    # ties on trainable bytes: the frozen bytes spread over the ranks
+    both = [[(0, 9), (0, 7), (0, 5), (0, 3), (0, 9), (0, 7), (0, 5), (0, 3)]]
+    assert rank_loads(partition_params(both, 2), both) == [(0, 24), (0, 24)]
+
+
+def test_all_trainable_one_dtype_is_the_numel_greedy_partition():
+    # what torch's sorted greedy by numel() gives for [9, 7, 5, 3] * 2: r0 9 7 5 3, r1 the same
+    sizes = [[9, 7, 5, 3, 9, 7, 5, 3]]
+    assert partition_params(sizes, 2) == [[[0, 1, 2, 3]], [[4, 5, 6, 7]]]

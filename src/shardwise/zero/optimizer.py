@@ -22,18 +22,21 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from torch.optim import Optimizer
 
 from shardwise.zero import collectives as zc
 from shardwise.zero import state_dicts
-from shardwise.zero.partition import chunk_by_bytes, partition_params, rank_loads
+from shardwise.zero.join import ZeroJoinHook
+from shardwise.zero.partition import Weight, chunk_by_bytes, partition_params, rank_loads
 
 MIB = 1024 * 1024
 CHUNK_BYTES = 4 * MIB
 CHUNKS_IN_FLIGHT = 4
+_MISSING = object()
 
 
-class ZeroRedundancyOptimizer(Optimizer):
+class ZeroRedundancyOptimizer(Optimizer, Joinable):
     """Wraps ``optimizer_class`` so that each rank of ``process_group`` (default: the world)
     keeps the optimizer state of its partition of the parameters only.
 
@@ -58,8 +61,9 @@ class ZeroRedundancyOptimizer(Optimizer):
             raise RuntimeError("ZeroRedundancyOptimizer needs an initialized process group: call "
                                "shardwise.distributed.init() (or init_process_group) first")
         self._initialized = False
-        super().__init__(params, defaults)
-        _check_devices([p for g in self.param_groups for p in g["params"]])
+        Optimizer.__init__(self, params, defaults)
+        Joinable.__init__(self)
+        _check_params([p for g in self.param_groups for p in g["params"]])
         self.optimizer_class = optimizer_class
         self.process_group = process_group or dist.group.WORLD
         self.world_size = dist.get_world_size(self.process_group)
@@ -76,10 +80,9 @@ class ZeroRedundancyOptimizer(Optimizer):
 
     # -- partition ---------------------------------------------------------------------------
 
-    def _group_sizes(self) -> list[list[int]]:
-        # Frozen parameters get no optimizer state, so they weigh nothing in the balance.
-        return [[p.numel() * p.element_size() if p.requires_grad else 0 for p in g["params"]]
-                for g in self.param_groups]
+    def _group_sizes(self) -> list[list[Weight]]:
+        # (trainable bytes, frozen bytes): see [Note: ZeRO partition] for why both.
+        return [[_weight(p) for p in g["params"]] for g in self.param_groups]
 
     def _local_groups(self) -> list[dict[str, Any]]:
         mine = self._partition[self.rank]
@@ -112,7 +115,7 @@ class ZeroRedundancyOptimizer(Optimizer):
         params = [params] if isinstance(params, torch.Tensor) else list(params)
         param_group = {**param_group, "params": params}
         if self._initialized:
-            _check_devices([p for g in self.param_groups for p in g["params"]] + params)
+            _check_params([p for g in self.param_groups for p in g["params"]] + params)
         super().add_param_group(param_group)
         if not self._initialized:
             return
@@ -131,11 +134,41 @@ class ZeroRedundancyOptimizer(Optimizer):
 
     def step(self, closure: Callable[[], float] | None = None, **kwargs: Any) -> Any:
         """Step the local optimizer on this rank's parameters, then broadcast every rank's
-        updated parameters (collective: all ranks call it)."""
+        updated parameters (collective: all ranks call it). ``closure`` and ``**kwargs`` go to
+        the local optimizer's ``step`` (without ``closure`` when none is given, as some
+        optimizers' ``step`` takes none). Inside ``torch.distributed.algorithms.join.Join``, a
+        rank that has run out of inputs issues the same collectives (see join.py)."""
+        Join.notify_join_context(self)
+        return self._step_and_sync(closure, kwargs)
+
+    def _step_and_sync(self, closure: Callable[[], float] | None, kwargs: dict[str, Any]
+                       ) -> Any:
         self._push_hyperparameters()
-        loss = self.optim.step(closure=closure, **kwargs)
+        if closure is None:
+            loss = self.optim.step(**kwargs)
+        else:
+            loss = self.optim.step(closure=closure, **kwargs)
+        self._pull_hyperparameters()
         self._sync_params()
         return loss
+
+    # -- join (uneven inputs) ----------------------------------------------------------------
+
+    def join_hook(self, **kwargs: Any) -> JoinHook:
+        """The hook ``Join`` runs on a rank that has run out of inputs: it takes part in the
+        collectives of the other ranks' ``step()``. ``Join`` hands every joinable the keyword
+        arguments given to it, meant for any of them, so they are accepted and not used."""
+        return ZeroJoinHook(self)
+
+    @property
+    def join_device(self) -> torch.device:
+        """Where ``Join``'s own all-reduces run: the parameters' device."""
+        return self.param_groups[0]["params"][0].device
+
+    @property
+    def join_process_group(self) -> dist.ProcessGroup:
+        """The group this optimizer's collectives run on."""
+        return self.process_group
 
     def _sync_params(self) -> None:
         if self.world_size == 1:
@@ -175,6 +208,13 @@ class ZeroRedundancyOptimizer(Optimizer):
         """Copy every group's hyper-parameters (lr set by a scheduler...) to the local one."""
         for group, local in zip(self.param_groups, self.optim.param_groups):
             local.update(_hyper(group))
+
+    def _pull_hyperparameters(self) -> None:
+        """Copy back what the local optimizer's step changed or added in its groups."""
+        for group, local in zip(self.param_groups, self.optim.param_groups):
+            for key, value in local.items():
+                if key != "params" and group.get(key, _MISSING) is not value:
+                    group[key] = value
 
     def _fill_missing_hyperparameters(self) -> None:
         """Give the public groups the optimizer class's defaults (betas, eps, ...)."""
@@ -233,6 +273,11 @@ def _hyper(group: dict[str, Any]) -> dict[str, Any]:
             for k, v in group.items() if k != "params"}
 
 
+def _weight(param: torch.Tensor) -> Weight:
+    size = param.numel() * param.element_size()
+    return (size, 0) if param.requires_grad else (0, size)
+
+
 def _by_dtype(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
     groups: dict[tuple, list[torch.Tensor]] = {}
     for t in tensors:
@@ -248,7 +293,13 @@ def _check_optimizer_class(optimizer_class: Any) -> None:
         )
 
 
-def _check_devices(params: list[torch.Tensor]) -> None:
+def _check_params(params: list[torch.Tensor]) -> None:
+    sparse = [i for i, p in enumerate(params) if p.layout != torch.strided]
+    if sparse:
+        raise ValueError(
+            f"ZeroRedundancyOptimizer needs dense parameters; parameters {sparse} are "
+            f"{params[sparse[0]].layout} (their updates could not be broadcast as flat buffers)"
+        )
     kinds = sorted({p.device.type for p in params})
     if len(kinds) > 1:
         raise ValueError(

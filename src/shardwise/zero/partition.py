@@ -6,11 +6,17 @@ from the same parameter shapes, so no collective is needed to agree on a partiti
 [Note: ZeRO partition]
 ZeRO stages 1 and 2 shard whole parameters (not slices of them): each parameter is owned by one
 rank, whose local optimizer alone keeps its state and updates it. Ownership is decided greedily,
-largest parameter first, each going to the rank that holds the fewest bytes so far (ties: the
-lowest rank). Param groups are walked in order and loads carry over from one group to the next,
-so the byte balance is over the whole model, and a group added later (``add_param_group``) never
-moves a parameter of an earlier group. The greedy bound: no rank holds more than
-``total / world_size + largest parameter`` bytes.
+largest parameter first, each going to the rank that holds the least so far (ties: the lowest
+rank). A parameter's weight is the pair (trainable bytes, frozen bytes), compared in that order:
+trainable parameters are balanced by their bytes first, since only they get optimizer state and
+are broadcast after a step; frozen parameters (no state, never broadcast) come after them and
+are spread by their own bytes among the ranks that hold the least trainable bytes. When every
+parameter is trainable and of one dtype this is torch's partition (sorted greedy by numel());
+torch also counts frozen parameters, which can leave the ranks' optimizer state unbalanced
+when a model has a large frozen part. Param groups are walked in order and loads carry over
+from one group to the next, so the balance is over the whole model, and a group added later
+(``add_param_group``) never moves a parameter of an earlier group. The greedy bound: no rank
+holds more than ``total / world_size + largest parameter`` trainable bytes.
 """
 
 from __future__ import annotations
@@ -19,37 +25,59 @@ from collections.abc import Sequence
 
 # partition[rank][group] -> indices (within the group, ascending) of the parameters rank owns
 Partition = list[list[list[int]]]
+# (trainable bytes, frozen bytes) of a parameter or a rank; a plain int means trainable bytes
+Weight = tuple[int, int]
 
 
-def partition_params(group_sizes: Sequence[Sequence[int]], world_size: int,
-                     loads: Sequence[int] | None = None) -> Partition:
-    """Assign every parameter (given as its bytes, per param group) to one rank.
+def weight(size: int | Sequence[int]) -> Weight:
+    """``size`` as a (trainable bytes, frozen bytes) pair; an int is all trainable."""
+    if isinstance(size, int):
+        return (size, 0)
+    trainable, frozen = size
+    return (int(trainable), int(frozen))
 
-    ``loads`` are the bytes each rank already holds (from earlier groups); default zeros.
+
+def partition_params(group_sizes: Sequence[Sequence[int | Weight]], world_size: int,
+                     loads: Sequence[int | Weight] | None = None) -> Partition:
+    """Assign every parameter (given as its weight, per param group) to one rank.
+
+    ``loads`` are the weights each rank already holds (from earlier groups); default zeros.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be at least 1, got {world_size}")
-    load = list(loads) if loads is not None else [0] * world_size
+    load = [weight(x) for x in loads] if loads is not None else [(0, 0)] * world_size
     if len(load) != world_size:
         raise ValueError(f"loads has {len(load)} entries for world size {world_size}")
     result: Partition = [[[] for _ in group_sizes] for _ in range(world_size)]
-    for g, sizes in enumerate(group_sizes):
-        for i in sorted(range(len(sizes)), key=lambda k: (-sizes[k], k)):
-            if sizes[i] < 0:
+    for g, group in enumerate(group_sizes):
+        sizes = [weight(x) for x in group]
+        for i in sorted(range(len(sizes)), key=lambda k: (-sizes[k][0], -sizes[k][1], k)):
+            if min(sizes[i]) < 0:
                 raise ValueError(f"parameter {i} of group {g} has negative size {sizes[i]}")
             rank = min(range(world_size), key=lambda r: (load[r], r))
             result[rank][g].append(i)
-            load[rank] += sizes[i]
+            load[rank] = _add(load[rank], sizes[i])
     for per_rank in result:
         for indices in per_rank:
             indices.sort()
     return result
 
 
-def rank_loads(partition: Partition, group_sizes: Sequence[Sequence[int]]) -> list[int]:
-    """Bytes each rank owns under ``partition``."""
-    return [sum(group_sizes[g][i] for g, idx in enumerate(per_rank) for i in idx)
-            for per_rank in partition]
+def _add(a: Weight, b: Weight) -> Weight:
+    return (a[0] + b[0], a[1] + b[1])
+
+
+def rank_loads(partition: Partition, group_sizes: Sequence[Sequence[int | Weight]]
+               ) -> list[Weight]:
+    """The (trainable bytes, frozen bytes) each rank owns under ``partition``."""
+    loads = []
+    for per_rank in partition:
+        total = (0, 0)
+        for g, idx in enumerate(per_rank):
+            for i in idx:
+                total = _add(total, weight(group_sizes[g][i]))
+        loads.append(total)
+    return loads
 
 
 def owners(partition: Partition) -> dict[tuple[int, int], int]:
