@@ -38,7 +38,19 @@ def check_same_model(module: nn.Module, group: dist.ProcessGroup | None = None,
                      what: str = "model") -> None:
     """Raise ``ModelMismatchError`` on every rank of ``group`` unless all hold the same
     structure; ``what`` names the caller in the message (e.g. "DistributedDataParallel")."""
-    signature = model_signature(module)
+    _check_signature(model_signature(module), group, what)
+
+
+def check_same_parameters(params: list[torch.Tensor], group: dist.ProcessGroup | None = None,
+                          what: str = "optimizer") -> None:
+    """``check_same_model`` for a list of parameters (an optimizer's), named by position."""
+    signature = [["parameter", f"params[{i}]", list(p.shape),
+                  str(p.dtype).removeprefix("torch."), bool(p.requires_grad)]
+                 for i, p in enumerate(params)]
+    _check_signature(signature, group, what)
+
+
+def _check_signature(signature: list[list], group: dist.ProcessGroup | None, what: str) -> None:
     encoded = json.dumps(signature, separators=(",", ":")).encode()
     digest = int.from_bytes(hashlib.sha256(encoded).digest()[:8], "little", signed=True)
     device = _device(group)

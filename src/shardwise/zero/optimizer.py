@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from torch.optim import Optimizer
 
+from shardwise.distributed.agree import check_same_parameters
 from shardwise.zero import collectives as zc
 from shardwise.zero import state_dicts
 from shardwise.zero.join import ZeroJoinHook
@@ -68,6 +69,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self.process_group = process_group or dist.group.WORLD
         self.world_size = dist.get_world_size(self.process_group)
         self.rank = dist.get_rank(self.process_group)
+        check_same_parameters([p for g in self.param_groups for p in g["params"]],
+                              self.process_group, what="ZeroRedundancyOptimizer")
         self.parameters_as_bucket_view = parameters_as_bucket_view
         self._partition = partition_params(self._group_sizes(), self.world_size)
         self.optim = optimizer_class(self._local_groups(), **defaults)
