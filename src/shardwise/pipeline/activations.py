@@ -57,7 +57,10 @@ class ActivationMeter:
             if count == 0:
                 self.live_bytes += storage.nbytes()
                 self.peak_bytes = max(self.peak_bytes, self.live_bytes)
-        saved = _Saved(tensor)
+        # Detached: a saved output that kept its own grad_fn would form a cycle through the
+        # graph that Python's collector cannot see (when backward retains the graph, as the RPC
+        # engine's does, it would never be freed). Same storage and version counter.
+        saved = _Saved(tensor.detach())
         weakref.finalize(saved, self._release, ptr, storage.nbytes())
         return saved
 

@@ -8,11 +8,12 @@ stage's forward, run on its own schedule thread, builds on the received leaf. Ba
 by the last stage: ``backward(cid_j, [loss_j])`` returns once every stage's part of the graph
 has run (the RPC engine sends the gradients back hop by hop). The last stage then tells the
 other stages, last-but-one down to stage 0, that micro-batch j is done; each reads its
-gradients from context j in that call and queues them for its schedule thread, whose backward
-action for j waits for them. Finally the last stage releases context j everywhere (freeing the
-graphs, so 1F1B keeps few micro-batches alive). Gradients are summed per parameter over the
-step and put into ``.grad`` by one local ``torch.autograd.backward`` from the parameters, so a
-stage wrapped in DistributedDataParallel reduces exactly once per step.
+gradients from context j in that call and queues them for its schedule thread. Then the last
+stage releases context j on itself and, one RPC each, on every earlier stage (freeing the
+graphs, so 1F1B keeps few micro-batches alive); an earlier stage's backward action for j
+returns once both its gradients and that release have arrived. Gradients are summed per
+parameter over the step and put into ``.grad`` by one local ``torch.autograd.backward`` from the
+parameters, so a stage wrapped in DistributedDataParallel reduces exactly once per step.
 
 The RPC rank of every stage's worker must equal its c10d global rank. Binding a thread to an
 existing context has no public call in ``shardwise.rpc.autograd`` yet; ``_contexts()`` below
@@ -69,8 +70,15 @@ def deliver_activation(box: str, micro: int, context_id: int, x: torch.Tensor) -
 
 
 def backward_done(box: str, micro: int, context_id: int) -> None:
-    """Run by RPC on an earlier stage: this worker's gradients of micro-batch ``micro``."""
-    _box(box).put(("B", micro), dist_autograd.get_gradients(context_id))
+    """Run by RPC on an earlier stage: keep this worker's gradients of micro-batch ``micro``."""
+    _box(box).put(("G", micro), dist_autograd.get_gradients(context_id))
+
+
+def release_here(box: str, micro: int, context_id: int) -> None:
+    """Run by RPC on an earlier stage once every stage has its gradients: free the context
+    (its graph) here, then let the schedule go on."""
+    _contexts().release(context_id)  # peers that still hold it are told; not waited for here
+    _box(box).put(("B", micro), None)
 
 
 def _contexts():
@@ -105,14 +113,20 @@ class RpcRuntime:
         gradients after every earlier stage has taken its own, then frees the context."""
         dist_autograd.backward(context_id, [loss])
         grads = dist_autograd.get_gradients(context_id)
-        for k in range(self.index - 1, -1, -1):
+        earlier = range(self.index - 1, -1, -1)
+        for k in earlier:
             rpc.rpc_sync(self.ranks[k], backward_done, args=(self.keys[k], micro, context_id))
         for fut in _contexts().release(context_id):
             fut.wait()
+        for k in earlier:
+            rpc.rpc_sync(self.ranks[k], release_here, args=(self.keys[k], micro, context_id))
         return grads
 
     def wait_backward(self, micro: int) -> dict:
-        return self.box.take(("B", micro), f"the gradients of micro-batch {micro}")
+        """An earlier stage: this stage's gradients of ``micro``, once its graph is freed."""
+        grads = self.box.take(("G", micro), f"the gradients of micro-batch {micro}")
+        self.box.take(("B", micro), f"the release of micro-batch {micro}")
+        return grads
 
     def end_step(self) -> None:
         for fut in self._sends:

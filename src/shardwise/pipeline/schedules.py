@@ -75,7 +75,7 @@ class _Schedule:
         micro_x = self._split_inputs(args)
         micro_t = self._split_target(target)
         stage.begin_step(self._n)
-        outputs, micro_losses = [], {}
+        outputs, micro_losses, out = [], {}, None
         try:
             for kind, i in self._order():
                 if kind == "F":
@@ -89,12 +89,15 @@ class _Schedule:
                     if loss is not None and self.scale_grads:
                         loss = loss / self._n
                     stage.backward_one_chunk(i, loss, last_backward=i == self._n - 1)
+                    if i in micro_losses:  # drop the graph (RPC's backward retains it)
+                        micro_losses[i] = micro_losses[i].detach()
         except BaseException:
             stage._saved.clear()
             raise
         stage.end_step()
         if losses is not None and stage.is_last and self._loss_fn is not None:
             losses.extend(micro_losses[i].detach() for i in range(self._n))
+        del out
         return torch.cat(outputs) if outputs else None
 
     def _split_inputs(self, args: tuple) -> list[torch.Tensor] | None:
