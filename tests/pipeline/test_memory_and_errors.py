@@ -20,7 +20,7 @@ def test_1f1b_keeps_fewer_activations_than_gpipe(world_size, transport):
         if transport == "p2p" and s > 0:
             # every micro-batch saves the same bytes: at most (p - s) of 8 alive under 1F1B
             assert r["1f1b"] * 8 == r["gpipe"] * (world_size - s), r
-        if transport == "p2p" or s == world_size - 1:
+        if transport == "p2p":
             assert 0 <= r["gpipe_idle"] < 1 and 0 <= r["1f1b_idle"] < 1, r
         else:
             assert r["gpipe_idle"] is None  # backward ran in RPC threads: not measured

@@ -27,8 +27,9 @@ TRANSPORTS = ("p2p", "rpc")
 
 @dataclass(frozen=True)
 class StepStats:
-    """One step of one stage. ``idle_fraction``: 1 - busy / step time (the measured bubble; None
-    where backward ran outside this stage's thread, i.e. earlier stages over RPC)."""
+    """One step of one stage. ``idle_fraction``: 1 - busy / step time, busy being the time in
+    the stage's forwards and backwards (the measured bubble). None over RPC, where a stage's
+    backward runs in RPC threads, driven by the last stage's distributed backward."""
 
     step_s: float
     busy_s: float
@@ -111,7 +112,7 @@ class PipelineStage:
             self._rpc.end_step()
             self._apply_rpc_grads()
         step_s = time.perf_counter() - self._start
-        idle = None if self.transport == "rpc" and not self.is_last else 1 - self._busy / step_s
+        idle = None if self.transport == "rpc" else 1 - self._busy / step_s
         self.stats = StepStats(step_s, self._busy, idle, self.meter.peak_bytes, self._n,
                                self.num_stages)
 
@@ -161,9 +162,7 @@ class PipelineStage:
 
     def _rpc_backward(self, micro: int, cid: int, loss: torch.Tensor | None) -> None:
         if self.is_last:
-            start = time.perf_counter()
             grads = self._rpc.run_backward(micro, cid, loss)
-            self._busy += time.perf_counter() - start
         else:
             grads = self._rpc.wait_backward(micro)
         for p, g in grads.items():
