@@ -77,10 +77,29 @@ def make_stage(ctx, pp: int, transport: str, dp_wrap: bool = True):
     return layout, module, stage
 
 
+@contextlib.contextmanager
+def counting_all_reduces(counter: list):
+    """Count torch.distributed.all_reduce calls (DDP's bucket reductions) inside the block."""
+    real = dist.all_reduce
+
+    def counted(*args, **kwargs):
+        counter.append(1)
+        return real(*args, **kwargs)
+
+    dist.all_reduce = counted
+    try:
+        yield
+    finally:
+        dist.all_reduce = real
+
+
 def train_losses(ctx, pp: int, schedule: str, transport: str, micro: int = 4) -> dict:
     """5 AdamW steps of the pipelined GPT; the last stage of each replica reports its losses
-    (each micro-batch's mean loss, averaged: the replica's batch loss)."""
-    with rpc_agents(ctx) if transport == "rpc" else contextlib.nullcontext():
+    (each micro-batch's mean loss, averaged: the replica's batch loss), every rank the number of
+    all-reduces its DDP ran (dp > 1)."""
+    reductions: list = []
+    with rpc_agents(ctx) if transport == "rpc" else contextlib.nullcontext(), \
+            counting_all_reduces(reductions):
         layout, module, stage = make_stage(ctx, pp, transport)
         sched = SCHEDULES[schedule](stage, micro, loss_fn=lm_loss)
         opt = torch.optim.AdamW(module.parameters(), lr=LR)
@@ -104,7 +123,8 @@ def train_losses(ctx, pp: int, schedule: str, transport: str, micro: int = 4) ->
                 losses.append(torch.stack(got).mean().item())
         if transport == "rpc":
             dist.barrier()  # every stage done with its RPCs before the agents stop
-        return {"replica": layout.replica, "last": stage.is_last, "losses": losses}
+        return {"replica": layout.replica, "last": stage.is_last, "losses": losses,
+                "all_reduces": len(reductions)}
 
 
 def activation_peaks(ctx, transport: str, micro: int = 8) -> dict:

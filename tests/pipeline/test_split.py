@@ -128,3 +128,24 @@ def test_activation_meter_counts_saved_storages_once_until_freed():
     z.backward()
     del y, z
     assert meter.live_bytes == 0 and meter.peak_bytes == 2 * 32 * 64 * 4
+
+
+def test_stage_arguments_are_checked_before_any_communication():
+    import torch.distributed as dist
+
+    from shardwise.pipeline import PipelineStage
+
+    store = dist.HashStore()
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        module = nn.Linear(2, 2)
+        with pytest.raises(ValueError, match="unknown transport 'tcp'"):
+            PipelineStage(module, 0, 1, transport="tcp")
+        with pytest.raises(ValueError, match="stage_index=1 is outside 0..0"):
+            PipelineStage(module, 1, 1)
+        with pytest.raises(TypeError):
+            PipelineStage(module, 0, 1, dw_builder=None)
+        with pytest.warns(UserWarning, match="input_args/output_args are not needed"):
+            PipelineStage(module, 0, 1, input_args=torch.zeros(2))
+    finally:
+        dist.destroy_process_group()
