@@ -59,9 +59,9 @@ class P2PRuntime:
 
     def recv_forward(self) -> torch.Tensor:
         if self._in_meta is None:
-            meta = torch.empty(2 + MAX_DIMS, dtype=torch.int64)
+            meta = torch.empty(2 + MAX_DIMS, dtype=torch.int64, device=self.device)
             dist.recv(meta, src=self.prev, group=self.group)
-            self._in_meta = decode_meta(meta)
+            self._in_meta = decode_meta(meta.cpu())
         shape, dtype = self._in_meta
         x = torch.empty(shape, dtype=dtype, device=self.device)
         dist.recv(x, src=self.prev, group=self.group)
@@ -69,7 +69,7 @@ class P2PRuntime:
 
     def send_forward(self, out: torch.Tensor) -> None:
         if not self._sent_meta:
-            self._isend(encode_meta(out), self.next)
+            self._isend(encode_meta(out).to(self.device), self.next)
             self._sent_meta = True
         self._isend(out.detach().contiguous(), self.next)
 
