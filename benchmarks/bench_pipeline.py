@@ -8,6 +8,10 @@ communication; the median of a few runs), and a schedule's idle fraction is
 1 - that busy time / the median step time. Ours also reports its own per-step accounting
 (``StepStats.idle_fraction``). The formula (p - 1) / (m + p - 1) is printed beside them.
 
+``alternating`` runs all four in the same ranks, one step of each in turn, so that load from
+other jobs on the machine falls on all four alike; its ``ours_over_torch`` is the steadier
+ratio on a busy machine (its peak RSS is of all four together).
+
     python benchmarks/bench_pipeline.py --nproc 2 --rounds 3 --steps 20 --microbatches 4
 """
 
@@ -29,7 +33,8 @@ from shardwise.pipeline import (
     split_gpt,
 )
 
-IMPLS = ["torch-gpipe", "shardwise-gpipe", "torch-1f1b", "shardwise-1f1b"]
+IMPLS = ["torch-gpipe", "shardwise-gpipe", "torch-1f1b", "shardwise-1f1b", "alternating"]
+ALTERNATED = IMPLS[:4]
 
 
 def _args(parser) -> None:
@@ -78,7 +83,60 @@ def _busy_alone(module, cfg: GPTConfig, rank: int, pp: int, micro_batch: int, mi
     return statistics.median(runs[1:])
 
 
+def _batch(step: int, cfg: GPTConfig, batch: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(step)
+    return torch.randint(0, cfg.vocab_size, (batch, cfg.seq_len + 1), generator=gen)
+
+
+def _one_step(schedule, tokens: torch.Tensor, rank: int, pp: int) -> None:
+    if rank == 0:
+        schedule.step(tokens[:, :-1])
+    elif rank == pp - 1:
+        schedule.step(target=tokens[:, 1:], losses=[])
+    else:
+        schedule.step()
+
+
+def alternating(args, group: dist.ProcessGroup):
+    """All four in the same ranks, one step of each in turn (each on its own group, model copy
+    and optimizer): load from elsewhere falls on all of them alike. Reports each one's median
+    step time in ``extra``; the returned times are the rounds' total per step."""
+    rank, pp = dist.get_rank(group), dist.get_world_size(group)
+    cfg = GPTConfig(n_layer=args.n_layer, d_model=args.d_model, n_head=args.n_head,
+                    seq_len=args.seq_len)
+    runs = []
+    for impl in ALTERNATED:
+        torch.manual_seed(0)
+        module = split_gpt(GPT(cfg), pp)[rank]
+        sub = dist.new_group(list(range(pp)))
+        _, schedule = _make_schedule(impl, module, rank, pp, sub, args.microbatches)
+        runs.append((impl, schedule, torch.optim.AdamW(module.parameters(), lr=1e-3)))
+    times: dict[str, list[float]] = {impl: [] for impl in ALTERNATED}
+    for step in range(args.warmup + args.steps):
+        tokens = _batch(step, cfg, args.batch_size)
+        for impl, schedule, opt in runs:
+            dist.barrier(group=group)
+            t0 = time.perf_counter()
+            _one_step(schedule, tokens, rank, pp)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            if step >= args.warmup:
+                times[impl].append(time.perf_counter() - t0)
+    medians = {impl: round(statistics.median(ts) * 1e3, 1) for impl, ts in times.items()}
+    gathered: list = [None] * pp
+    dist.all_gather_object(gathered, medians, group=group)
+    slowest = {impl: max(m[impl] for m in gathered) for impl in ALTERNATED}
+    ratios = {kind: round(slowest[f"shardwise-{kind}"] / slowest[f"torch-{kind}"], 3)
+              for kind in ("gpipe", "1f1b")}
+    if rank == 0:  # every round's figures (the summary table shows the first round's)
+        print(f"alternating round: median ms {slowest}, ours / torch {ratios}", flush=True)
+    return [sum(ts) for ts in zip(*times.values())], {"median_ms": slowest,
+                                                      "ours_over_torch": ratios}
+
+
 def worker(impl: str, args, group: dist.ProcessGroup):
+    if impl == "alternating":
+        return alternating(args, group)
     rank, pp = dist.get_rank(group), dist.get_world_size(group)
     cfg = GPTConfig(n_layer=args.n_layer, d_model=args.d_model, n_head=args.n_head,
                     seq_len=args.seq_len)
@@ -90,17 +148,10 @@ def worker(impl: str, args, group: dist.ProcessGroup):
     opt = torch.optim.AdamW(module.parameters(), lr=1e-3)
     times, own_idle = [], []
     for step in range(args.warmup + args.steps):
-        gen = torch.Generator().manual_seed(step)
-        tokens = torch.randint(0, cfg.vocab_size, (args.batch_size, cfg.seq_len + 1),
-                               generator=gen)
+        tokens = _batch(step, cfg, args.batch_size)
         dist.barrier(group=group)
         t0 = time.perf_counter()
-        if rank == 0:
-            schedule.step(tokens[:, :-1])
-        elif rank == pp - 1:
-            schedule.step(target=tokens[:, 1:], losses=[])
-        else:
-            schedule.step()
+        _one_step(schedule, tokens, rank, pp)
         opt.step()
         opt.zero_grad(set_to_none=True)
         if step >= args.warmup:

@@ -13,19 +13,22 @@ its own.
 from __future__ import annotations
 
 import threading
-import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 
 
 class _Saved:
-    """What the pack hook returns: the tensor, plus a finalizer that uncounts its storage."""
+    """What the pack hook returns: the tensor; uncounts its storage when the graph drops it."""
 
-    __slots__ = ("tensor", "__weakref__")
+    __slots__ = ("tensor", "_release", "_ptr", "_nbytes")
 
-    def __init__(self, tensor: torch.Tensor):
-        self.tensor = tensor
+    def __init__(self, tensor: torch.Tensor, release: Callable[[int, int], None], ptr: int,
+                 nbytes: int):
+        self.tensor, self._release, self._ptr, self._nbytes = tensor, release, ptr, nbytes
+
+    def __del__(self) -> None:
+        self._release(self._ptr, self._nbytes)
 
 
 class ActivationMeter:
@@ -60,9 +63,7 @@ class ActivationMeter:
         # Detached: a saved output that kept its own grad_fn would form a cycle through the
         # graph that Python's collector cannot see (when backward retains the graph, as the RPC
         # engine's does, it would never be freed). Same storage and version counter.
-        saved = _Saved(tensor.detach())
-        weakref.finalize(saved, self._release, ptr, storage.nbytes())
-        return saved
+        return _Saved(tensor.detach(), self._release, ptr, storage.nbytes())
 
     def _release(self, ptr: int, nbytes: int) -> None:
         with self._lock:
