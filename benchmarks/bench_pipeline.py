@@ -98,9 +98,9 @@ def _one_step(schedule, tokens: torch.Tensor, rank: int, pp: int) -> None:
 
 
 def alternating(args, group: dist.ProcessGroup):
-    """All four in the same ranks, one step of each in turn (each on its own group, model copy
-    and optimizer): load from elsewhere falls on all of them alike. Reports each one's median
-    step time in ``extra``; the returned times are the rounds' total per step."""
+    """All four in the same ranks, one step of each in turn, in a rotating order (each on its own
+    group, model copy and optimizer): load from elsewhere falls on all of them alike. Reports
+    each one's median step time in ``extra``; the returned times are each turn's total."""
     rank, pp = dist.get_rank(group), dist.get_world_size(group)
     cfg = GPTConfig(n_layer=args.n_layer, d_model=args.d_model, n_head=args.n_head,
                     seq_len=args.seq_len)
@@ -114,7 +114,8 @@ def alternating(args, group: dist.ProcessGroup):
     times: dict[str, list[float]] = {impl: [] for impl in ALTERNATED}
     for step in range(args.warmup + args.steps):
         tokens = _batch(step, cfg, args.batch_size)
-        for impl, schedule, opt in runs:
+        turn = step % len(runs)  # rotate who goes first: no implementation always follows another
+        for impl, schedule, opt in runs[turn:] + runs[:turn]:
             dist.barrier(group=group)
             t0 = time.perf_counter()
             _one_step(schedule, tokens, rank, pp)
