@@ -38,7 +38,8 @@ def test_losses_equal_unsplit_model(world_size, stages, schedule, transport):
     assert [r["all_reduces"] for r in results] == [expected] * world_size
 
 
-def test_single_stage_is_the_plain_model():
-    results = run_on_ranks(1, bodies.train_losses, 1, "1f1b", "p2p")
+@pytest.mark.parametrize("transport", ["p2p", "rpc"])
+def test_single_stage_is_the_plain_model(transport):
+    results = run_on_ranks(1, bodies.train_losses, 1, "1f1b", transport)
     for got, expected in zip(results[0]["losses"], reference(), strict=True):
         assert abs(got - expected) <= 1e-5 * abs(expected)
