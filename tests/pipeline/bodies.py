@@ -66,14 +66,14 @@ def rpc_agents(ctx):
         rpc.shutdown()
 
 
-def make_stage(ctx, pp: int, transport: str, dp_wrap: bool = True):
+def make_stage(ctx, pp: int, transport: str, dp_wrap: bool = True, measure: bool = False):
     layout = pipeline_layout(pp)
     torch.manual_seed(0)
     module = split_gpt(GPT(CFG), pp)[layout.stage_index]
     if layout.dp > 1 and dp_wrap:
         module = DistributedDataParallel(module, process_group=layout.dp_group)
     stage = PipelineStage(module, layout.stage_index, pp, group=layout.pp_group,
-                          transport=transport)
+                          transport=transport, measure_activations=measure)
     return layout, module, stage
 
 
@@ -124,14 +124,15 @@ def train_losses(ctx, pp: int, schedule: str, transport: str, micro: int = 4) ->
         if transport == "rpc":
             dist.barrier()  # every stage done with its RPCs before the agents stop
         return {"replica": layout.replica, "last": stage.is_last, "losses": losses,
-                "all_reduces": len(reductions)}
+                "all_reduces": len(reductions),
+                "peak_activation_bytes": stage.stats.peak_activation_bytes}
 
 
 def activation_peaks(ctx, transport: str, micro: int = 8) -> dict:
     """Peak saved-activation bytes of this stage for one step of each schedule."""
     pp = ctx.world_size
     with rpc_agents(ctx) if transport == "rpc" else contextlib.nullcontext():
-        _, _, stage = make_stage(ctx, pp, transport)
+        _, _, stage = make_stage(ctx, pp, transport, measure=True)
         peaks = {}
         x, y = token_batch(0, 1, 16, CFG.seq_len, CFG.vocab_size)
         for name, cls in SCHEDULES.items():

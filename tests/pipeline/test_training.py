@@ -32,6 +32,7 @@ def test_losses_equal_unsplit_model(world_size, stages, schedule, transport):
         got = sum(r["losses"][step] for r in last) / len(last)
         assert abs(got - expected) <= 1e-5 * abs(expected), (step, got, expected)
     assert all(not r["losses"] for r in results if not r["last"])
+    assert all(r["peak_activation_bytes"] is None for r in results)  # not measured by default
     # with two replicas, each stage's DDP (one bucket: the stages are small) reduces once per
     # step, after the micro-batches' gradients are accumulated; none without replicas
     expected = bodies.STEPS if world_size > stages else 0

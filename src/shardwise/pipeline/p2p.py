@@ -1,5 +1,5 @@
 """The point-to-point transport: each stage is one rank of the pipeline group; activations go
-forward and their gradients backward with c10d ``isend`` / ``recv``.
+forward and their gradients backward with c10d ``isend`` / ``irecv``.
 
 [Note: p2p pipeline messages] Between stage k and k+1 flow, per step: one shape header (a small
 int64 tensor: dtype code, ndim, sizes) before the first micro-batch's activation, then one
@@ -9,11 +9,17 @@ Every micro-batch of a step has the same shape (the schedule splits the batch ev
 header is sent once per step; a gradient has the shape of the activation it belongs to, which
 the sender of that activation already knows, so gradients need no header. Sends are
 asynchronous (the schedule waits for them at the end of the step, keeping each sent tensor alive
-until then); receives block, and the order of messages on each (sender, receiver) pair is the
-order both sides run their schedules in, so no tags are needed.
+until then). Receives are posted early (the next activation's as soon as the current one
+arrived, a gradient's as soon as its activation is sent), so that data lands while the stage
+computes, and waited for when needed. The order of messages on each (sender, receiver) pair is
+the order both sides run their schedules in, and receives match in the order they were posted,
+so no tags are needed. A step that fails midway leaves the pipeline unusable (peers wait in
+their receives until the group's timeout).
 """
 
 from __future__ import annotations
+
+from collections import deque
 
 import torch
 import torch.distributed as dist
@@ -53,30 +59,52 @@ class P2PRuntime:
         self._sends: list[tuple[dist.Work, torch.Tensor]] = []
         self._in_meta: tuple[torch.Size, torch.dtype] | None = None
         self._sent_meta = False
+        self._n = self._received = 0
+        self._fwd_recvs: deque[tuple[dist.Work, torch.Tensor]] = deque()
+        self._bwd_recvs: deque[tuple[dist.Work, torch.Tensor]] = deque()
 
-    def begin_step(self) -> None:
+    def begin_step(self, n_microbatches: int) -> None:
         self._in_meta, self._sent_meta = None, False
+        self._n, self._received = n_microbatches, 0
 
     def recv_forward(self) -> torch.Tensor:
+        """This micro-batch's input; the next one's receive is posted at once, so that it
+        lands while this one computes."""
         if self._in_meta is None:
             meta = torch.empty(2 + MAX_DIMS, dtype=torch.int64, device=self.device)
             dist.recv(meta, src=self.prev, group=self.group)
             self._in_meta = decode_meta(meta.cpu())
-        shape, dtype = self._in_meta
-        x = torch.empty(shape, dtype=dtype, device=self.device)
-        dist.recv(x, src=self.prev, group=self.group)
+        if not self._fwd_recvs:
+            self._post_fwd_recv()
+        work, x = self._fwd_recvs.popleft()
+        work.wait()
+        self._received += 1
+        if self._received < self._n:
+            self._post_fwd_recv()
         return x
 
     def send_forward(self, out: torch.Tensor) -> None:
+        """Send an activation, and post the receive of its gradient (same shape) right away;
+        gradients come back in the order activations went out."""
         if not self._sent_meta:
             self._isend(encode_meta(out).to(self.device), self.next)
             self._sent_meta = True
         self._isend(out.detach().contiguous(), self.next)
+        grad = torch.empty(out.shape, dtype=out.dtype, device=self.device)
+        self._bwd_recvs.append((dist.irecv(grad, src=self.next, group=self.group), grad))
 
     def recv_backward(self, like: torch.Tensor) -> torch.Tensor:
-        grad = torch.empty(like.shape, dtype=like.dtype, device=self.device)
-        dist.recv(grad, src=self.next, group=self.group)
+        work, grad = self._bwd_recvs.popleft()
+        if grad.shape != like.shape:
+            raise RuntimeError(f"gradient of shape {tuple(grad.shape)} for an activation of "
+                               f"shape {tuple(like.shape)}: the schedules are out of step")
+        work.wait()
         return grad
+
+    def _post_fwd_recv(self) -> None:
+        shape, dtype = self._in_meta
+        x = torch.empty(shape, dtype=dtype, device=self.device)
+        self._fwd_recvs.append((dist.irecv(x, src=self.prev, group=self.group), x))
 
     def send_backward(self, grad: torch.Tensor) -> None:
         self._isend(grad.contiguous(), self.prev)

@@ -34,7 +34,7 @@ class StepStats:
     step_s: float
     busy_s: float
     idle_fraction: float | None
-    peak_activation_bytes: int
+    peak_activation_bytes: int | None  # None unless the stage measures activations
     n_microbatches: int
     num_stages: int
 
@@ -56,14 +56,16 @@ class PipelineStage:
     group: its gradients are then reduced once per step (``no_sync`` for all but the last
     backward). torch's ``input_args`` / ``output_args`` are accepted and not needed: shapes are
     sent with the first micro-batch of each step (warns once). ``name`` keeps two pipelines
-    over RPC apart (default: from the group's ranks).
+    over RPC apart (default: from the group's ranks). ``measure_activations=True`` counts the
+    bytes of activations saved for backward (activations.py; a Python hook per saved tensor, a
+    few per cent of a small model's step, hence off by default): ``stats.peak_activation_bytes``.
     """
 
     def __init__(self, submodule: nn.Module, stage_index: int, num_stages: int,
                  device: torch.device | str | None = None,
                  input_args: object = None, output_args: object = None,
                  group: dist.ProcessGroup | None = None, *, transport: str = "p2p",
-                 name: str | None = None):
+                 name: str | None = None, measure_activations: bool = False):
         if not isinstance(submodule, nn.Module):
             raise TypeError(f"a stage wraps an nn.Module, got {type(submodule).__name__}")
         if transport not in TRANSPORTS:
@@ -82,7 +84,8 @@ class PipelineStage:
         else:
             self._rpc = RpcRuntime(name or "pp" + "-".join(map(str, ranks)), stage_index,
                                    num_stages, ranks)
-        self.meter = ActivationMeter(exclude=submodule.parameters())
+        self.meter = ActivationMeter(exclude=submodule.parameters()) if measure_activations \
+            else None
         self.stats: StepStats | None = None
         self._saved: dict[int, tuple] = {}
         self._grads: dict[torch.Tensor, torch.Tensor] = {}
@@ -101,9 +104,10 @@ class PipelineStage:
             raise RuntimeError("a new step began while micro-batches of the last one were in "
                                "flight (an earlier step failed?)")
         self._n, self._busy, self._start = n_microbatches, 0.0, time.perf_counter()
-        self.meter.reset_peak()
+        if self.meter is not None:
+            self.meter.reset_peak()
         if self.transport == "p2p":
-            self._p2p.begin_step()
+            self._p2p.begin_step(n_microbatches)
 
     def end_step(self) -> None:
         if self.transport == "p2p":
@@ -113,8 +117,8 @@ class PipelineStage:
             self._apply_rpc_grads()
         step_s = time.perf_counter() - self._start
         idle = None if self.transport == "rpc" else 1 - self._busy / step_s
-        self.stats = StepStats(step_s, self._busy, idle, self.meter.peak_bytes, self._n,
-                               self.num_stages)
+        peak = self.meter.peak_bytes if self.meter is not None else None
+        self.stats = StepStats(step_s, self._busy, idle, peak, self._n, self.num_stages)
 
     def forward_one_chunk(self, micro: int, x: torch.Tensor | None) -> torch.Tensor:
         """Forward of micro-batch ``micro``: ``x`` on the first stage, received elsewhere."""
@@ -127,7 +131,7 @@ class PipelineStage:
             if x.is_floating_point():
                 x.requires_grad_(True)
         start = time.perf_counter()
-        with self.meter.recording():
+        with self.meter.recording() if self.meter is not None else contextlib.nullcontext():
             out = self.submod(x)
         self._busy += time.perf_counter() - start
         if not isinstance(out, torch.Tensor):
