@@ -1,12 +1,14 @@
-"""Pipeline-parallel training of the demo GPT with shardwise.rpc, checked against the unsplit model.
+"""Pipeline-parallel training of the demo GPT with shardwise.pipeline, checked against the
+unsplit model.
 
-worker0 drives; worker1 and worker2 each hold one stage of the GPT. Micro-batches flow
-stage to stage by ``remote()`` (each stage fetches its input from the previous one), the loss is
-computed on worker0, ``dist_autograd.backward`` sends gradients back through every RPC, and a
-``DistributedOptimizer`` steps each stage's parameters in place on their owner. The same steps
-run on an unsplit copy of the model and both losses are printed side by side.
+Two processes, one stage each (the GPT cut by ``split_gpt``: embeddings and the first blocks, then
+the last blocks, ``ln_f`` and the head). Every step cuts the batch into 4 micro-batches that flow
+through the stages on a GPipe or 1F1B schedule, over c10d point-to-point (``--transport p2p``) or
+over RPC with distributed autograd (``--transport rpc``); each stage steps its own optimizer.
+The last stage also trains an unsplit copy of the model on the same batches and prints both
+losses side by side.
 
-    python examples/pipeline_gpt.py [--steps 5]
+    python examples/pipeline_gpt.py [--steps 5] [--schedule 1f1b] [--transport rpc]
 """
 
 from __future__ import annotations
@@ -16,72 +18,90 @@ import multiprocessing as mp
 import socket
 
 import torch
+import torch.distributed as dist
 
 import shardwise.rpc as rpc
-from shardwise.cli.strategy_pipeline import PipelineModel, split_gpt
 from shardwise.models import GPT, GPTConfig, lm_loss
-from shardwise.rpc import autograd as dist_autograd
+from shardwise.pipeline import PipelineStage, Schedule1F1B, ScheduleGPipe, split_gpt
 
 CFG = GPTConfig(n_layer=4, n_head=2, d_model=64, seq_len=32)
-STAGES = 2
+STAGES, MICRO_BATCHES, BATCH = 2, 4, 8
 
 
-def make_stage(index: int, seed: int):
-    torch.manual_seed(seed)
-    return split_gpt(GPT(CFG), STAGES)[index]
-
-
-def stage_params(stage_rref: rpc.RRef) -> list[rpc.RRef]:
-    return [rpc.RRef(p) for p in stage_rref.local_value().parameters()]
-
-
-def drive(steps: int, seed: int = 0) -> None:
-    stages = [rpc.remote(f"worker{i + 1}", make_stage, args=(i, seed)) for i in range(STAGES)]
-    pipe = PipelineModel(stages, micro_batches=4)
-    params = [p for s in stages for p in rpc.rpc_sync(s.owner(), stage_params, args=(s,))]
-    opt = rpc.DistributedOptimizer(torch.optim.SGD, params, lr=0.1)
-    torch.manual_seed(seed)
-    reference = GPT(CFG)
-    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+def batches(steps: int):
     data = torch.Generator().manual_seed(1)
-    for step in range(steps):
-        x = torch.randint(0, CFG.vocab_size, (8, CFG.seq_len + 1), generator=data)
-        x, y = x[:, :-1], x[:, 1:]
-        with dist_autograd.context() as cid:
-            loss = lm_loss(pipe(x), y)
-            dist_autograd.backward(cid, [loss])
-            opt.step(cid)
-        ref_loss = lm_loss(reference(x), y)
-        ref_loss.backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-        rel = abs(loss.item() - ref_loss.item()) / abs(ref_loss.item())
-        print(f"step {step}: pipeline loss {loss.item():.6f}  unsplit {ref_loss.item():.6f}  "
-              f"rel diff {rel:.1e}")
+    for _ in range(steps):
+        x = torch.randint(0, CFG.vocab_size, (BATCH, CFG.seq_len + 1), generator=data)
+        yield x[:, :-1], x[:, 1:]
 
 
-def _worker(rank: int, port: int, steps: int) -> None:
+def run(rank: int, steps: int, schedule: str, transport: str, seed: int = 0) -> None:
+    torch.manual_seed(seed)
+    module = split_gpt(GPT(CFG), STAGES)[rank]
+    stage = PipelineStage(module, rank, STAGES, transport=transport)
+    cls = Schedule1F1B if schedule == "1f1b" else ScheduleGPipe
+    pipe = cls(stage, MICRO_BATCHES, loss_fn=lm_loss)
+    opt = torch.optim.SGD(module.parameters(), lr=0.1)
+    if stage.is_last:
+        torch.manual_seed(seed)
+        reference = GPT(CFG)
+        ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for step, (x, y) in enumerate(batches(steps)):
+        losses: list[torch.Tensor] = []
+        if stage.is_first:
+            pipe.step(x)
+        else:
+            pipe.step(target=y, losses=losses)
+        opt.step()
+        opt.zero_grad()
+        if stage.is_last:
+            loss = torch.stack(losses).mean().item()
+            ref_loss = lm_loss(reference(x), y)
+            ref_loss.backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+            rel = abs(loss - ref_loss.item()) / abs(ref_loss.item())
+            idle = stage.stats.idle_fraction  # None over RPC (backward runs in RPC threads)
+            shown = f"  (last stage idle {idle:.2f})" if idle is not None else ""
+            print(f"step {step}: pipeline loss {loss:.6f}  unsplit {ref_loss.item():.6f}  "
+                  f"rel diff {rel:.1e}{shown}")
+
+
+def _worker(rank: int, ports: tuple[int, int], args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
-    opts = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{port}")
-    rpc.init_rpc(f"worker{rank}", rank=rank, world_size=STAGES + 1, rpc_backend_options=opts)
-    if rank == 0:
-        drive(steps)
-    rpc.shutdown()
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{ports[0]}", rank=rank,
+                            world_size=STAGES)
+    if args.transport == "rpc":  # RPC ranks equal the c10d ranks
+        opts = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{ports[1]}")
+        rpc.init_rpc(f"stage{rank}", rank=rank, world_size=STAGES, rpc_backend_options=opts)
+    run(rank, args.steps, args.schedule, args.transport)
+    dist.barrier()
+    if args.transport == "rpc":
+        rpc.shutdown()
+    dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=5)
-    steps = ap.parse_args().steps
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    ap.add_argument("--schedule", choices=["gpipe", "1f1b"], default="1f1b")
+    ap.add_argument("--transport", choices=["p2p", "rpc"], default="p2p")
+    args = ap.parse_args()
+    ports = (_free_port(), _free_port())
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_worker, args=(r, port, steps)) for r in range(STAGES + 1)]
+    procs = [ctx.Process(target=_worker, args=(r, ports, args)) for r in range(STAGES)]
     for p in procs:
         p.start()
     for p in procs:
         p.join()
+    if any(p.exitcode for p in procs):
+        raise SystemExit(f"a stage failed: exit codes {[p.exitcode for p in procs]}")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,46 @@
+"""The pipelined demo GPT trains exactly like the unsplit model: 5 AdamW steps, losses equal to
+1e-5 relative, at 2 and 4 stages, GPipe and 1F1B, over point-to-point and over RPC, and with two
+data-parallel replicas of a 2-stage pipeline (4 ranks)."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+
+from tests.harness import run_on_ranks
+from tests.pipeline import bodies
+
+CASES = [(2, 2), (4, 4), (4, 2)]  # (world size, stages): 4 ranks at 2 stages = dp 2
+
+
+@functools.cache
+def reference() -> list[float]:
+    return bodies.reference_losses()
+
+
+@pytest.mark.parametrize("transport", ["p2p", "rpc"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("world_size,stages", CASES)
+def test_losses_equal_unsplit_model(world_size, stages, schedule, transport):
+    results = run_on_ranks(world_size, bodies.train_losses, stages, schedule, transport)
+    last = [r for r in results if r["last"]]
+    assert len(last) == world_size // stages
+    ref = reference()
+    for step, expected in enumerate(ref):
+        # each replica's loss is its half of the batch; their mean is the whole batch's loss
+        got = sum(r["losses"][step] for r in last) / len(last)
+        assert abs(got - expected) <= 1e-5 * abs(expected), (step, got, expected)
+    assert all(not r["losses"] for r in results if not r["last"])
+    assert all(r["peak_activation_bytes"] is None for r in results)  # not measured by default
+    # with two replicas, each stage's DDP (one bucket: the stages are small) reduces once per
+    # step, after the micro-batches' gradients are accumulated; none without replicas
+    expected = bodies.STEPS if world_size > stages else 0
+    assert [r["all_reduces"] for r in results] == [expected] * world_size
+
+
+@pytest.mark.parametrize("transport", ["p2p", "rpc"])
+def test_single_stage_is_the_plain_model(transport):
+    results = run_on_ranks(1, bodies.train_losses, 1, "1f1b", transport)
+    for got, expected in zip(results[0]["losses"], reference(), strict=True):
+        assert abs(got - expected) <= 1e-5 * abs(expected)
