@@ -14,6 +14,7 @@ arguments, as ``python`` would, after setting up what the launcher relies on:
 
 from __future__ import annotations
 
+import atexit
 import faulthandler
 import os
 import runpy
@@ -113,7 +114,17 @@ def _start_heartbeat() -> progress.Heartbeat | None:
         interval=min(1.0, timeout / 5))
     heartbeat.publish()
     heartbeat.start()
+    # registered before the script runs, so it runs after the script's own exit handlers: the
+    # rank beats through its teardown, and the thread is stopped before the interpreter's C++
+    # objects go (a store call racing their destructors aborts the process: "terminate called
+    # without an active exception")
+    atexit.register(_stop_heartbeat, heartbeat)
     return heartbeat
+
+
+def _stop_heartbeat(heartbeat: progress.Heartbeat) -> None:
+    heartbeat.stop()
+    heartbeat.join(timeout=5.0)
 
 
 if __name__ == "__main__":
