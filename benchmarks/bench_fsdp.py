@@ -21,7 +21,7 @@ from shardwise import DistributedDataParallel, fully_shard
 from shardwise.memory import state_bytes
 from shardwise.models import GPT, GPTConfig
 
-IMPLS = ["torch-fsdp2", "shardwise-fsdp", "shardwise-fsdp-prefetch", "shardwise-ddp",
+IMPLS = ["torch-fsdp2", "shardwise-fsdp", "shardwise-fsdp-noprefetch", "shardwise-ddp",
          "torch-ddp"]
 
 
@@ -48,7 +48,7 @@ def _wrap(impl: str, model: GPT, group: dist.ProcessGroup, reshard: bool):
         for block in model.blocks:
             fully_shard(block, process_group=group, reshard_after_forward=reshard)
         return fully_shard(model, process_group=group, reshard_after_forward=reshard,
-                           forward_prefetch=impl.endswith("-prefetch"))
+                           forward_prefetch=not impl.endswith("-noprefetch"))
     if impl == "torch-ddp":
         return torch.nn.parallel.DistributedDataParallel(model, process_group=group)
     return DistributedDataParallel(model, process_group=group)

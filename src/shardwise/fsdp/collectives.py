@@ -34,16 +34,18 @@ def start_unit_gather(full: torch.Tensor, shard: torch.Tensor, layout: UnitLayou
     (1D, ``layout.total``: the parameters whole, back to back). Collective over ``group``:
     every rank issues the same broadcasts in the same order. The returned ``Pending`` copies
     the packed parameters out of their all-gather buffer when waited for."""
-    works = []
+    works, own = [], []
     for _, p in layout.direct():
         dest = full[p.full_offset : p.full_offset + p.numel]
         for r, rows in chunks_of(dest, p):
-            if r == rank:
-                start = p.shard_offset
-                rows.copy_(shard[start : start + rows.numel()])
-            if len(global_ranks) > 1:
-                works.append(dist.broadcast(rows, src=global_ranks[r], group=group,
-                                            async_op=True))
+            mine = shard[p.shard_offset : p.shard_offset + rows.numel()] if r == rank else None
+            if mine is not None:
+                own.append((rows, mine))
+            if len(global_ranks) > 1:  # this rank sends its chunk straight from the shard
+                works.append(dist.broadcast(rows if mine is None else mine,
+                                            src=global_ranks[r], group=group, async_op=True))
+    for rows, mine in own:  # copied into place while the broadcasts are under way
+        rows.copy_(mine)
     if not layout.packed_numel:
         return Pending(works)
     world = len(global_ranks)

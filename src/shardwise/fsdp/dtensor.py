@@ -40,6 +40,12 @@ def sharded_dtensor(local: torch.Tensor, layout: ParamLayout, mesh: DeviceMesh) 
                               stride=stride)
 
 
+def sharded_like(local: torch.Tensor, like: DTensor) -> DTensor:
+    """``local`` as a DTensor with ``like``'s global shape, mesh and placements (no checks and no
+    autograd: for gradients, made every step)."""
+    return DTensor(local, like._spec, requires_grad=False)
+
+
 def sharded_parameter(local: torch.Tensor, layout: ParamLayout, mesh: DeviceMesh,
                       requires_grad: bool) -> nn.Parameter:
     return nn.Parameter(sharded_dtensor(local, layout, mesh), requires_grad=requires_grad)

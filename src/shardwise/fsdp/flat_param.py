@@ -53,7 +53,7 @@ from shardwise.fsdp.collectives import (
 from shardwise.fsdp.dtensor import (
     local_tensor,
     set_local_tensor,
-    sharded_dtensor,
+    sharded_like,
     sharded_parameter,
 )
 from shardwise.fsdp.layout import ParamLayout, UnitLayout, copy_into_chunks, plan_layout
@@ -351,7 +351,7 @@ class FlatParamHandle:
             part = self._local_view(flat, slot.layout)
             param = slot.shard_param
             if param.grad is None:
-                param.grad = sharded_dtensor(part, slot.layout, self.mesh)
+                param.grad = sharded_like(part, param)
             else:
                 local_tensor(param.grad).add_(part)
 

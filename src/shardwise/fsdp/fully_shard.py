@@ -49,7 +49,7 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh | None = None,
                 mixed_precision: MixedPrecision | None = None,
                 cpu_offload: CPUOffload | None = None,
                 auto_wrap_policy: WrapPolicy | None = None,
-                forward_prefetch: bool = False) -> FSDPModule:
+                forward_prefetch: bool = True) -> FSDPModule:
     """Shard ``module``'s parameters over a group and gather them around its forward and
     backward (one all-gather before each, one reduce-scatter of the gradients after backward);
     returns ``module``, now an ``FSDPModule``.
@@ -64,8 +64,9 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh | None = None,
     (left unsharded and unreduced). Ours as well: ``process_group`` instead of ``mesh``,
     ``mixed_precision`` / ``cpu_offload`` (FSDP1's names), ``auto_wrap_policy`` (apply
     ``fully_shard`` with the same options to the submodules it picks first) and
-    ``forward_prefetch=True`` (read on the root: issue the next unit's all-gather while the
-    current unit computes its forward, see [Note: FSDP schedule]).
+    ``forward_prefetch`` (read on the root; default True: issue the next unit's all-gather
+    while the current unit computes its forward, one unit more of memory; False gathers each
+    unit when its forward starts, see [Note: FSDP schedule]).
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"fully_shard needs an nn.Module, got {type(module).__name__}")
