@@ -3,7 +3,7 @@
 The public API. Mechanisms live in subpackages; this module only names them.
 """
 
-from shardwise import checkpoint, distributed, pipeline, rpc, sharded_tensor
+from shardwise import distributed, rpc, sharded_tensor
 from shardwise.ddp import DistributedDataParallel
 from shardwise.fsdp import (
     CPUOffload,
@@ -30,10 +30,8 @@ __all__ = [
     "OffloadPolicy",
     "ZeroDataParallel",
     "ZeroRedundancyOptimizer",
-    "checkpoint",
     "distributed",
     "fully_shard",
-    "pipeline",
     "rpc",
     "sharded_tensor",
 ]

@@ -108,6 +108,8 @@ class PipelineStage:
             self.meter.reset_peak()
         if self.transport == "p2p":
             self._p2p.begin_step(n_microbatches)
+        else:
+            self._set_ddp_sync(False)  # micro-batches' distributed backwards stay local
 
     def end_step(self) -> None:
         if self.transport == "p2p":
@@ -178,8 +180,16 @@ class PipelineStage:
         params = [p for p in self.submod.parameters() if p in self._grads]
         grads = [self._grads[p] for p in params]
         self._grads = {}
+        self._set_ddp_sync(True)
         if params:
             torch.autograd.backward(params, grads)
+
+    def _set_ddp_sync(self, on: bool) -> None:
+        """A DistributedDataParallel stage also reduces under distributed autograd: turn that
+        off for the micro-batches (their gradients are summed here) and on for the one local
+        backward of the step."""
+        if hasattr(self.submod, "require_backward_grad_sync"):
+            self.submod.require_backward_grad_sync = on
 
 
 def _check_place(stage_index: int, num_stages: int, group: dist.ProcessGroup) -> None:
