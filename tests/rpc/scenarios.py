@@ -92,7 +92,9 @@ def _train_on_ps(rank: int, die_at: int | None) -> None:
         nn.functional.mse_loss(reference(x), y).backward()
         ref_opt.step()
     got = rpc.rpc_sync("ps", weights, args=(model,))
+    diff = max((a - b).abs().max().item() for a, b in zip(got, reference.parameters()))
     print(f"weights equal: {all(torch.equal(a, b) for a, b in zip(got, reference.parameters()))}")
+    print(f"weights max diff: {diff:.3g}")
 
 
 def _marker(rank: int) -> Path:
