@@ -121,8 +121,14 @@ def is_owner_here(rref) -> bool:
 
 # ---------------------------------------------------------------- autograd and optimizer
 def make_linear(seed: int, n_in: int, n_out: int) -> nn.Module:
-    torch.manual_seed(seed)
-    return nn.Linear(n_in, n_out)
+    """The same weights for a seed in whichever thread (RPC threads build models concurrently,
+    and torch.manual_seed would let them draw from each other's seeds)."""
+    gen = torch.Generator().manual_seed(seed)
+    model = nn.Linear(n_in, n_out)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.rand(p.shape, generator=gen) - 0.5)
+    return model
 
 
 def param_rrefs(module_rref) -> list:

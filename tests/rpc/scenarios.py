@@ -52,8 +52,15 @@ def lines(text: str) -> dict[str, str]:
 
 # ---------------------------------------------------------------- parameter server
 def make_model(seed: int) -> nn.Module:
-    torch.manual_seed(seed)
-    return nn.Linear(4, 2)
+    """The same weights for a seed, whichever thread builds it: the parameter server builds
+    the trainers' models concurrently in its RPC threads, so seeding the process-wide RNG
+    (torch.manual_seed) would let one trainer's model draw from another's seed."""
+    gen = torch.Generator().manual_seed(seed)
+    model = nn.Linear(4, 2)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.rand(p.shape, generator=gen) - 0.5)
+    return model
 
 
 def param_rrefs(model_rref) -> list:
