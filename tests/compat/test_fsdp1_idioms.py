@@ -26,11 +26,11 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch import nn
 
+from tests.compat.models import Layer, Transformer
+from tests.compat.models import batch as _batch
 from tests.harness import WORLD_SIZES, assert_rel_close, run_on_ranks
 
-VOCAB, DIM, LAYERS, SEQ = 37, 24, 3, 8  # dims chosen to split unevenly over 2 and 4 ranks
 ADAM_RTOL = 1e-4  # Adam's update divides by sqrt(v): tiny reduction-order differences grow
 
 
@@ -62,42 +62,9 @@ def _api(impl: str) -> dict:
                 transformer_auto_wrap_policy=transformer_auto_wrap_policy)
 
 
-class Layer(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.norm = nn.LayerNorm(DIM)
-        self.w1 = nn.Linear(DIM, 3 * DIM)
-        self.w2 = nn.Linear(3 * DIM, DIM, bias=False)
-
-    def forward(self, x):
-        return x + self.w2(F.gelu(self.w1(self.norm(x))))
-
-
-class Transformer(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.tok = nn.Embedding(VOCAB, DIM)
-        self.layers = nn.ModuleList(Layer() for _ in range(LAYERS))
-        self.norm = nn.LayerNorm(DIM)
-        self.out = nn.Linear(DIM, VOCAB, bias=False)
-
-    def forward(self, idx):
-        h = self.tok(idx)
-        for layer in self.layers:
-            h = layer(h)
-        return self.out(self.norm(h))
-
-
 def _model() -> Transformer:
     torch.manual_seed(0)
     return Transformer()
-
-
-def _batch(step: int, rank: int, world: int):
-    g = torch.Generator().manual_seed(1000 + step)
-    x = torch.randint(0, VOCAB, (2 * world, SEQ + 1), generator=g)
-    mine = x[2 * rank : 2 * rank + 2]
-    return mine[:, :-1], mine[:, 1:], x[:, :-1], x[:, 1:]
 
 
 def _loss(model, x, y):

@@ -16,7 +16,6 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -26,9 +25,10 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor, Shard
 
+from tests.compat.models import Transformer
+from tests.compat.models import batch as _batch
 from tests.harness import WORLD_SIZES, assert_rel_close, run_on_ranks
 
-VOCAB, DIM, LAYERS, SEQ = 37, 24, 3, 8  # dims chosen to split unevenly over 2 and 4 ranks
 RTOL = 1e-5
 
 
@@ -39,51 +39,6 @@ def _api(impl: str):
     else:
         from shardwise import FSDPModule, MixedPrecisionPolicy, fully_shard
     return fully_shard, FSDPModule, MixedPrecisionPolicy
-
-
-class Layer(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.norm = nn.LayerNorm(DIM)
-        self.w1 = nn.Linear(DIM, 3 * DIM)
-        self.w2 = nn.Linear(3 * DIM, DIM, bias=False)
-
-    def forward(self, x):
-        return x + self.w2(F.gelu(self.w1(self.norm(x))))
-
-    def reset_parameters(self):
-        self.norm.reset_parameters()
-        self.w1.reset_parameters()
-        self.w2.reset_parameters()
-
-
-class Transformer(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.tok = nn.Embedding(VOCAB, DIM)
-        self.layers = nn.ModuleList(Layer() for _ in range(LAYERS))
-        self.norm = nn.LayerNorm(DIM)
-        self.out = nn.Linear(DIM, VOCAB, bias=False)
-
-    def forward(self, idx):
-        h = self.tok(idx)
-        for layer in self.layers:
-            h = layer(h)
-        return self.out(self.norm(h))
-
-    def reset_parameters(self):
-        self.tok.reset_parameters()
-        for layer in self.layers:
-            layer.reset_parameters()
-        self.norm.reset_parameters()
-        self.out.reset_parameters()
-
-
-def _batch(step: int, rank: int, world: int):
-    g = torch.Generator().manual_seed(1000 + step)
-    x = torch.randint(0, VOCAB, (2 * world, SEQ + 1), generator=g)
-    mine = x[2 * rank : 2 * rank + 2]
-    return mine[:, :-1], mine[:, 1:], x[:, :-1], x[:, 1:]
 
 
 def _loss(model, x, y):

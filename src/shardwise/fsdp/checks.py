@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 
-def _name(module: nn.Module) -> str:
+def class_name(module: nn.Module) -> str:
     """The module's own class name (not the ``FSDP...`` class fully_shard gives it)."""
     return getattr(type(module), "_fsdp_orig_cls", type(module)).__name__
 
@@ -20,7 +20,7 @@ def check_same_device(module: nn.Module, named: list[tuple[str, torch.Tensor]]) 
         where = "; ".join(f"{d}: {', '.join(names[:4])}{' ...' if len(names) > 4 else ''}"
                           for d, names in devices.items())
         raise ValueError(
-            f"FSDP: the parameters of {_name(module)} live on different devices "
+            f"FSDP: the parameters of {class_name(module)} live on different devices "
             f"({where}); move the module to one device before wrapping it"
         )
     return next(iter(devices))
@@ -32,11 +32,11 @@ def check_same_dtype(module: nn.Module, named: list[tuple[str, torch.Tensor]]) -
         dtypes.setdefault(p.dtype, []).append(name)
     if len(dtypes) > 1:
         where = "; ".join(f"{d}: {', '.join(n[:4])}" for d, n in dtypes.items())
-        raise ValueError(f"FSDP: the parameters of one unit ({_name(module)}) must share "
+        raise ValueError(f"FSDP: the parameters of one unit ({class_name(module)}) must share "
                          f"a dtype to be flattened together, found {where}")
     dtype = next(iter(dtypes))
     if not dtype.is_floating_point:
-        raise ValueError(f"FSDP shards floating-point parameters, {_name(module)} has "
+        raise ValueError(f"FSDP shards floating-point parameters, {class_name(module)} has "
                          f"{dtype} parameters")
     return dtype
 
@@ -56,7 +56,7 @@ def check_backend_device(backend: str, device: torch.device, offload: bool) -> N
 def check_not_wrapped(module: nn.Module, attr: str) -> None:
     if getattr(module, attr, None) is not None:
         raise RuntimeError(
-            f"fully_shard was already applied to this {_name(module)}; applying it "
+            f"fully_shard was already applied to this {class_name(module)}; applying it "
             "twice would shard its (already sharded) parameters again"
         )
 

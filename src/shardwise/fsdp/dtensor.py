@@ -20,10 +20,14 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from shardwise.fsdp.layout import ParamLayout
 
 
+def device_type_of(group: dist.ProcessGroup | None = None) -> str:
+    """The mesh device type for ``group``'s backend (default: the world's): NCCL's is CUDA."""
+    return "cuda" if dist.get_backend(group) == "nccl" else "cpu"
+
+
 def mesh_for_group(group: dist.ProcessGroup) -> DeviceMesh:
     """A 1D mesh over ``group`` (no new process group is created)."""
-    device_type = "cuda" if dist.get_backend(group) == "nccl" else "cpu"
-    return DeviceMesh.from_group(group, device_type)
+    return DeviceMesh.from_group(group, device_type_of(group))
 
 
 def placements(mesh: DeviceMesh) -> list:

@@ -21,6 +21,7 @@ from shardwise.distributed.topology import (
     hybrid_mesh_shape,
     local_world_size_from_env,
 )
+from shardwise.fsdp.dtensor import device_type_of
 from shardwise.fsdp.fsdp1_config import BackwardPrefetch, ShardingStrategy, as_enum
 from shardwise.fsdp.mixed_precision import CPUOffload, MixedPrecision
 
@@ -116,13 +117,13 @@ def _hybrid_mesh(group: Any, mesh: Any) -> DeviceMesh:
                          "or a 2D device_mesh; one group is ambiguous")
     world = dist.get_world_size()
     shape = hybrid_mesh_shape(world, local_world_size_from_env(world))
-    return init_device_mesh(_device_type(), shape, HSDP_DIM_NAMES)
+    return init_device_mesh(device_type_of(), shape, HSDP_DIM_NAMES)
 
 
 def _no_shard_mesh(group: dist.ProcessGroup) -> DeviceMesh:
     if group is not dist.group.WORLD and dist.get_world_size(group) != dist.get_world_size():
         raise ValueError("NO_SHARD on a subgroup is not supported; use DistributedDataParallel")
-    return init_device_mesh(_device_type(), (dist.get_world_size(), 1), HSDP_DIM_NAMES)
+    return init_device_mesh(device_type_of(), (dist.get_world_size(), 1), HSDP_DIM_NAMES)
 
 
 def _mesh_from_groups(shard: dist.ProcessGroup, replicate: dist.ProcessGroup) -> DeviceMesh:
@@ -138,12 +139,8 @@ def _mesh_from_groups(shard: dist.ProcessGroup, replicate: dist.ProcessGroup) ->
         raise ValueError(f"process_group=(shard, replicate) groups of sizes "
                          f"{dist.get_world_size(shard)} and {dist.get_world_size(replicate)} do "
                          f"not tile the world of {dist.get_world_size()} ranks")
-    return DeviceMesh.from_group([replicate, shard], _device_type(), mesh=grid,
+    return DeviceMesh.from_group([replicate, shard], device_type_of(), mesh=grid,
                                  mesh_dim_names=HSDP_DIM_NAMES)
-
-
-def _device_type() -> str:
-    return "cuda" if dist.get_backend() == "nccl" else "cpu"
 
 
 def ignored(module: nn.Module, ignored_modules: Any, ignored_states: Any

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_map
 
+from shardwise.fsdp.checks import class_name
 from shardwise.fsdp.collectives import register_pre_backward
 from shardwise.fsdp.flat_param import FlatParamHandle
 from shardwise.fsdp.mixed_precision import MixedPrecision
@@ -101,8 +102,8 @@ class FSDPUnit:
             while top.parent is not None:
                 top = top.parent
             raise RuntimeError(
-                f"FSDP: {_class_name(self.module)} ran forward before the root unit "
-                f"{_class_name(top.module)} that contains it ever did; the root decides the "
+                f"FSDP: {class_name(self.module)} ran forward before the root unit "
+                f"{class_name(top.module)} that contains it ever did; the root decides the "
                 "order of gathers and frees for the whole tree, so call the root module first "
                 "(or apply fully_shard to the standalone module only)")
         self.is_root = True
@@ -193,10 +194,6 @@ def _cast_floats(tree: Any, dtype: torch.dtype) -> Any:
         return x
 
     return tree_map(cast, tree)
-
-
-def _class_name(module: nn.Module) -> str:
-    return getattr(type(module), "_fsdp_orig_cls", type(module)).__name__
 
 
 def get_unit(module: nn.Module) -> FSDPUnit | None:
