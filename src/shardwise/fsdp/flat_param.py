@@ -28,7 +28,9 @@ rows sit in them is [Note: FSDP layout], layout.py):
   copies (or, when accumulating, adds) that leaf's gradient into its chunks and drops the
   leaf's ``.grad`` at once. So the unit's gradient costs one flat buffer plus one parameter's
   gradient in flight, never the per-parameter gradients and their concatenation together. The
-  last expected gradient marks the end of the unit's backward.
+  last expected gradient marks the end of the unit's backward. Where the direct reduction
+  applies (gloo, see [Note: direct gradient reduction]) the large parameters' gradients are
+  held as they are instead and only the packed ones take a (smaller) rank-major buffer.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from shardwise.distributed.fast_collectives import Pending
+from shardwise.distributed.fast_collectives import Pending, uses_fast_path
 from shardwise.fsdp.collectives import (
     start_reduce_scatter,
     start_unit_gather,
@@ -56,6 +58,7 @@ from shardwise.fsdp.dtensor import (
     sharded_like,
     sharded_parameter,
 )
+from shardwise.fsdp.grad_exchange import DirectGrads
 from shardwise.fsdp.layout import ParamLayout, UnitLayout, copy_into_chunks, plan_layout
 
 
@@ -102,7 +105,10 @@ class GradReduction:
 
     pending: Pending
     out: torch.Tensor  # 1D, shard_numel elements, reduce dtype
-    full_grad: torch.Tensor  # 1D, world * shard_numel: kept alive until the collective is done
+    held: list[torch.Tensor]  # what the collective sends from: kept alive until it is done
+
+    def held_bytes(self) -> int:
+        return sum(t.untyped_storage().nbytes() for t in self.held)
 
 
 class FlatParamHandle:
@@ -129,6 +135,7 @@ class FlatParamHandle:
         self.slots = self._make_slots(params)
         self._make_full()
         self.grad_buffer: torch.Tensor | None = None  # 1D, world * shard_numel, compute dtype
+        self.direct: DirectGrads | None = None  # see [Note: direct gradient reduction]
         self._grad_written = [False] * len(self.slots)  # per slot, since grad_buffer was made
         self._grads_arrived = 0  # in this backward
         self._expected_grads = sum(s.requires_grad for s in self.slots)
@@ -277,12 +284,31 @@ class FlatParamHandle:
         start = layout.shard_offset
         return grad.view(self.world, -1)[:, start : start + layout.chunk_numel]
 
-    def add_param_grad(self, index: int) -> bool:
-        """Move leaf ``index``'s ``.grad`` into its chunks of ``grad_buffer`` (allocated by the
-        first one). True when every parameter that requires grad has delivered its gradient in
-        this backward."""
+    def add_param_grad(self, index: int, sync: bool = True) -> bool:
+        """Move leaf ``index``'s ``.grad`` into this reduction's gradients: held whole for a
+        direct reduction ([Note: direct gradient reduction]) when ``sync`` (this backward
+        reduces) allows one, else into its chunks of ``grad_buffer`` (allocated by the first
+        one). True when every parameter that requires grad has delivered its gradient in this
+        backward."""
         leaf, slot = self.leaves[index], self.slots[index]
         grad, leaf.grad = leaf.grad, None
+        if self.direct is None and self.grad_buffer is None and self._direct_allowed(sync, grad):
+            self.direct = DirectGrads(self.layout, self.rank, self.global_ranks, self.group,
+                                      self.reduce_dtype, self.compute_device)
+        if self.direct is not None:
+            if slot.numel:
+                self.direct.add(index, grad)
+        else:
+            self._add_to_buffer(index, grad)
+        self._grads_arrived += 1
+        return self._grads_arrived == self._expected_grads
+
+    def _direct_allowed(self, sync: bool, grad: torch.Tensor) -> bool:
+        return (sync and self.world > 1 and self.comm_hook is None
+                and uses_fast_path(self.group, grad, "auto"))
+
+    def _add_to_buffer(self, index: int, grad: torch.Tensor) -> None:
+        slot = self.slots[index]
         if self.grad_buffer is None:
             self.grad_buffer = torch.empty(self.world * self.layout.shard_numel,
                                            dtype=self.param_dtype, device=self.compute_device)
@@ -290,8 +316,6 @@ class FlatParamHandle:
             copy_into_chunks(self._grad_chunks(self.grad_buffer, slot.layout), grad,
                              slot.layout, accumulate=self._grad_written[index])
         self._grad_written[index] = True
-        self._grads_arrived += 1
-        return self._grads_arrived == self._expected_grads
 
     def grads_arrived(self) -> bool:
         """Whether any gradient has arrived in this backward."""
@@ -303,12 +327,26 @@ class FlatParamHandle:
         self._grads_arrived = 0
         self._expected_grads = sum(s.requires_grad for s in self.slots)
 
-    def take_full_grad(self) -> torch.Tensor | None:
-        """The flat gradient (1D, rank-major), zero where no gradient arrived; the handle lets
-        go of it."""
+    def has_gradient(self) -> bool:
+        """Whether gradients wait to be reduced (the next ``start_reduction`` issues one)."""
+        return self.direct is not None or self.grad_buffer is not None
+
+    def start_reduction(self) -> GradReduction:
+        """Issue the averaging reduce-scatter of the gradients gathered so far (zero where none
+        arrived) in the reduce dtype; with hybrid sharding its result is then averaged across
+        the replicas. The handle lets go of them."""
+        if self.direct is not None:
+            direct, self.direct = self.direct, None
+            pending, out, held = direct.start()
+        else:
+            pending, out, held = self._start_buffer_reduction(self._take_full_grad())
+        if self.replicate_group is not None:
+            pending = then_average_across(pending, out, self.replicate_group)
+        return GradReduction(pending, out, held)
+
+    def _take_full_grad(self) -> torch.Tensor:
+        """The flat gradient (1D, rank-major), zero where no gradient arrived."""
         grad, self.grad_buffer = self.grad_buffer, None
-        if grad is None:
-            return None
         for slot, written in zip(self.slots, self._grad_written):
             if not written:
                 self._grad_chunks(grad, slot.layout).zero_()
@@ -316,28 +354,26 @@ class FlatParamHandle:
         return grad
 
     def unsharded_grad_bytes(self) -> int:
-        """Bytes of the flat gradient buffer alive right now (0 when there is none)."""
-        return 0 if self.grad_buffer is None else self.grad_buffer.untyped_storage().nbytes()
+        """Bytes of unreduced gradients this handle holds right now (flat buffer or held)."""
+        held = 0 if self.direct is None else self.direct.held_bytes()
+        if self.grad_buffer is not None:
+            held += self.grad_buffer.untyped_storage().nbytes()
+        return held
 
-    def start_grad_reduction(self, full_grad: torch.Tensor) -> GradReduction:
-        """Issue the averaging reduce-scatter of ``full_grad`` (1D, rank-major) in the reduce
-        dtype; with hybrid sharding its result is then averaged across the replicas."""
+    def _start_buffer_reduction(self, full_grad: torch.Tensor):
+        """The reduce-scatter of the flat gradient: ``(pending, out, held)``."""
         full_grad = full_grad.to(self.reduce_dtype)
         if self.comm_hook is not None:  # runs synchronously, as torch's hooks do
             state, hook = self.comm_hook
             out = torch.empty(self.layout.shard_numel, dtype=self.reduce_dtype,
                               device=full_grad.device)
             hook(state, full_grad, out)
-            return GradReduction(Pending([]), out, full_grad)
+            return Pending([]), out, [full_grad]
         if self.world == 1:
-            pending, out = Pending([]), full_grad
-        else:
-            out = torch.empty(self.layout.shard_numel, dtype=self.reduce_dtype,
-                              device=full_grad.device)
-            pending = start_reduce_scatter(out, full_grad, self.group)
-        if self.replicate_group is not None:
-            pending = then_average_across(pending, out, self.replicate_group)
-        return GradReduction(pending, out, full_grad)
+            return Pending([]), full_grad, [full_grad]
+        out = torch.empty(self.layout.shard_numel, dtype=self.reduce_dtype,
+                          device=full_grad.device)
+        return start_reduce_scatter(out, full_grad, self.group), out, [full_grad]
 
     def finish_grad_reduction(self, reduction: GradReduction) -> None:
         """Wait for the reduce-scatter and add its result to each sharded parameter's ``.grad``

@@ -26,7 +26,9 @@ see [Note: fast collectives]).
 Gradients go the other way: each parameter's gradient is copied (or added, when accumulating)
 into a rank-major flat buffer of ``world * shard_numel`` elements, chunk r into rank r's block
 at the parameter's ``shard_offset``, so one reduce-scatter of the flat buffer leaves each rank
-the averaged gradient of its own chunks, laid out like its shard.
+the averaged gradient of its own chunks, laid out like its shard. On gloo the large parameters
+skip that buffer and are sent straight from their gradients, see [Note: direct gradient
+reduction] (grad_exchange.py).
 """
 
 from __future__ import annotations

@@ -186,4 +186,4 @@ class RootState:
 
     def reduction_bytes(self) -> int:
         """Bytes of flat gradients that reduce-scatters in flight still hold."""
-        return sum(r.full_grad.untyped_storage().nbytes() for _, r in self.reductions)
+        return sum(r.held_bytes() for _, r in self.reductions)

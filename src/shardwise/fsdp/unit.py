@@ -165,7 +165,7 @@ class FSDPUnit:
             # the unit's first gradient in this backward: finish the reduction in flight before
             # this unit's flat gradient is allocated (see [Note: FSDP schedule])
             self.root_state.finish_reductions()
-        if self.handle.add_param_grad(index):
+        if self.handle.add_param_grad(index, sync=not self.no_sync):
             self._post_backward()
 
     def _post_backward(self) -> None:
@@ -181,10 +181,9 @@ class FSDPUnit:
         """Issue the reduce-scatter of the flat gradient (unless gradient sync is off)."""
         if self.no_sync:
             return
-        grad = self.handle.take_full_grad()
-        if grad is not None:
+        if self.handle.has_gradient():
             self.root_state.make_room_for_reduction()
-            self.root_state.add_reduction(self, self.handle.start_grad_reduction(grad))
+            self.root_state.add_reduction(self, self.handle.start_reduction())
 
 
 def _cast_floats(tree: Any, dtype: torch.dtype) -> Any:
