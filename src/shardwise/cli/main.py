@@ -1,4 +1,4 @@
-"""`shardwise train`, `shardwise run` and `shardwise plan`.
+"""`shardwise train`, `shardwise run`, `shardwise plan`, `shardwise bench` and `shardwise plot`.
 
 ``shardwise train`` started by hand validates its arguments, then starts ``--nproc`` local ranks
 of itself through the launcher. Started by a launcher (ours or torchrun: RANK and WORLD_SIZE are
@@ -19,6 +19,10 @@ from shardwise.distributed.launcher import python_command
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["bench"]:  # its own parsing: each benchmark has its own options
+        from shardwise.bench.main import main as bench_main
+
+        return bench_main(argv[1:])
     parser = _parser()
     args = parser.parse_args(argv)
     if args.command == "train":
@@ -41,7 +45,11 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("script_args", nargs=argparse.REMAINDER)
     from shardwise.cli.plan import build_parser as plan_parser
 
-    plan_parser(sub.add_parser("plan", help="model-state memory per rank of each strategy"))
+    plan_parser(sub.add_parser("plan", help="memory per rank of each strategy, before a run"))
+    bench = sub.add_parser("bench", add_help=False,
+                           help="ours and torch's side by side: table, JSON record, PNG plot")
+    bench.add_argument("bench_args", nargs=argparse.REMAINDER,
+                       help="NAME [options], or --render-md RECORD.json ...")
     return parser
 
 
