@@ -29,6 +29,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _train(parser, args, argv)
     if args.command == "plan":
         return _plan(parser, args)
+    if args.command == "plot":
+        return _plot(parser, args)
     return _run(parser, args)
 
 
@@ -46,6 +48,10 @@ def _parser() -> argparse.ArgumentParser:
     from shardwise.cli.plan import build_parser as plan_parser
 
     plan_parser(sub.add_parser("plan", help="memory per rank of each strategy, before a run"))
+    plot = sub.add_parser("plot", help="several --log-dir runs' loss curves on one chart")
+    plot.add_argument("log_dirs", nargs="+", metavar="LOG_DIR", help="shardwise train --log-dir")
+    plot.add_argument("--out", default="loss_curves.png", help="the PNG to write")
+    plot.add_argument("--title", default="training loss")
     bench = sub.add_parser("bench", add_help=False,
                            help="ours and torch's side by side: table, JSON record, PNG plot")
     bench.add_argument("bench_args", nargs=argparse.REMAINDER,
@@ -87,4 +93,27 @@ def _plan(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         print(plan(args))
     except ValueError as exc:
         parser.exit(2, f"shardwise plan: error: {exc}\n")
+    return 0
+
+
+def _plot(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from shardwise.bench.main import writable_problem
+    from shardwise.cli.curves import MetricsError, draw_loss_curves, read_metrics
+
+    runs = {}
+    for directory in args.log_dirs:
+        name = Path(directory).resolve().name
+        if name in runs:  # two runs of one name: tell them apart by their path
+            name = directory
+        try:
+            runs[name] = read_metrics(directory)
+        except MetricsError as exc:
+            parser.exit(2, f"shardwise plot: error: {exc}\n")
+    problem = writable_problem(Path(args.out).resolve().parent)
+    if problem:
+        parser.exit(2, f"shardwise plot: error: --out: {problem}\n")
+    draw_loss_curves(runs, args.out, title=args.title)
+    print(f"wrote {args.out} ({len(runs)} runs)")
     return 0
