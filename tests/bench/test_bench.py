@@ -109,3 +109,12 @@ def test_bad_bench_input_is_named(tmp_path, capsys):
         main(["bench", "fsdp", "--only", "torch-fsdp3"])
     assert exit_info.value.code == 2
     assert "unknown implementation(s) torch-fsdp3" in capsys.readouterr().err
+
+
+def test_ddp_bench_defaults_are_shardwise_trains():
+    from shardwise.bench.ddp import _Defaults
+    from shardwise.cli.train_args import TrainConfig
+
+    train = TrainConfig()
+    for name, value in vars(_Defaults()).items():
+        assert getattr(train, name) == value, name
