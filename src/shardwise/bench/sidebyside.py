@@ -160,15 +160,21 @@ def summarise(records: dict[str, list[list[dict]]], baseline: str) -> dict:
 def script_main(worker: Callable, impls: Sequence[str], baseline: str,
                 extra: Callable[[argparse.ArgumentParser], None] | None = None) -> dict:
     """For a benchmark script outside the package (``python benchmarks/bench_x.py``): ranks are
-    started by running the script again. Prints the table; returns the per-implementation
-    summary (empty on a worker)."""
-    from shardwise.bench.records import format_table
+    started by running the script again. Prints the table (and with ``--out DIR`` saves the
+    record and the plot); returns the per-implementation summary (empty on a worker)."""
+    from shardwise.bench.main import _out_flag
+    from shardwise.bench.records import format_table, save
 
     name = Path(sys.argv[0]).stem.removeprefix("bench_")
-    bench = SideBySide(name, worker, impls, baseline, extra,
+    doc = (getattr(sys.modules.get("__main__"), "__doc__", None) or "").strip()
+    bench = SideBySide(name, worker, impls, baseline, extra, doc.split("\n")[0].rstrip("."),
                        command=[sys.executable, sys.argv[0]])
     record = run(bench, sys.argv[1:])
     if record is None:
         return {}
     print(format_table(record))
+    out = _out_flag(sys.argv[1:])
+    if out:
+        path, png = save(record, out)
+        print(f"wrote {path} and {png}")
     return record["impls"]
