@@ -100,7 +100,7 @@ def test_render_md_command_reads_saved_records(tmp_path, capsys):
 def test_bad_bench_input_is_named(tmp_path, capsys):
     assert main(["bench", "fsdpp"]) == 2
     err = capsys.readouterr().err
-    assert "unknown benchmark 'fsdpp'; known: ddp, zero, fsdp, tp, collectives" in err
+    assert "unknown benchmark 'fsdpp'; known: ddp, zero, fsdp, tp, collectives, rpc" in err
     blocker = tmp_path / "file"
     blocker.write_text("")
     assert main(["bench", "fsdp", "--out", str(blocker / "sub")]) == 2
@@ -118,3 +118,24 @@ def test_ddp_bench_defaults_are_shardwise_trains():
     train = TrainConfig()
     for name, value in vars(_Defaults()).items():
         assert getattr(train, name) == value, name
+
+
+def test_a_record_of_figures_rpc_is_tabled_plotted_and_rendered(tmp_path):
+    from shardwise.bench.rpc import FIGURES, _summary
+
+    def run(scale):
+        return {k: scale * (i + 1) for i, k in enumerate(FIGURES)}
+
+    record = {"bench": "rpc", "description": "rpc", "kind": "figures", "baseline": "torch",
+              "settings": {"nproc": 2, "rounds": 2}, "figures": FIGURES,
+              "impls": _summary({"shardwise-tcp": [run(1.0), run(3.0)],
+                                 "torch": [run(2.0), run(2.0)]})}
+    ours = record["impls"]["shardwise-tcp"]
+    assert ours["figures"]["lat_med_us"] == 2.0 and ours["ratio"]["lat_med_us"] == 1.0
+    assert ours["round_figures"]["echo_GBps"] == [4.0, 12.0]
+    table = format_table(record)
+    assert "1 KB echo, median (us)" in table and "2.00 (1.00x)" in table
+    assert "| large tensor echoed (GB/s) | 8.00 (1.00x) | 8.00 | >=1.5 |" in (
+        render_markdown([record]))
+    plot(record, tmp_path / "rpc.png")
+    assert png_size(tmp_path / "rpc.png") == PLOT_SIZE_PX

@@ -14,6 +14,7 @@ BENCHES = {
     "fsdp": "shardwise.bench.fsdp",
     "tp": "shardwise.bench.tp",
     "collectives": "shardwise.bench.collectives",
+    "rpc": "shardwise.bench.rpc",
 }
 
 __all__ = ["BENCHES"]

@@ -21,6 +21,8 @@ _DPI = 100
 
 
 def format_table(record: dict) -> str:
+    if record.get("kind") == "figures":
+        return _figures_table(record)
     lines = [f"{record['bench']}: {record['description']}", _settings_line(record),
              f"{'implementation':<28}{'median step (ms)':>18}  {'round medians (ms)':<24}"
              f"{'ratio':>7}  peak RSS per rank (MiB)"]
@@ -62,11 +64,16 @@ def save(record: dict, out_dir: str | Path) -> tuple[Path, Path]:
 
 def plot(record: dict, path: str | Path) -> None:
     """Step time and peak memory per implementation: a bar at the median, a dot per round and
-    a line over the rounds' spread (min to max)."""
+    a line over the rounds' spread (min to max). A record of figures (rpc) gets one panel per
+    figure, drawn alike."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
+    if record.get("kind") == "figures":
+        _plot_figures(record, path, plt)
+        return
 
     impls = record["impls"]
     names = list(impls)
@@ -115,6 +122,9 @@ def render_markdown(records: Iterable[dict]) -> str:
     """docs/benchmarks.md's tables, one per record."""
     parts = []
     for record in records:
+        if record.get("kind") == "figures":
+            parts.append(_figures_markdown(record))
+            continue
         rows = ["| implementation | median step (ms) | round medians (ms) | ratio | "
                 "peak RSS per rank (MiB) | other |", "|---|---|---|---|---|---|"]
         for impl, s in record["impls"].items():
@@ -142,3 +152,74 @@ def load(path: str | Path) -> dict:
     if missing:
         raise ValueError(f"{path} is not a benchmark record (missing {', '.join(missing)})")
     return record
+
+
+# Records of several figures per implementation (rpc): ``figures`` maps a figure to its
+# ``label``, ``unit``, ``higher_is_better`` and ``bar`` (for ours / the baseline); each
+# implementation has ``figures`` (medians over rounds), ``round_figures`` and ``ratio``.
+
+
+def _figure_cells(record: dict, key: str) -> list[str]:
+    cells = []
+    for s in record["impls"].values():
+        cell = f"{s['figures'][key]:.2f}"
+        if s["ratio"] is not None and s is not record["impls"].get(record["baseline"]):
+            cell += f" ({s['ratio'][key]:.2f}x)"
+        cells.append(cell)
+    return cells
+
+
+def _figures_table(record: dict) -> str:
+    names = list(record["impls"])
+    lines = [f"{record['bench']}: {record['description']}", _settings_line(record),
+             f"{'figure':<38}" + "".join(f"{n:>22}" for n in names) + "  bar"]
+    for key, fig in record["figures"].items():
+        label = f"{fig['label']} ({fig['unit']})"
+        bar = fig["bar"]
+        bar_text = "" if bar is None else f"{'>=' if fig['higher_is_better'] else '<='}{bar:g}"
+        lines.append(f"{label:<38}" + "".join(f"{c:>22}" for c in _figure_cells(record, key))
+                     + f"  {bar_text}")
+    lines.append(f"medians over rounds; (Nx): ours / {record['baseline']}'s")
+    return "\n".join(lines)
+
+
+def _figures_markdown(record: dict) -> str:
+    names = list(record["impls"])
+    rows = ["| figure | " + " | ".join(names) + " | bar |",
+            "|---" * (len(names) + 2) + "|"]
+    for key, fig in record["figures"].items():
+        bar = fig["bar"]
+        bar_text = "" if bar is None else f"{'>=' if fig['higher_is_better'] else '<='}{bar:g}"
+        rows.append(f"| {fig['label']} ({fig['unit']}) | "
+                    + " | ".join(_figure_cells(record, key)) + f" | {bar_text} |")
+    return "\n".join([f"### {record['bench']}: {record['description']}", "",
+                      _settings_line(record) + f"; medians over rounds; (Nx): ours / "
+                      f"{record['baseline']}'s", "", *rows])
+
+
+def _plot_figures(record: dict, path: str | Path, plt) -> None:
+    figures = record["figures"]
+    names = list(record["impls"])
+    fig, axes = plt.subplots(1, len(figures), squeeze=False,
+                             figsize=(PLOT_SIZE_PX[0] / _DPI, PLOT_SIZE_PX[1] / _DPI), dpi=_DPI)
+    colors = ["tab:blue" if n.startswith("shardwise") else "tab:orange" for n in names]
+    for ax, (key, meta) in zip(axes[0], figures.items()):
+        _panel(ax, names, colors, [record["impls"][n]["figures"][key] for n in names],
+               [record["impls"][n]["round_figures"][key] for n in names], meta["unit"])
+        better = "higher" if meta["higher_is_better"] else "lower"
+        ax.set_title(f"{meta['label']}\n({better} is better)", fontsize=8)
+        ax.set_xlabel("")
+    fig.suptitle(f"shardwise bench {record['bench']}: {record['settings'].get('rounds', 1)} "
+                 "round(s), medians with each round")
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
+
+    fig.legend(handles=[Patch(color="tab:blue", label="shardwise"),
+                        Patch(color="tab:orange", label="torch"),
+                        Line2D([], [], marker="o", color="black", linestyle="",
+                               label="each round"),
+                        Line2D([], [], color="black", label="spread across rounds (min-max)")],
+               loc="lower center", ncol=4, fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
+    fig.savefig(path, dpi=_DPI)
+    plt.close(fig)
