@@ -1,6 +1,7 @@
 """Model-state estimates on a mesh (HSDP, FSDP x TP): the arithmetic, the plan command, and the
 bytes live ranks hold on the shard group of a mesh and under tensor parallelism."""
 
+import json
 import math
 
 import pytest
@@ -69,29 +70,28 @@ def test_bad_layouts_are_named():
         estimate_mesh_state_bytes([], MeshLayout(1), optimizer="lamb")
 
 
-def _rows(out):
-    rows = {}
-    for line in out.splitlines():
-        for name in ("fsdp x tp", "hsdp x tp", "hsdp", "fsdp"):
-            if line.startswith(name + " "):
-                rows[name] = [float(v) for v in line[len(name):].split()[:4]]
-                break
-    return rows
+def _rows(capsys):
+    record = json.loads(capsys.readouterr().out)
+    return {r["strategy"]: [r["params"], r["grads"], r["optimizer"], r["model_state"]]
+            for r in record["rows"]}
 
 
 def test_plan_prints_the_mesh_layouts_asked_for(capsys):
     base = ["plan", "--nproc", "8", "--n-layer", "4", "--d-model", "512", "--n-head", "8"]
-    assert main(base) == 0
-    assert set(_rows(capsys.readouterr().out)) == {"fsdp"}
+    assert main([*base, "--json"]) == 0
+    assert set(_rows(capsys)) == {"ddp", "zero1", "zero2", "fsdp"}
     assert main([*base, "--tp", "2", "--replicas", "2"]) == 0
-    out = capsys.readouterr().out
-    rows = _rows(out)
-    assert "mesh: replicate 2 x shard 2 x tp 2" in out
+    assert "mesh: replicate 2 x shard 2 x tp 2" in capsys.readouterr().out
+    assert main([*base, "--tp", "2", "--replicas", "2", "--json"]) == 0
+    rows = _rows(capsys)
     # HSDP with 2 replicas holds what FSDP on 4 ranks holds: twice plain FSDP on 8
     assert rows["hsdp"][3] == pytest.approx(2 * rows["fsdp"][3], rel=1e-3)
     # FSDP x TP over 8 ranks splits almost everything 8 ways (layer norms are TP-replicated)
-    assert rows["fsdp"][3] <= rows["fsdp x tp"][3] <= rows["fsdp"][3] * 1.01
-    assert rows["hsdp x tp"][3] == pytest.approx(rows["hsdp"][3], rel=1e-2)
+    assert rows["fsdp"][3] <= rows["fsdp x tp2"][3] <= rows["fsdp"][3] * 1.01
+    assert rows["hsdp x tp2"][3] == pytest.approx(rows["hsdp"][3], rel=1e-2)
+    assert main([*base, "--tp", "2,4", "--json"]) == 0
+    rows = _rows(capsys)
+    assert rows["fsdp x tp4"][3] == pytest.approx(rows["fsdp x tp2"][3], rel=1e-2)
     for bad, message in [(["--tp", "3"], "--tp 3 must divide n_head (8)"),
                          (["--replicas", "3"], "not divisible by replicas (3)"),
                          (["--tp", "0"], "--tp must be at least 1")]:

@@ -1,4 +1,4 @@
-"""`shardwise train`, `shardwise run` and `shardwise plan`.
+"""`shardwise train`, `shardwise run`, `shardwise plan`, `shardwise bench` and `shardwise plot`.
 
 ``shardwise train`` started by hand validates its arguments, then starts ``--nproc`` local ranks
 of itself through the launcher. Started by a launcher (ours or torchrun: RANK and WORLD_SIZE are
@@ -19,12 +19,18 @@ from shardwise.distributed.launcher import python_command
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["bench"]:  # its own parsing: each benchmark has its own options
+        from shardwise.bench.main import main as bench_main
+
+        return bench_main(argv[1:])
     parser = _parser()
     args = parser.parse_args(argv)
     if args.command == "train":
         return _train(parser, args, argv)
     if args.command == "plan":
         return _plan(parser, args)
+    if args.command == "plot":
+        return _plot(parser, args)
     return _run(parser, args)
 
 
@@ -41,7 +47,15 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("script_args", nargs=argparse.REMAINDER)
     from shardwise.cli.plan import build_parser as plan_parser
 
-    plan_parser(sub.add_parser("plan", help="model-state memory per rank of each strategy"))
+    plan_parser(sub.add_parser("plan", help="memory per rank of each strategy, before a run"))
+    plot = sub.add_parser("plot", help="several --log-dir runs' loss curves on one chart")
+    plot.add_argument("log_dirs", nargs="+", metavar="LOG_DIR", help="shardwise train --log-dir")
+    plot.add_argument("--out", default="loss_curves.png", help="the PNG to write")
+    plot.add_argument("--title", default="training loss")
+    bench = sub.add_parser("bench", add_help=False,
+                           help="ours and torch's side by side: table, JSON record, PNG plot")
+    bench.add_argument("bench_args", nargs=argparse.REMAINDER,
+                       help="NAME [options], or --render-md RECORD.json ...")
     return parser
 
 
@@ -79,4 +93,27 @@ def _plan(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         print(plan(args))
     except ValueError as exc:
         parser.exit(2, f"shardwise plan: error: {exc}\n")
+    return 0
+
+
+def _plot(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from shardwise.bench.main import writable_problem
+    from shardwise.cli.curves import MetricsError, draw_loss_curves, read_metrics
+
+    runs = {}
+    for directory in args.log_dirs:
+        name = Path(directory).resolve().name
+        if name in runs:  # two runs of one name: tell them apart by their path
+            name = directory
+        try:
+            runs[name] = read_metrics(directory)
+        except MetricsError as exc:
+            parser.exit(2, f"shardwise plot: error: {exc}\n")
+    problem = writable_problem(Path(args.out).resolve().parent)
+    if problem:
+        parser.exit(2, f"shardwise plot: error: --out: {problem}\n")
+    draw_loss_curves(runs, args.out, title=args.title)
+    print(f"wrote {args.out} ({len(runs)} runs)")
     return 0

@@ -1,111 +1,305 @@
-"""`shardwise plan`: model-state memory per rank of the demo GPT under each strategy.
+"""`shardwise plan`: memory per rank of a model under each strategy, before anything runs.
 
-The model is built on the meta device (no memory, no time), so sizes far beyond this machine can
-be planned. FSDP is estimated with one unit per transformer block plus the root unit, as
-`shardwise train --strategy fsdp` wraps it. ``--tp`` and ``--replicas`` add the mesh layouts
-(see [Note: mesh state estimates] in shardwise/memory/layouts.py): FSDP x TP (2D: FSDP over
-``nproc / tp`` ranks, tensor parallelism over ``tp``, split as `--strategy tp` splits the demo
-GPT), HSDP (FSDP within groups of ``nproc / replicas`` ranks, replicated across ``replicas``),
-and both at once.
+The model is the demo GPT by shape (built on the meta device: no memory, no time), a bare
+parameter count (``--params 7.5e9``) or a Hugging Face causal LM's ``config.json``
+(``--hf-config``: shardwise/memory/hf_config.py reads its shapes, no weights). Model state
+(parameters, gradients, optimizer state) comes from the pure functions of
+shardwise/memory/estimate.py and layouts.py in the chosen ``--precision`` (fp32, bf16, or the
+ZeRO paper's mixed precision: 2 + 2 + 12 bytes per parameter with Adam); ``--batch-size`` adds
+the activation estimate of shardwise/memory/activations.py. FSDP is estimated with one unit per
+transformer layer plus the root unit, as `shardwise train --strategy fsdp` wraps it; ``--tp``
+(one or more degrees) and ``--replicas`` add the mesh layouts (see [Note: mesh state estimates]
+in shardwise/memory/layouts.py).
 """
 
 from __future__ import annotations
 
 import argparse
 import fnmatch
-from dataclasses import fields
+import json
+import re
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from shardwise.cli.strategy_tp import gpt_plan
 from shardwise.memory.accounting import StateBytes
+from shardwise.memory.activations import TransformerShape, activation_bytes
 from shardwise.memory.estimate import (
     OPTIMIZER_STATE,
+    PRECISIONS,
     STRATEGIES,
+    element_bytes,
     estimate_state_bytes,
-    parameter_sizes,
 )
+from shardwise.memory.hf_config import HFConfigError, ModelSpec, load_hf_config
 from shardwise.memory.layouts import MeshLayout, ParamSize, estimate_mesh_state_bytes
 from shardwise.models import GPT, GPTConfig
 
-GIB = 1024**3
+UNITS = {"gib": (1024**3, "GiB"), "gb": (1e9, "GB")}
+GPT_FLAGS = ("n_layer", "n_head", "d_model", "mlp_ratio", "vocab_size")
+# Ranked by communication per step, least first: DDP, ZeRO-1 and ZeRO-2 move about 2x the model
+# per rank and step (all-reduce, or reduce-scatter + all-gather), HSDP adds its in-group
+# all-gathers, FSDP gathers parameters twice and reduce-scatters once (about 3x), and tensor
+# parallelism communicates activations in every layer on top.
+COST_ORDER = ("ddp", "zero1", "zero2", "hsdp", "fsdp")
+SUFFIXES = {"k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
+
+
+def parameter_count(text: str) -> int:
+    """``--params``: a number such as 7.5e9, 125000000 or 7.5B (K, M, B or T suffix)."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([kKmMbBgGtT]?)\s*", text)
+    if not match:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a number of parameters (write it as 7.5e9, 7500000000 or 7.5B)")
+    count = float(match.group(1)) * SUFFIXES.get(match.group(2).lower(), 1)
+    if count < 1:
+        raise argparse.ArgumentTypeError(f"the parameter count must be at least 1, got {text!r}")
+    return int(round(count))
+
+
+def degrees(text: str) -> tuple[int, ...]:
+    """``--tp``: one degree or several, comma-separated."""
+    try:
+        return tuple(int(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a tensor-parallel degree or a comma-separated list of them"
+        ) from None
 
 
 def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    d = GPTConfig()
-    parser.add_argument("--nproc", type=int, default=2, help="world size to plan for")
-    for f in fields(GPTConfig):
-        if f.type in ("int", int) and f.name != "vocab_size":
-            parser.add_argument("--" + f.name.replace("_", "-"), type=int,
-                                default=getattr(d, f.name))
-    parser.add_argument("--vocab-size", type=int, default=d.vocab_size)
-    parser.add_argument("--tie-weights", action="store_true")
-    parser.add_argument("--optimizer", default="adamw", choices=sorted(OPTIMIZER_STATE))
-    parser.add_argument("--memory-gib", type=float, default=None,
-                        help="memory per rank: mark which strategies fit")
-    parser.add_argument("--tp", type=int, default=1,
-                        help="tensor-parallel ranks: add the FSDP x TP (2D) layout")
-    parser.add_argument("--replicas", type=int, default=1,
-                        help="replica groups: add the hybrid (HSDP) layout")
+    add = parser.add_argument
+    add("--nproc", type=int, default=2, help="world size to plan for")
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--params", type=parameter_count, default=None,
+                        help="plan for a bare parameter count (7.5e9, 7.5B): model state only")
+    source.add_argument("--hf-config", default=None,
+                        help="plan for a Hugging Face causal LM's config.json (no weights)")
+    for name in GPT_FLAGS:
+        add("--" + name.replace("_", "-"), type=int, default=None,
+            help=f"demo GPT (default {getattr(GPTConfig(), name)})")
+    add("--tie-weights", action="store_true", help="demo GPT: head tied to the embedding")
+    add("--seq-len", type=int, default=None,
+        help=f"tokens per sequence (default: the demo GPT's {GPTConfig().seq_len})")
+    add("--batch-size", type=int, default=None,
+        help="sequences per data-parallel rank: adds the activation estimate")
+    add("--activation-checkpointing", action="store_true",
+        help="count activations as with every layer checkpointed")
+    add("--precision", default="fp32", choices=PRECISIONS,
+        help="mixed: 16-bit params and grads, fp32 master copy and optimizer state")
+    add("--optimizer", default="adamw", choices=sorted(OPTIMIZER_STATE))
+    add("--memory-gib", type=float, default=None,
+        help="memory per rank in GiB: mark what fits, name the cheapest strategy that fits")
+    add("--units", default="gib", choices=sorted(UNITS), help="GiB (2^30 bytes) or GB (10^9)")
+    add("--tp", type=degrees, default=(1,),
+        help="tensor-parallel degree(s), e.g. 2 or 2,4,8: add FSDP x TP (2D) layouts")
+    add("--replicas", type=int, default=1, help="replica groups: add the hybrid (HSDP) layout")
+    add("--json", action="store_true", help="print a JSON record instead of the table")
     return parser
 
 
+@dataclass(frozen=True)
+class Row:
+    name: str
+    state: StateBytes
+    activations: int | None
+    mesh: tuple[int, int, int] | None = None
+
+    @property
+    def total(self) -> int:
+        return self.state.total + (self.activations or 0)
+
+
 def plan(args: argparse.Namespace) -> str:
+    """The table (or JSON record) `shardwise plan` prints; ValueError names a bad input."""
+    record = plan_record(args)
+    return json.dumps(record, indent=2) if args.json else format_plan(record)
+
+
+def plan_record(args: argparse.Namespace) -> dict:
     if args.nproc < 1:
         raise ValueError(f"--nproc must be at least 1, got {args.nproc}")
-    layouts = _layouts(args)
-    names = {f.name for f in fields(GPTConfig)}
-    cfg = GPTConfig(**{k: v for k, v in vars(args).items() if k in names})
-    with torch.device("meta"):
-        model = GPT(cfg)
-    sizes = parameter_sizes(model)
-    units = [parameter_sizes(b) for b in model.blocks]
-    units.append([sum(sizes) - sum(map(sum, units))])  # the root unit: embeddings, ln_f, head
-    lines = [f"demo GPT: {sum(sizes) / 1e6:,.1f}M parameters ({cfg.n_layer} layers, d_model "
-             f"{cfg.d_model}), {args.optimizer}, fp32, world size {args.nproc}",
-             f"{'strategy':<10}{'params':>12}{'grads':>12}{'optimizer':>12}{'total':>12}"
-             f"  (GiB per rank, model state only)"]
-    for strategy in STRATEGIES:
-        est = estimate_state_bytes(sizes, strategy, args.nproc, optimizer=args.optimizer,
-                                   units=units if strategy == "fsdp" else None)
-        lines.append(_row(strategy, est, args.memory_gib))
-    if layouts:
-        mesh_units = tp_units(model)
-        for name, layout in layouts:
-            est = estimate_mesh_state_bytes(mesh_units, layout, optimizer=args.optimizer)
-            replicas, shard, tp = layout.shape
-            lines.append(_row(name, est, args.memory_gib)
-                         + f"  mesh: replicate {replicas} x shard {shard} x tp {tp}")
-    lines.append("Activations, gathered FSDP units and communication buckets come on top.")
+    spec = model_spec(args)
+    layouts = _layouts(args, spec)
+    rows = _rows(args, spec, layouts)
+    fits = None
+    if args.memory_gib is not None:
+        if args.memory_gib <= 0:
+            raise ValueError(f"--memory-gib must be positive, got {args.memory_gib}")
+        fits = {r.name: r.total <= args.memory_gib * 1024**3 for r in rows}
+    return {
+        "model": spec.description, "parameters": spec.n_params, "world_size": args.nproc,
+        "precision": args.precision, "optimizer": args.optimizer,
+        "bytes_per_parameter": dict(zip(("params", "grads", "optimizer"),
+                                        element_bytes(args.precision, args.optimizer)[:3])),
+        "batch_per_rank": args.batch_size, "seq_len": _seq_len(args, spec),
+        "activation_checkpointing": args.activation_checkpointing,
+        "activations": _activation_pair(args, spec), "units": UNITS[args.units][1],
+        "memory_gib": args.memory_gib, "cheapest_fit": _cheapest(rows, fits),
+        "rows": [{"strategy": r.name, "params": r.state.params, "grads": r.state.grads,
+                  "optimizer": r.state.optimizer, "model_state": r.state.total,
+                  "activations": r.activations, "total": r.total,
+                  "mesh": list(r.mesh) if r.mesh else None,
+                  "fits": None if fits is None else fits[r.name]} for r in rows],
+    }
+
+
+def format_plan(record: dict) -> str:
+    scale = UNITS["gb" if record["units"] == "GB" else "gib"][0]
+    per = record["bytes_per_parameter"]
+    lines = [f"{record['model']}: {record['parameters'] / 1e6:,.1f}M parameters, "
+             f"{record['optimizer']}, {record['precision']} ({per['params']} + {per['grads']} + "
+             f"{per['optimizer']} bytes per parameter), world size {record['world_size']}"]
+    acts = record["activations"]
+    if acts is not None:
+        lines.append(f"activations per rank (estimate), {record['batch_per_rank']} x "
+                     f"{record['seq_len']} tokens: {_fmt(acts['without'] / scale)} "
+                     f"{record['units']} without activation checkpointing, "
+                     f"{_fmt(acts['with'] / scale)} with (counted: "
+                     f"{'with' if record['activation_checkpointing'] else 'without'})")
+    head = f"{'strategy':<14}{'params':>10}{'grads':>10}{'optimizer':>10}{'state':>10}"
+    if acts is not None:
+        head += f"{'activ.':>10}{'total':>10}"
+    lines.append(f"{head}  ({record['units']} per rank; fsdp is ZeRO stage 3)")
+    for row in record["rows"]:
+        cells = [row["params"], row["grads"], row["optimizer"], row["model_state"]]
+        if acts is not None:
+            cells += [row["activations"], row["total"]]
+        text = f"{row['strategy']:<14}" + "".join(f"{_fmt(c / scale):>10}" for c in cells)
+        if row["fits"] is not None:
+            text += "  fits" if row["fits"] else "  does not fit"
+        if row["mesh"]:
+            text += "  mesh: replicate {} x shard {} x tp {}".format(*row["mesh"])
+        lines.append(text)
+    if record["memory_gib"] is not None:
+        best = record["cheapest_fit"]
+        lines.append(f"cheapest strategy that fits in {record['memory_gib']:g} GiB per rank: "
+                     + (best if best else "none") + " (ranked by communication per step: "
+                     + ", ".join(COST_ORDER) + ", then tensor parallelism)")
+    extra = "FSDP's gathered units" if acts is not None else "activations, FSDP's gathered units"
+    lines.append(f"Not counted: {extra}, communication buckets, allocator caching.")
     return "\n".join(lines)
 
 
-def _row(name: str, est: StateBytes, memory_gib: float | None) -> str:
-    row = (f"{name:<10}{est.params / GIB:>12.3f}{est.grads / GIB:>12.3f}"
-           f"{est.optimizer / GIB:>12.3f}{est.total / GIB:>12.3f}")
-    if memory_gib is not None:
-        row += "  fits" if est.total / GIB <= memory_gib else "  does not fit"
-    return row
+def _fmt(value: float) -> str:
+    """Three significant digits, no exponent (120, 31.4, 16.6, 1.88, 0.469)."""
+    if value >= 100:
+        return f"{value:.0f}"
+    if value >= 10:
+        return f"{value:.1f}"
+    if value >= 1:
+        return f"{value:.2f}"
+    return f"{value:.3g}" if value >= 0.001 else f"{value:.1e}" if value else "0"
 
 
-def _layouts(args: argparse.Namespace) -> list[tuple[str, MeshLayout]]:
-    """The mesh layouts that --tp and --replicas ask for (validated before any model exists)."""
-    for flag, value in (("--tp", args.tp), ("--replicas", args.replicas)):
+def model_spec(args: argparse.Namespace) -> ModelSpec:
+    given = [n for n in GPT_FLAGS if getattr(args, n) is not None]
+    if args.tie_weights:
+        given.append("tie_weights")
+    if (args.params is not None or args.hf_config) and given:
+        flag = "--" + given[0].replace("_", "-")
+        other = "--params" if args.params is not None else "--hf-config"
+        raise ValueError(f"{flag} shapes the demo GPT; it cannot be combined with {other}")
+    if args.params is not None:
+        return ModelSpec("a parameter count", [[ParamSize(args.params,
+                                                                           args.params)]], None)
+    if args.hf_config:
+        try:
+            return load_hf_config(args.hf_config)
+        except HFConfigError as exc:
+            raise ValueError(f"--hf-config {exc}") from None
+    cfg = _demo_config(args)
+    with torch.device("meta"):
+        model = GPT(cfg)
+    shape = TransformerShape(cfg.n_layer, cfg.d_model, cfg.n_head, cfg.n_head,
+                             cfg.mlp_ratio * cfg.d_model, cfg.vocab_size, "gelu", cfg.seq_len)
+    return ModelSpec(f"demo GPT ({cfg.n_layer} layers, d_model {cfg.d_model})",
+                     tp_units(model), shape)
+
+
+def _demo_config(args: argparse.Namespace) -> GPTConfig:
+    values = {n: getattr(args, n) for n in GPT_FLAGS if getattr(args, n) is not None}
+    if args.seq_len is not None:
+        values["seq_len"] = args.seq_len
+    return GPTConfig(**values, tie_weights=args.tie_weights)
+
+
+def _seq_len(args: argparse.Namespace, spec: ModelSpec) -> int:
+    return args.seq_len if args.seq_len is not None else GPTConfig().seq_len
+
+
+def _activation_pair(args: argparse.Namespace, spec: ModelSpec, tp: int = 1) -> dict | None:
+    if args.batch_size is None:
+        return None
+    if spec.shape is None:
+        raise ValueError("--batch-size needs the model's shape (the demo GPT or --hf-config); "
+                         "a bare --params count has none")
+    elem = 4 if args.precision == "fp32" else 2
+    seq = _seq_len(args, spec)
+    return {key: activation_bytes(spec.shape, args.batch_size, seq, elem_bytes=elem,
+                                  checkpointing=ckpt, tp=tp)
+            for key, ckpt in (("without", False), ("with", True))}
+
+
+def _activations(args: argparse.Namespace, spec: ModelSpec, tp: int = 1) -> int | None:
+    pair = _activation_pair(args, spec, tp)
+    if pair is None:
+        return None
+    return pair["with" if args.activation_checkpointing else "without"]
+
+
+def _rows(args: argparse.Namespace, spec: ModelSpec,
+          layouts: list[tuple[str, MeshLayout]]) -> list[Row]:
+    sizes = [p.numel for unit in spec.units for p in unit]
+    units = [[p.numel for p in unit] for unit in spec.units]
+    acts = _activations(args, spec)
+    rows = []
+    for strategy in STRATEGIES:
+        est = estimate_state_bytes(sizes, strategy, args.nproc, optimizer=args.optimizer,
+                                   units=units if strategy == "fsdp" else None,
+                                   precision=args.precision)
+        rows.append(Row(strategy, est, acts))
+    for name, layout in layouts:
+        est = estimate_mesh_state_bytes(spec.units, layout, optimizer=args.optimizer,
+                                        precision=args.precision)
+        rows.append(Row(name, est, _activations(args, spec, layout.tp), layout.shape))
+    return rows
+
+
+def _cheapest(rows: list[Row], fits: dict[str, bool] | None) -> str | None:
+    if fits is None:
+        return None
+    rank = {name: i for i, name in enumerate(COST_ORDER)}
+    fitting = [r.name for r in rows if fits[r.name]]
+    fitting.sort(key=lambda name: (rank.get(name, len(rank)), name))
+    return fitting[0] if fitting else None
+
+
+def _layouts(args: argparse.Namespace, spec: ModelSpec) -> list[tuple[str, MeshLayout]]:
+    """The mesh layouts that --tp and --replicas ask for (validated before any row is made)."""
+    for flag, value in [("--replicas", args.replicas)] + [("--tp", t) for t in args.tp]:
         if value < 1:
             raise ValueError(f"{flag} must be at least 1, got {value}")
-    if args.tp > 1 and args.n_head % args.tp:
-        raise ValueError(f"--tp {args.tp} must divide n_head ({args.n_head}): every tensor-"
-                         "parallel rank holds whole attention heads")
-    if args.tp > 1 and args.tie_weights:
-        raise ValueError("--tp: tied embedding and head weights cannot be split")
+    heads = spec.shape.n_head if spec.shape else None
+    for tp in args.tp:
+        if tp > 1 and heads is not None and heads % tp:
+            raise ValueError(f"--tp {tp} must divide n_head ({heads}): every tensor-"
+                             "parallel rank holds whole attention heads")
+        if tp > 1 and spec.shape is not None and spec.shape.kv_heads % tp:
+            raise ValueError(f"--tp {tp} must divide the key/value heads "
+                             f"({spec.shape.kv_heads})")
+        if tp > 1 and args.tie_weights:
+            raise ValueError("--tp: tied embedding and head weights cannot be split")
     wanted = []
     if args.replicas > 1:
         wanted.append(("hsdp", MeshLayout(args.nproc, replicas=args.replicas)))
-    if args.tp > 1:
-        wanted.append(("fsdp x tp", MeshLayout(args.nproc, tp=args.tp)))
-    if args.tp > 1 and args.replicas > 1:
-        wanted.append(("hsdp x tp", MeshLayout(args.nproc, tp=args.tp, replicas=args.replicas)))
+    for tp in (t for t in dict.fromkeys(args.tp) if t > 1):
+        wanted.append((f"fsdp x tp{tp}", MeshLayout(args.nproc, tp=tp)))
+        if args.replicas > 1:
+            wanted.append((f"hsdp x tp{tp}",
+                           MeshLayout(args.nproc, tp=tp, replicas=args.replicas)))
     return wanted
 
 
@@ -127,5 +321,8 @@ def tp_units(model: nn.Module) -> list[list[ParamSize]]:
         return [ParamSize(p.numel(), split.get(id(p))) for p in params if p.requires_grad]
 
     in_blocks = {id(p) for b in model.blocks for p in b.parameters()}
-    root = [p for p in model.parameters() if id(p) not in in_blocks]
+    root = [p for p in model.parameters() if id(p) not in in_blocks]  # a tied weight once
     return [sizes(b.parameters()) for b in model.blocks] + [sizes(root)]
+
+
+__all__ = ["build_parser", "parameter_count", "plan", "plan_record", "tp_units"]

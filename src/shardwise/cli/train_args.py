@@ -38,6 +38,7 @@ class TrainConfig:
     mixed_precision: str | None = None
     cpu_offload: bool = False
     progress: bool = True
+    log_dir: str | None = None  # metrics, loss curve, TensorBoard events (cli/run_log.py)
 
     def model_config(self) -> GPTConfig:
         return GPTConfig(seq_len=self.seq_len, n_layer=self.n_layer, n_head=self.n_head,
@@ -81,7 +82,14 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     add("--mixed-precision", default=None, choices=["bf16", "fp16"], help="fsdp only")
     add("--cpu-offload", action="store_true", help="fsdp only")
     add("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    _add_log_args(parser)
     return parser
+
+
+def _add_log_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--log-dir", default=None,
+                        help="write metrics.jsonl, loss.png and (with tensorboard installed) "
+                             "TensorBoard events here")
 
 
 def _override_list(text: str) -> tuple[str, ...]:
@@ -124,6 +132,8 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
         raise ConfigError("--resume needs --checkpoint-dir to know where to resume from")
     if cfg.checkpoint_dir:
         _check_writable(Path(cfg.checkpoint_dir))
+    if cfg.log_dir:
+        _check_writable(Path(cfg.log_dir), "--log-dir", "so that the run's metrics are not lost")
     if cfg.resume:
         check_resumable(cfg, world_size)
 
@@ -175,18 +185,19 @@ def _positive(cfg: TrainConfig, *names: str) -> None:
             raise ConfigError(f"{flag} must be at least 1, got {value}")
 
 
-def _check_writable(directory: Path) -> None:
+def _check_writable(directory: Path, flag: str = "--checkpoint-dir",
+                    why: str = "so that checkpoints are not lost") -> None:
     try:
         directory.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=directory, prefix=".write-check-"):
             pass
     except OSError as exc:
         raise ConfigError(
-            f"--checkpoint-dir {directory} is not writable ({exc.strerror or exc}); "
-            "choose a directory this user can write, so that checkpoints are not lost"
+            f"{flag} {directory} is not writable ({exc.strerror or exc}); "
+            f"choose a directory this user can write, {why}"
         ) from None
     if not os.access(directory, os.W_OK):
-        raise ConfigError(f"--checkpoint-dir {directory} is not writable")
+        raise ConfigError(f"{flag} {directory} is not writable")
 
 
 __all__ = ["ConfigError", "TrainConfig", "build_parser", "config_from_args", "strategy_names",

@@ -28,6 +28,7 @@ from shardwise.checkpoint import (
     save_train_state,
 )
 from shardwise.cli.optim import lr_at
+from shardwise.cli.run_log import RunLog
 from shardwise.cli.strategies import Prepared, get_builder
 from shardwise.cli.train_args import TrainConfig
 from shardwise.data import BatchStream, TokenWindows, load_corpus
@@ -72,7 +73,13 @@ def train(cfg: TrainConfig, group: dist.ProcessGroup, device: torch.device,
     val = _val_windows(corpus.val, cfg, index, count)
     if result.start_step == 0:
         result.val_start = evaluate(prepared, val, group, device)
-    _run_steps(cfg, prepared, train_stream, group, device, result, preemption)
+    log = RunLog(cfg.log_dir, group, device) if cfg.log_dir else None
+    try:
+        _run_steps(cfg, prepared, train_stream, group, device, result, preemption, log)
+    finally:
+        if log is not None:
+            log.plot()
+            log.close()
     result.val_end = evaluate(prepared, val, group, device)
     if cfg.checkpoint_dir:
         _save(cfg, prepared, cfg.steps, world, group, result)
@@ -80,7 +87,7 @@ def train(cfg: TrainConfig, group: dist.ProcessGroup, device: torch.device,
 
 
 def _run_steps(cfg, prepared: Prepared, stream: BatchStream, group, device, result,
-               preemption: Preemption | None) -> None:
+               preemption: Preemption | None, log: RunLog | None = None) -> None:
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     bar = tqdm(total=cfg.steps, initial=result.start_step, disable=not (cfg.progress and rank == 0),
                desc=f"{cfg.strategy} x{world}", unit="step", mininterval=0.5, dynamic_ncols=True)
@@ -92,6 +99,8 @@ def _run_steps(cfg, prepared: Prepared, stream: BatchStream, group, device, resu
         result.losses[step] = loss[0].item() / world
         beat()
         done = step + 1
+        if log is not None:
+            log.step(done, result.losses[step], lr_at(step, cfg), tokens)
         if stop:
             bar.close()
             saved = bool(cfg.checkpoint_dir) and can_save
@@ -100,6 +109,8 @@ def _run_steps(cfg, prepared: Prepared, stream: BatchStream, group, device, resu
             raise Preempted(done, saved)
         if cfg.checkpoint_every and done % cfg.checkpoint_every == 0 and done < cfg.steps:
             _save(cfg, prepared, done, world, group, result)
+            if log is not None:
+                log.plot()
         if done % cfg.log_every == 0 or done == cfg.steps:
             result.tokens_per_s = counted * tokens / (time.perf_counter() - t0)
             result.peak_mib = _peak_per_rank(group, device)

@@ -10,12 +10,22 @@ and K bytes of optimizer state per element (AdamW: 8, SGD with momentum: 4), eac
     zero2     P * p           P * g / N       P * K / N
     fsdp      P * p / N       P * g / N       P * K / N
 
-where p and g are the bytes of one parameter and gradient element. Sharded parts are rounded up
-per rank: FSDP pads each unit to a multiple of N, ZeRO splits whole parameters so one rank may
-hold up to one parameter more than P / N. Optimizers that keep a per-tensor step counter add one
-small tensor per parameter they own. Everything transient (activations, FSDP's gathered units,
-communication buckets) comes on top; ``shardwise.memory.state_bytes`` measures what a live rank
-holds, and tests check the two agree.
+where p and g are the bytes of one parameter and gradient element. ``precision`` sets them:
+
+    precision  p  g  K (AdamW)                          K in general
+    fp32       4  4  8  (exp_avg, exp_avg_sq in fp32)    the optimizer's fp32 state
+    bf16       2  2  4  (both moments in bf16)           half of it
+    mixed      2  2  12 (fp32 master copy + moments)     4 + the fp32 state
+
+``mixed`` is the ZeRO paper's accounting (Rajbhandari et al. 2020, section 3.1): 16-bit
+parameters and gradients, an fp32 master copy and fp32 Adam moments, so (2 + 2 + K) bytes per
+parameter with K = 12; its Table 1 is checked cell by cell in tests/memory.
+
+Sharded parts are rounded up per rank: FSDP pads each unit to a multiple of N, ZeRO splits
+whole parameters so one rank may hold up to one parameter more than P / N. Optimizers that
+keep a per-tensor step counter add one small tensor per parameter they own. Everything
+transient (activations, FSDP's gathered units, communication buckets) comes on top;
+``shardwise.memory.state_bytes`` measures what a live rank holds, and tests check the two agree.
 """
 
 from __future__ import annotations
@@ -29,6 +39,7 @@ from torch import nn
 from shardwise.memory.accounting import StateBytes
 
 STRATEGIES = ("ddp", "zero1", "zero2", "fsdp")
+PRECISIONS = ("fp32", "bf16", "mixed")
 
 # optimizer name -> (bytes of state per parameter element in fp32, bytes of per-tensor state)
 OPTIMIZER_STATE = {
@@ -55,29 +66,53 @@ def parameter_sizes(module: nn.Module) -> list[int]:
     return sizes
 
 
+def element_bytes(precision: str, optimizer: str = "adamw") -> tuple[int, int, int, int]:
+    """(parameter, gradient, optimizer state per element, optimizer state per tensor) bytes
+    under ``precision``; see [Note: model-state estimates]. A pure function."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"unknown precision {precision!r}; known: {list(PRECISIONS)}")
+    if optimizer not in OPTIMIZER_STATE:
+        raise ValueError(f"unknown optimizer {optimizer!r}; known: {sorted(OPTIMIZER_STATE)}")
+    per_elem, per_tensor = OPTIMIZER_STATE[optimizer]
+    if precision == "fp32":
+        return 4, 4, per_elem, per_tensor
+    if precision == "bf16":
+        return 2, 2, per_elem // 2, per_tensor  # torch keeps the moments in the param dtype
+    return 2, 2, 4 + per_elem, per_tensor  # the fp32 master copy, then fp32 moments
+
+
 def estimate_state_bytes(sizes: Sequence[int], strategy: str, world_size: int, *,
                          optimizer: str = "adamw", param_dtype: torch.dtype = torch.float32,
-                         units: Iterable[Sequence[int]] | None = None) -> StateBytes:
+                         units: Iterable[Sequence[int]] | None = None,
+                         precision: str | None = None) -> StateBytes:
     """Bytes of model state one rank holds between steps; see [Note: model-state estimates].
 
-    ``sizes`` are the element counts of the trainable parameters. ``units`` (FSDP only) groups
-    them as the wrapping does (each unit is padded on its own); default: one unit.
+    A pure function of its arguments (no tensor is made), shared by `shardwise plan` and the
+    tests that compare it with the live byte accounting (``state_bytes``). ``sizes`` are the
+    element counts of the trainable parameters. ``units`` (FSDP only) groups them as the
+    wrapping does (each unit is padded on its own); default: one unit. ``precision`` (fp32,
+    bf16, mixed) overrides ``param_dtype``, which sizes parameters and gradients only.
     """
     _check(strategy, world_size, optimizer)
-    per_elem, per_tensor = OPTIMIZER_STATE[optimizer]
-    elem = torch.empty((), dtype=param_dtype).element_size()
+    if precision is not None:
+        elem, grad_elem, per_elem, per_tensor = element_bytes(precision, optimizer)
+    else:
+        per_elem, per_tensor = OPTIMIZER_STATE[optimizer]
+        elem = grad_elem = torch.empty((), dtype=param_dtype).element_size()
     total, n = sum(sizes), world_size
     if strategy == "ddp":
-        return StateBytes(total * elem, total * elem, total * per_elem + len(sizes) * per_tensor)
+        return StateBytes(total * elem, total * grad_elem,
+                          total * per_elem + len(sizes) * per_tensor)
     if strategy in ("zero1", "zero2"):
         shard = math.ceil(total / n)
         tensors = math.ceil(len(sizes) / n)
         optim = shard * per_elem + tensors * per_tensor
-        grads = total * elem if strategy == "zero1" else shard * elem
+        grads = total * grad_elem if strategy == "zero1" else shard * grad_elem
         return StateBytes(total * elem, grads, optim)
     groups = [list(u) for u in units] if units is not None else [list(sizes)]
     shard = sum(math.ceil(sum(u) / n) for u in groups)  # each unit padded to a multiple of N
-    return StateBytes(shard * elem, shard * elem, shard * per_elem + len(groups) * per_tensor)
+    return StateBytes(shard * elem, shard * grad_elem,
+                      shard * per_elem + len(groups) * per_tensor)
 
 
 def _check(strategy: str, world_size: int, optimizer: str) -> None:

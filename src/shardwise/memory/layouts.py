@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from shardwise.memory.accounting import StateBytes
-from shardwise.memory.estimate import OPTIMIZER_STATE
+from shardwise.memory.estimate import OPTIMIZER_STATE, element_bytes
 
 
 @dataclass(frozen=True)
@@ -78,17 +78,24 @@ class MeshLayout:
 
 def estimate_mesh_state_bytes(units: Sequence[Sequence[ParamSize]], layout: MeshLayout, *,
                               optimizer: str = "adamw",
-                              param_dtype: torch.dtype = torch.float32) -> StateBytes:
+                              param_dtype: torch.dtype = torch.float32,
+                              precision: str | None = None) -> StateBytes:
     """Bytes of model state one rank holds between steps; see [Note: mesh state estimates].
 
     ``units`` groups the trainable parameters as FSDP wraps them (one unit per wrapped
     module); each unit is split by TP first, then sharded and padded over the shard dimension.
+    ``precision`` (fp32, bf16, mixed: see [Note: model-state estimates]) overrides
+    ``param_dtype``. A pure function.
     """
     if optimizer not in OPTIMIZER_STATE:
         raise ValueError(f"unknown optimizer {optimizer!r}; known: {sorted(OPTIMIZER_STATE)}")
-    per_elem, per_tensor = OPTIMIZER_STATE[optimizer]
-    elem = torch.empty((), dtype=param_dtype).element_size()
+    if precision is not None:
+        elem, grad_elem, per_elem, per_tensor = element_bytes(precision, optimizer)
+    else:
+        per_elem, per_tensor = OPTIMIZER_STATE[optimizer]
+        elem = grad_elem = torch.empty((), dtype=param_dtype).element_size()
     groups = [list(u) for u in units]
     local = [sum(p.local_numel(layout.tp) for p in u) for u in groups]
     shard = sum(math.ceil(n / layout.shard) for n in local)
-    return StateBytes(shard * elem, shard * elem, shard * per_elem + len(groups) * per_tensor)
+    return StateBytes(shard * elem, shard * grad_elem,
+                      shard * per_elem + len(groups) * per_tensor)

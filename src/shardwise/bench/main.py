@@ -1,0 +1,83 @@
+"""`shardwise bench NAME [options]` and `shardwise bench --render-md RECORD.json ...`."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+
+from shardwise.bench import BENCHES
+from shardwise.bench.records import format_table, load, render_markdown, save
+
+USAGE = ("usage: shardwise bench NAME [--nproc N] [--rounds R] [--out DIR] ...  "
+         "(NAME --help for a benchmark's options)\n"
+         "       shardwise bench --render-md RECORD.json [RECORD.json ...]")
+
+
+def main(argv: Sequence[str]) -> int:
+    argv = list(argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(f"{USAGE}\nbenchmarks: {', '.join(BENCHES)}")
+        return 0 if argv else 2
+    if argv[0] == "--render-md":
+        return _render(argv[1:])
+    name, rest = argv[0], argv[1:]
+    if name not in BENCHES:
+        print(f"shardwise bench: error: unknown benchmark {name!r}; known: "
+              f"{', '.join(BENCHES)}", file=sys.stderr)
+        return 2
+    out = _out_flag(rest)
+    problem = writable_problem(out) if out and "--worker" not in rest else None
+    if problem:
+        print(f"shardwise bench: error: --out {problem}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(BENCHES[name])
+    if hasattr(module, "BENCH"):
+        from shardwise.bench.sidebyside import run
+
+        record = run(module.BENCH, rest)
+    else:
+        record = module.run(rest)
+    if record is None:  # a worker rank
+        return 0
+    print(format_table(record))
+    if out:
+        path, png = save(record, out)
+        print(f"wrote {path} and {png}")
+    return 0
+
+
+def writable_problem(directory: str | Path) -> str | None:
+    """Why ``directory`` cannot take output files (made if missing), or None."""
+    try:
+        Path(directory).mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=directory, prefix=".write-check-"):
+            pass
+    except OSError as exc:
+        return f"{directory} is not writable ({exc.strerror or exc})"
+    return None
+
+
+def _out_flag(argv: list[str]) -> str | None:
+    for i, arg in enumerate(argv):
+        if arg == "--out" and i + 1 < len(argv):
+            return argv[i + 1]
+        if arg.startswith("--out="):
+            return arg.split("=", 1)[1]
+    return None
+
+
+def _render(paths: list[str]) -> int:
+    if not paths:
+        print("shardwise bench: error: --render-md needs one or more record files",
+              file=sys.stderr)
+        return 2
+    try:
+        records = [load(p) for p in paths]
+    except ValueError as exc:
+        print(f"shardwise bench: error: {exc}", file=sys.stderr)
+        return 2
+    print(render_markdown(records), end="")
+    return 0

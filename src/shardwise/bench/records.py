@@ -1,0 +1,225 @@
+"""A benchmark's record: the table it prints, the JSON it saves, the PNG it draws, and the
+Markdown that docs/benchmarks.md is made of.
+
+A record is a dict: ``bench``, ``description``, ``settings`` (every argument of the run),
+``baseline`` and ``impls``: implementation -> ``median_step_s``, ``round_median_step_s`` (one
+per round), ``peak_rss_mib`` (per rank, the most over rounds, or None when not measured),
+``round_peak_rss_mib`` (per round, the most over ranks), ``ratio`` (to the baseline) and
+``extra`` (figures the benchmark adds, such as model-state MiB); optionally ``time_label``
+(what one timed unit is: "step time" unless said). Every number the table prints
+is one of these, rounded as printed.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from pathlib import Path
+
+PLOT_SIZE_PX = (1000, 480)  # width, height of every PNG
+_DPI = 100
+
+
+def format_table(record: dict) -> str:
+    if record.get("kind") == "figures":
+        return _figures_table(record)
+    lines = [f"{record['bench']}: {record['description']}", _settings_line(record),
+             f"{'implementation':<28}{'median step (ms)':>18}  {'round medians (ms)':<24}"
+             f"{'ratio':>7}  peak RSS per rank (MiB)"]
+    for impl, s in record["impls"].items():
+        rounds = " / ".join(f"{t * 1e3:.1f}" for t in s["round_median_step_s"])
+        ratio = f"{s['ratio']:.3f}" if s["ratio"] is not None else "-"
+        rss = " / ".join(f"{m:.0f}" for m in s["peak_rss_mib"]) if s["peak_rss_mib"] else "-"
+        lines.append(f"{impl:<28}{s['median_step_s'] * 1e3:>18.1f}  {rounds:<24}{ratio:>7}  {rss}")
+        if s["extra"]:
+            lines.append(f"{'':<28}{json.dumps(s['extra'])}")
+    lines.append(f"ratio: median step / {record['baseline']}'s")
+    return "\n".join(lines)
+
+
+def _settings_line(record: dict) -> str:
+    s = record["settings"]
+    if {"nproc", "rounds", "steps", "warmup"} <= set(s):
+        head = (f"world size {s['nproc']}, {s['rounds']} rounds x {s['steps']} timed steps "
+                f"(after {s['warmup']} warm-up), OMP threads per rank {s['omp_threads']}")
+        rest = {k: v for k, v in s.items()
+                if k not in ("nproc", "rounds", "steps", "warmup", "omp_threads")}
+    else:
+        head, rest = f"world size {s.get('nproc')}", {k: v for k, v in s.items() if k != "nproc"}
+    return head + "; " + ", ".join(f"{k}={v}" for k, v in rest.items() if v not in (None, False))
+
+
+def save(record: dict, out_dir: str | Path) -> tuple[Path, Path]:
+    """Write ``NAME.json`` and ``NAME.png`` into ``out_dir`` (made if missing)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    png = out / f"{record['bench']}.png"
+    plot(record, png)
+    record = {**record, "plot": {"file": png.name, "width_px": PLOT_SIZE_PX[0],
+                                 "height_px": PLOT_SIZE_PX[1]}}
+    path = out / f"{record['bench']}.json"
+    path.write_text(json.dumps(record, indent=2) + "\n")
+    return path, png
+
+
+def plot(record: dict, path: str | Path) -> None:
+    """Step time and peak memory per implementation: a bar at the median, a dot per round and
+    a line over the rounds' spread (min to max). A record of figures (rpc) gets one panel per
+    figure, drawn alike."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    if record.get("kind") == "figures":
+        _plot_figures(record, path, plt)
+        return
+
+    impls = record["impls"]
+    names = list(impls)
+    has_memory = any(s["peak_rss_mib"] for s in impls.values())
+    fig, axes = plt.subplots(1, 2 if has_memory else 1, squeeze=False,
+                             figsize=(PLOT_SIZE_PX[0] / _DPI, PLOT_SIZE_PX[1] / _DPI), dpi=_DPI)
+    colors = ["tab:blue" if n.startswith(("shardwise", "all_gather/fast", "reduce_scatter/fast"))
+              else "tab:orange" for n in names]
+    _panel(axes[0][0], names, colors, [impls[n]["median_step_s"] * 1e3 for n in names],
+           [[t * 1e3 for t in impls[n]["round_median_step_s"]] for n in names],
+           f"{record.get('time_label', 'step time')} (ms, median)")
+    if has_memory:
+        _panel(axes[0][1], names, colors, [max(impls[n]["peak_rss_mib"] or [0]) for n in names],
+               [impls[n]["round_peak_rss_mib"] or [] for n in names],
+               "peak RSS per rank (MiB, most loaded rank)")
+    s = record["settings"]
+    fig.suptitle(f"shardwise bench {record['bench']}: world size {s.get('nproc')}, "
+                 f"{s.get('rounds', 1)} round(s)")
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
+
+    handles = [Patch(color="tab:blue", label="shardwise"),
+               Patch(color="tab:orange", label="torch (or plain c10d)"),
+               Line2D([], [], marker="o", color="black", linestyle="", label="each round"),
+               Line2D([], [], color="black", label="spread across rounds (min-max)")]
+    fig.legend(handles=handles, loc="lower center", ncol=4, fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
+    fig.savefig(path, dpi=_DPI)
+    plt.close(fig)
+
+
+def _panel(ax, names, colors, heights, rounds, ylabel) -> None:
+    xs = range(len(names))
+    ax.bar(xs, heights, color=colors, alpha=0.8)
+    for x, values in zip(xs, rounds):
+        if values:
+            ax.plot([x] * len(values), values, "o", color="black", markersize=4)
+            ax.vlines(x, min(values), max(values), color="black")
+    ax.set_xticks(list(xs), names, rotation=20, ha="right", fontsize=8)
+    ax.set_xlabel("implementation")
+    ax.set_ylabel(ylabel)
+    ax.set_ylim(0, max([*heights, *(v for r in rounds for v in r)], default=1) * 1.15)
+
+
+def render_markdown(records: Iterable[dict]) -> str:
+    """docs/benchmarks.md's tables, one per record."""
+    parts = []
+    for record in records:
+        if record.get("kind") == "figures":
+            parts.append(_figures_markdown(record))
+            continue
+        rows = ["| implementation | median step (ms) | round medians (ms) | ratio | "
+                "peak RSS per rank (MiB) | other |", "|---|---|---|---|---|---|"]
+        for impl, s in record["impls"].items():
+            rounds = " / ".join(f"{t * 1e3:.1f}" for t in s["round_median_step_s"])
+            ratio = f"{s['ratio']:.3f}" if s["ratio"] is not None else "-"
+            rss = (" / ".join(f"{m:.0f}" for m in s["peak_rss_mib"])
+                   if s["peak_rss_mib"] else "-")
+            extra = ", ".join(f"{k} {v}" for k, v in s["extra"].items()) or ""
+            rows.append(f"| {impl} | {s['median_step_s'] * 1e3:.1f} | {rounds} | {ratio} | "
+                        f"{rss} | {extra} |")
+        parts.append("\n".join([f"### {record['bench']}: {record['description']}", "",
+                                _settings_line(record) + f"; ratio: median step / "
+                                f"{record['baseline']}'s", "", *rows]))
+    return "\n\n".join(parts) + "\n"
+
+
+def load(path: str | Path) -> dict:
+    """A saved record, checked to be one (a clear error naming the file otherwise)."""
+    try:
+        record = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"cannot read benchmark record {path}: {exc}") from None
+    missing = [k for k in ("bench", "description", "settings", "baseline", "impls")
+               if not isinstance(record, dict) or k not in record]
+    if missing:
+        raise ValueError(f"{path} is not a benchmark record (missing {', '.join(missing)})")
+    return record
+
+
+# Records of several figures per implementation (rpc): ``figures`` maps a figure to its
+# ``label``, ``unit``, ``higher_is_better`` and ``bar`` (for ours / the baseline); each
+# implementation has ``figures`` (medians over rounds), ``round_figures`` and ``ratio``.
+
+
+def _figure_cells(record: dict, key: str) -> list[str]:
+    cells = []
+    for s in record["impls"].values():
+        cell = f"{s['figures'][key]:.2f}"
+        if s["ratio"] is not None and s is not record["impls"].get(record["baseline"]):
+            cell += f" ({s['ratio'][key]:.2f}x)"
+        cells.append(cell)
+    return cells
+
+
+def _figures_table(record: dict) -> str:
+    names = list(record["impls"])
+    lines = [f"{record['bench']}: {record['description']}", _settings_line(record),
+             f"{'figure':<38}" + "".join(f"{n:>22}" for n in names) + "  bar"]
+    for key, fig in record["figures"].items():
+        label = f"{fig['label']} ({fig['unit']})"
+        bar = fig["bar"]
+        bar_text = "" if bar is None else f"{'>=' if fig['higher_is_better'] else '<='}{bar:g}"
+        lines.append(f"{label:<38}" + "".join(f"{c:>22}" for c in _figure_cells(record, key))
+                     + f"  {bar_text}")
+    lines.append(f"medians over rounds; (Nx): ours / {record['baseline']}'s")
+    return "\n".join(lines)
+
+
+def _figures_markdown(record: dict) -> str:
+    names = list(record["impls"])
+    rows = ["| figure | " + " | ".join(names) + " | bar |",
+            "|---" * (len(names) + 2) + "|"]
+    for key, fig in record["figures"].items():
+        bar = fig["bar"]
+        bar_text = "" if bar is None else f"{'>=' if fig['higher_is_better'] else '<='}{bar:g}"
+        rows.append(f"| {fig['label']} ({fig['unit']}) | "
+                    + " | ".join(_figure_cells(record, key)) + f" | {bar_text} |")
+    return "\n".join([f"### {record['bench']}: {record['description']}", "",
+                      _settings_line(record) + f"; medians over rounds; (Nx): ours / "
+                      f"{record['baseline']}'s", "", *rows])
+
+
+def _plot_figures(record: dict, path: str | Path, plt) -> None:
+    figures = record["figures"]
+    names = list(record["impls"])
+    fig, axes = plt.subplots(1, len(figures), squeeze=False,
+                             figsize=(PLOT_SIZE_PX[0] / _DPI, PLOT_SIZE_PX[1] / _DPI), dpi=_DPI)
+    colors = ["tab:blue" if n.startswith("shardwise") else "tab:orange" for n in names]
+    for ax, (key, meta) in zip(axes[0], figures.items()):
+        _panel(ax, names, colors, [record["impls"][n]["figures"][key] for n in names],
+               [record["impls"][n]["round_figures"][key] for n in names], meta["unit"])
+        better = "higher" if meta["higher_is_better"] else "lower"
+        ax.set_title(f"{meta['label']}\n({better} is better)", fontsize=8)
+        ax.set_xlabel("")
+    fig.suptitle(f"shardwise bench {record['bench']}: {record['settings'].get('rounds', 1)} "
+                 "round(s), medians with each round")
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
+
+    fig.legend(handles=[Patch(color="tab:blue", label="shardwise"),
+                        Patch(color="tab:orange", label="torch"),
+                        Line2D([], [], marker="o", color="black", linestyle="",
+                               label="each round"),
+                        Line2D([], [], color="black", label="spread across rounds (min-max)")],
+               loc="lower center", ncol=4, fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
+    fig.savefig(path, dpi=_DPI)
+    plt.close(fig)

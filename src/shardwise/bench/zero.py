@@ -1,0 +1,83 @@
+"""ZeRO stages 1 and 2 against torch's ZeroRedundancyOptimizer and plain DDP + AdamW.
+
+Same model (the demo GPT, d_model 512, 4 layers by default: large enough that optimizer state
+and gradients dominate memory), same data (the stdlib corpus, each rank its slice of a global
+batch), same world size, same AdamW:
+
+- torch-ddp-adamw       torch DDP, AdamW replicated (the baseline)
+- torch-ddp-zero1       torch DDP + torch.distributed.optim.ZeroRedundancyOptimizer
+- shardwise-ddp-zero1   our DDP + our ZeroRedundancyOptimizer (stage 1)
+- shardwise-zero2       our ZeroDataParallel + our ZeroRedundancyOptimizer (stage 2)
+
+Besides step time and peak RSS, each rank counts its model-state bytes with
+``shardwise.memory.state_bytes`` right after a backward (gradients present), before the step.
+
+    shardwise bench zero --nproc 2 --rounds 3 --steps 20
+    shardwise bench zero --nproc 2 --rounds 1 --steps 5 --mmap-threshold  # memory
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero
+
+from shardwise import DistributedDataParallel, ZeroDataParallel, ZeroRedundancyOptimizer
+from shardwise.bench.gpt_steps import batch_stream, timed_steps
+from shardwise.bench.sidebyside import SideBySide
+from shardwise.memory import state_bytes
+from shardwise.models import GPT, GPTConfig, lm_loss
+
+IMPLS = ["torch-ddp-adamw", "torch-ddp-zero1", "shardwise-ddp-zero1", "shardwise-zero2"]
+ADAMW = {"lr": 1e-3, "weight_decay": 0.01}
+
+
+def _model_args(parser) -> None:
+    parser.add_argument("--n-layer", type=int, default=4)
+    parser.add_argument("--d-model", type=int, default=512)
+    parser.add_argument("--n-head", type=int, default=8)
+    parser.add_argument("--seq-len", type=int, default=64)
+    parser.add_argument("--batch-size", type=int, default=8, help="global batch")
+    parser.add_argument("--bucket-cap-mb", type=float, default=25.0)
+
+
+def _build(impl: str, model: torch.nn.Module, args, group):
+    cap = args.bucket_cap_mb
+    if impl == "torch-ddp-adamw":
+        wrapped = torch.nn.parallel.DistributedDataParallel(model, process_group=group,
+                                                            bucket_cap_mb=cap)
+        return wrapped, torch.optim.AdamW(wrapped.parameters(), **ADAMW)
+    if impl == "torch-ddp-zero1":
+        wrapped = torch.nn.parallel.DistributedDataParallel(model, process_group=group,
+                                                            bucket_cap_mb=cap)
+        return wrapped, TorchZero(wrapped.parameters(), optimizer_class=torch.optim.AdamW,
+                                  process_group=group, **ADAMW)
+    if impl == "shardwise-ddp-zero1":
+        wrapped = DistributedDataParallel(model, process_group=group, bucket_cap_mb=cap)
+        return wrapped, ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW,
+                                                process_group=group, **ADAMW)
+    if impl == "shardwise-zero2":
+        opt = ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW,
+                                      process_group=group, **ADAMW)
+        return ZeroDataParallel(model, opt, bucket_cap_mb=cap), opt
+    raise ValueError(f"unknown implementation {impl!r}; known: {IMPLS}")
+
+
+def worker(impl: str, args, group: dist.ProcessGroup):
+    cfg = GPTConfig(n_layer=args.n_layer, d_model=args.d_model, n_head=args.n_head,
+                    seq_len=args.seq_len)
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    wrapped, opt = _build(impl, model, args, group)
+    stream = batch_stream(cfg.seq_len, args.batch_size, group)
+    times = timed_steps(wrapped, opt, stream, args, group)
+    x, y = stream.batch(0)
+    lm_loss(wrapped(x), y).backward()
+    held = state_bytes(model, opt).as_mib()  # after backward: gradients as a step sees them
+    opt.step()
+    return times, {"params_M": round(sum(p.numel() for p in model.parameters()) / 1e6, 2),
+                   **{f"{k}_MiB": round(v, 1) for k, v in held.items()}}
+
+
+BENCH = SideBySide("zero", worker, IMPLS, "torch-ddp-zero1", _model_args,
+                   "ZeRO stages 1 and 2 against torch's ZeroRedundancyOptimizer")

@@ -1,0 +1,141 @@
+"""`shardwise bench`: the table, the JSON record that holds every number it prints, the PNG,
+the Markdown rendering, and bad input."""
+
+import json
+import re
+import struct
+
+import pytest
+
+from shardwise.bench.records import PLOT_SIZE_PX, format_table, plot, render_markdown
+from shardwise.cli.main import main
+
+TINY = ["--nproc", "2", "--rounds", "2", "--steps", "2", "--warmup", "1", "--n-layer", "1",
+        "--d-model", "32", "--n-head", "2", "--seq-len", "8",
+        "--only", "torch-fsdp2,shardwise-fsdp"]
+
+
+def png_size(path):
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR", "not a PNG"
+    return struct.unpack(">II", data[16:24])
+
+
+def _impl_rows(table, impls):
+    """implementation -> every number on its row (and on its extra-figures line)."""
+    rows, current = {}, None
+    for line in table.splitlines():
+        name = line.split()[0] if line.strip() else ""
+        if name in impls:
+            current = name
+            rows[name] = [float(v) for v in re.findall(r"-?\d+\.?\d*", line[len(name):])]
+        elif current and line.startswith(" ") and line.strip().startswith("{"):
+            rows[current] += [float(v) for v in re.findall(r"-?\d+\.?\d*", line)]
+    return rows
+
+
+def _printed_numbers(s):
+    """What the table prints of one implementation's record, rounded as printed."""
+    nums = [round(s["median_step_s"] * 1e3, 1)]
+    nums += [round(t * 1e3, 1) for t in s["round_median_step_s"]]
+    nums += [round(s["ratio"], 3)]
+    nums += [round(m) for m in s["peak_rss_mib"]]
+    nums += [float(v) for v in re.findall(r"-?\d+\.?\d*", json.dumps(s["extra"]))]
+    return nums
+
+
+def test_bench_fsdp_writes_table_json_and_png(tmp_path, capsys):
+    out = tmp_path / "records"
+    assert main(["bench", "fsdp", *TINY, "--out", str(out)]) == 0
+    table = capsys.readouterr().out
+    record = json.loads((out / "fsdp.json").read_text())
+    impls = record["impls"]
+    assert list(impls) == ["torch-fsdp2", "shardwise-fsdp"]
+    assert record["settings"]["rounds"] == 2 and record["baseline"] == "torch-fsdp2"
+    rows = _impl_rows(table, impls)
+    for impl, s in impls.items():
+        assert len(s["round_median_step_s"]) == 2 and len(s["peak_rss_mib"]) == 2
+        assert rows[impl] == pytest.approx(_printed_numbers(s), abs=1e-9), impl
+        assert s["extra"]["state_MiB"] > 0
+    assert impls["torch-fsdp2"]["ratio"] == 1.0
+    width, height = png_size(out / "fsdp.png")
+    assert (width, height) == PLOT_SIZE_PX == (record["plot"]["width_px"],
+                                               record["plot"]["height_px"])
+    assert f"wrote {out / 'fsdp.json'} and {out / 'fsdp.png'}" in table
+
+
+def _record():
+    impl = {"median_step_s": 0.0123, "round_median_step_s": [0.012, 0.0131],
+            "peak_rss_mib": [300.4, 310.6], "round_peak_rss_mib": [310.6, 305.0],
+            "ratio": 1.0, "extra": {"state_MiB": 1.5}}
+    return {"bench": "ddp", "description": "DDP: ours against torch's", "baseline": "torch-ddp",
+            "settings": {"nproc": 2, "rounds": 2, "steps": 3, "warmup": 1, "omp_threads": "1"},
+            "impls": {"torch-ddp": impl, "shardwise-ddp": {**impl, "ratio": 0.5}}}
+
+
+def test_plot_and_markdown_come_from_the_record(tmp_path):
+    record = _record()
+    plot(record, tmp_path / "ddp.png")
+    assert png_size(tmp_path / "ddp.png") == PLOT_SIZE_PX
+    md = render_markdown([record])
+    assert "| shardwise-ddp | 12.3 | 12.0 / 13.1 | 0.500 | 300 / 311 | state_MiB 1.5 |" in md
+    assert md.startswith("### ddp: DDP: ours against torch's")
+    assert "12.3  12.0 / 13.1" in format_table(record)
+    no_memory = {**record, "impls": {k: {**v, "peak_rss_mib": None, "round_peak_rss_mib": None}
+                                     for k, v in record["impls"].items()}}
+    plot(no_memory, tmp_path / "time-only.png")
+    assert png_size(tmp_path / "time-only.png") == PLOT_SIZE_PX
+
+
+def test_render_md_command_reads_saved_records(tmp_path, capsys):
+    path = tmp_path / "ddp.json"
+    path.write_text(json.dumps(_record()))
+    assert main(["bench", "--render-md", str(path)]) == 0
+    assert "| torch-ddp | 12.3 |" in capsys.readouterr().out
+    (tmp_path / "bad.json").write_text("{}")
+    assert main(["bench", "--render-md", str(tmp_path / "bad.json")]) == 2
+    assert "is not a benchmark record (missing bench" in capsys.readouterr().err
+
+
+def test_bad_bench_input_is_named(tmp_path, capsys):
+    assert main(["bench", "fsdpp"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown benchmark 'fsdpp'; known: ddp, zero, fsdp, tp, collectives, rpc" in err
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    assert main(["bench", "fsdp", "--out", str(blocker / "sub")]) == 2
+    assert f"--out {blocker / 'sub'} is not writable" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "fsdp", "--only", "torch-fsdp3"])
+    assert exit_info.value.code == 2
+    assert "unknown implementation(s) torch-fsdp3" in capsys.readouterr().err
+
+
+def test_ddp_bench_defaults_are_shardwise_trains():
+    from shardwise.bench.ddp import _Defaults
+    from shardwise.cli.train_args import TrainConfig
+
+    train = TrainConfig()
+    for name, value in vars(_Defaults()).items():
+        assert getattr(train, name) == value, name
+
+
+def test_a_record_of_figures_rpc_is_tabled_plotted_and_rendered(tmp_path):
+    from shardwise.bench.rpc import FIGURES, _summary
+
+    def run(scale):
+        return {k: scale * (i + 1) for i, k in enumerate(FIGURES)}
+
+    record = {"bench": "rpc", "description": "rpc", "kind": "figures", "baseline": "torch",
+              "settings": {"nproc": 2, "rounds": 2}, "figures": FIGURES,
+              "impls": _summary({"shardwise-tcp": [run(1.0), run(3.0)],
+                                 "torch": [run(2.0), run(2.0)]})}
+    ours = record["impls"]["shardwise-tcp"]
+    assert ours["figures"]["lat_med_us"] == 2.0 and ours["ratio"]["lat_med_us"] == 1.0
+    assert ours["round_figures"]["echo_GBps"] == [4.0, 12.0]
+    table = format_table(record)
+    assert "1 KB echo, median (us)" in table and "2.00 (1.00x)" in table
+    assert "| large tensor echoed (GB/s) | 8.00 (1.00x) | 8.00 | >=1.5 |" in (
+        render_markdown([record]))
+    plot(record, tmp_path / "rpc.png")
+    assert png_size(tmp_path / "rpc.png") == PLOT_SIZE_PX
