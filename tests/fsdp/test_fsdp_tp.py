@@ -1,0 +1,168 @@
+"""FSDP x TP (2D): the demo GPT tensor-parallel over mesh["tp"] (shard_module) and then fully
+sharded over mesh["dp"], against one process training the plain model on the whole batch.
+
+Every step: the loss (mean over dp ranks) and the gradient norm that
+``torch.nn.utils.clip_grad_norm_`` computes over the 2D DTensors (FSDP1's
+``clip_grad_norm_`` method for the wrapper; one norm across both axes, small enough a maximum
+that every step clips) against the reference's; at the end every
+parameter, gathered whole by ``full_tensor()`` from ``state_dict()``. Plus the model-state bytes
+each rank holds between steps (HSDP 2x2 and 2D 2x2) against the bound and ``shardwise plan``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
+
+from shardwise import FullyShardedDataParallel, fully_shard
+from shardwise.cli.plan import tp_units
+from shardwise.cli.strategy_tp import gpt_plan
+from shardwise.distributed import init_device_mesh
+from shardwise.fsdp import ModuleWrapPolicy, full_state_dict
+from shardwise.memory import state_bytes
+from shardwise.memory.layouts import MeshLayout, estimate_mesh_state_bytes
+from shardwise.models import GPT, GPTConfig, lm_loss
+from shardwise.models.gpt import Block
+from shardwise.sharded_tensor import ShardedTensor, ShardingError, shard_module
+from tests.fsdp.test_fsdp_training import _reference_backward
+from tests.harness import assert_rel_close, rank_slice, run_on_ranks, token_batch
+
+CFG = GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=2, d_model=32)
+GLOBAL_BATCH = 8
+STEPS = 10
+RTOL = 1e-5
+# TP's row-wise layers add partial products in another order than the dense model; AdamW turns
+# such last-bit differences in near-zero gradients into lr-sized ones in a few elements (seen:
+# 1.35e-5 of scale in an MLP bias after 10 steps at tp=2), as in tests/sharded_tensor
+PARAM_RTOL = 1e-4
+MAX_NORM = 0.05  # below every step's gradient norm: clipping acts at every step
+
+
+def _two_d(dp: int, tp: int, api: str = "fully_shard"):
+    mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    plan, gathered = gpt_plan(tp)
+    shard_module(model, plan, gather_output=gathered, process_group=mesh["tp"].get_group())
+    if api == "wrapper":
+        return FullyShardedDataParallel(model, device_mesh=mesh["dp"],
+                                        auto_wrap_policy=ModuleWrapPolicy({Block})), mesh
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh["dp"])
+    return fully_shard(model, mesh=mesh["dp"]), mesh
+
+
+def _train_2d(ctx, dp: int, tp: int, api: str):
+    model, mesh = _two_d(dp, tp, api)
+    dp_rank = mesh.get_local_rank("dp")
+    torch.manual_seed(0)
+    reference = GPT(CFG)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3)
+    for step in range(STEPS):
+        x, y = token_batch(step, 1, GLOBAL_BATCH, CFG.seq_len, CFG.vocab_size)
+        loss = lm_loss(model(rank_slice(x[0], dp_rank, dp)), rank_slice(y[0], dp_rank, dp))
+        loss.backward()
+        if api == "wrapper":  # FSDP1's method: ours, over dp and then tp
+            total = model.clip_grad_norm_(MAX_NORM)
+        else:  # torch's, on the 2D DTensors
+            total = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+        loss = loss.detach()
+        dist.all_reduce(loss)  # every tp rank of a dp rank holds the same loss
+        ref_loss = _reference_backward(reference, x, y, 1, dp)
+        ref_total = torch.nn.utils.clip_grad_norm_(reference.parameters(), MAX_NORM)
+        total = total.full_tensor() if isinstance(total, DTensor) else total
+        assert ref_total > MAX_NORM
+        assert_rel_close(total, ref_total, RTOL, f"step {step}: gradient norm")
+        ours = loss.item() / (dp * tp)
+        assert abs(ours - ref_loss.item()) <= RTOL * abs(ref_loss.item()), (step, ours, ref_loss)
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+    full = full_state_dict(model)  # gathered over dp and, for TP shards, over tp
+    for key, value in reference.state_dict().items():
+        assert_rel_close(full[key], value, PARAM_RTOL, key)
+    if api == "fully_shard":  # its state dict holds the 2D DTensors, as torch FSDP2 x TP's
+        for key, value in model.state_dict().items():
+            assert isinstance(value, DTensor) and value.device_mesh.ndim == 2, key
+            assert torch.equal(value.full_tensor(), full[key]), key
+    return _placements(model)
+
+
+def _placements(model) -> dict[str, tuple]:
+    return {n: tuple(p.placements) for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize(("world_size", "dp", "tp"), [(1, 1, 1), (2, 1, 2), (2, 2, 1),
+                                                      (4, 2, 2)])
+def test_fsdp_over_dp_of_tp_gpt_equals_single_process(world_size, dp, tp):
+    placements = run_on_ranks(world_size, _train_2d, dp, tp, "fully_shard")[0]
+    if tp > 1:
+        qkv, proj = "blocks.0.attn.qkv.weight", "blocks.0.attn.proj.weight"
+        assert placements[qkv] == (_StridedShard(0, split_factor=tp), Shard(0))
+        assert placements[proj] == (Shard(0), Shard(1))
+        assert placements["blocks.0.ln1.weight"] == (Shard(0), Replicate())
+
+
+def test_wrapper_over_dp_of_tp_gpt_equals_single_process():
+    run_on_ranks(4, _train_2d, 2, 2, "wrapper")
+
+
+def _live_body(ctx):
+    model, _ = _two_d(2, 2)
+    st = model.blocks[0].mlp.fc1.weight
+    assert isinstance(st, ShardedTensor)
+    try:  # between steps the TP shard is itself sharded over dp
+        st.local_tensor()
+    except ShardingError as err:
+        return str(err)
+    return None
+
+
+def test_tp_shard_read_between_steps_names_the_further_sharding():
+    message = run_on_ranks(4, _live_body)[0]
+    assert "is sharded further" in message and "FSDP" in message
+
+
+def _hsdp(mesh):
+    model = GPT(CFG)
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
+def _memory_body(ctx, layout: str):
+    torch.manual_seed(0)
+    if layout == "hsdp":
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+        model, mesh_layout = _hsdp(mesh), MeshLayout(4, replicas=2)
+    else:
+        model, mesh_layout = _two_d(2, 2)[0], MeshLayout(4, tp=2)
+    full_model = GPT(CFG)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x = torch.randint(0, CFG.vocab_size, (2, CFG.seq_len + 1))
+    for _ in range(2):
+        lm_loss(model(x[:, :-1]), x[:, 1:]).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=False)  # keep the gradients: they are counted too
+    ours = state_bytes(model, opt)
+    full = state_bytes(full_model)
+    planned = estimate_mesh_state_bytes(tp_units(full_model), mesh_layout)
+    return ours, full, planned, len(list(full_model.parameters()))
+
+
+@pytest.mark.parametrize("layout", ["hsdp", "2d"])
+def test_state_between_steps_is_a_quarter_and_matches_the_plan(layout):
+    """HSDP 2x2 shards over 2 ranks, so each rank holds half the state, like 2D 2x2 holds...
+    a quarter: total / (shard x tp) plus padding (one row per parameter and TP shard)."""
+    for ours, full, planned, n_params in run_on_ranks(4, _memory_body, layout):
+        shard, tp = (2, 1) if layout == "hsdp" else (2, 2)
+        pad = 2 * 4 * CFG.vocab_size * n_params  # a padding row is at most vocab fp32s
+        assert ours.params <= full.params / (shard * tp) + pad, (ours, full)
+        assert ours.grads <= full.params / (shard * tp) + pad, (ours, full)
+        # AdamW: two moments per element plus a 4-byte step counter per parameter
+        assert ours.optimizer <= 2 * full.params / (shard * tp) + 2 * pad + 4 * n_params
+        assert ours.total == pytest.approx(planned.total, rel=0.05), (ours, planned)
