@@ -9,6 +9,7 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 from shardwise.checkpoint import CheckpointError, latest_checkpoint, read_meta
+from shardwise.cli.mesh_args import add_mesh_args, mesh_problem
 from shardwise.cli.strategies import STRATEGIES, check_strategy, strategy_names
 from shardwise.models import GPTConfig
 
@@ -38,6 +39,8 @@ class TrainConfig:
     mixed_precision: str | None = None
     cpu_offload: bool = False
     progress: bool = True
+    replicas: int = 0  # hsdp: replicas (0: one per node); see cli/mesh_args.py
+    tp: int = 1  # fsdp: tensor-parallel degree (FSDP x TP)
 
     def model_config(self) -> GPTConfig:
         return GPTConfig(seq_len=self.seq_len, n_layer=self.n_layer, n_head=self.n_head,
@@ -81,6 +84,7 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     add("--mixed-precision", default=None, choices=["bf16", "fp16"], help="fsdp only")
     add("--cpu-offload", action="store_true", help="fsdp only")
     add("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    add_mesh_args(parser)
     return parser
 
 
@@ -98,7 +102,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     return TrainConfig(**{k: v for k, v in vars(args).items() if k in names})
 
 
-def validate(cfg: TrainConfig, world_size: int) -> None:
+def validate(cfg: TrainConfig, world_size: int, nnodes: int = 1) -> None:
     """Raise ConfigError naming the first problem found; also checks the resume checkpoint."""
     _positive(cfg, "nproc", "steps", "batch_size", "n_layer", "n_head", "d_model", "seq_len",
               "eval_batches", "log_every", "corpus_bytes")
@@ -120,6 +124,9 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
         raise ConfigError(
             f"--batch-size {cfg.batch_size} is not divisible by the world size {world_size}"
         )
+    problem = mesh_problem(cfg, world_size, nnodes)
+    if problem:
+        raise ConfigError(problem)
     if cfg.resume and not cfg.checkpoint_dir:
         raise ConfigError("--resume needs --checkpoint-dir to know where to resume from")
     if cfg.checkpoint_dir:
