@@ -63,6 +63,8 @@ def build_hybrid(model: nn.Module, cfg: TrainConfig, group: dist.ProcessGroup,
     replicas = cfg.replicas or max(1, world // local_world_size_from_env(world))
     mesh = init_device_mesh(device.type, (replicas, world // replicas),
                             mesh_dim_names=HSDP_DIM_NAMES)
+    if dist.get_rank(group) == 0:
+        print(f"hsdp: mesh replicate {replicas} x shard {world // replicas}", flush=True)
     return _prepare(model.to(device), cfg, device_mesh=mesh,
                     sharding_strategy=ShardingStrategy.HYBRID_SHARD)
 
