@@ -69,3 +69,14 @@ def _cli_error(capsys, *argv):
 ])
 def test_bad_mesh_flags_are_named(capsys, argv, message):
     assert message in _cli_error(capsys, *argv)
+
+
+def test_fsdp_with_tp_resumes_the_uninterrupted_loss_curve(tmp_path):
+    straight = dict(tp=2, steps=6)
+    expected = _losses(4, **straight)[0]
+    first = dict(straight, steps=3, checkpoint_dir=str(tmp_path / "ck"))
+    _losses(4, **first)
+    got = _losses(4, **dict(first, steps=6, resume=True))[0]
+    assert sorted(got) == [3, 4, 5]
+    for step in (3, 4, 5):
+        assert got[step] == pytest.approx(expected[step], rel=1e-6)

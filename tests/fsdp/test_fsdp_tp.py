@@ -166,3 +166,23 @@ def test_state_between_steps_is_a_quarter_and_matches_the_plan(layout):
         # AdamW: two moments per element plus a 4-byte step counter per parameter
         assert ours.optimizer <= 2 * full.params / (shard * tp) + 2 * pad + 4 * n_params
         assert ours.total == pytest.approx(planned.total, rel=0.05), (ours, planned)
+
+
+def _three_d_body(ctx):
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    model = GPT(CFG)
+    plan, gathered = gpt_plan(2)
+    shard_module(model, plan, gather_output=gathered, process_group=mesh["tp"].get_group())
+    hybrid = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    try:
+        fully_shard(model.blocks[0], mesh=hybrid)
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+def test_hybrid_sharding_of_tp_shards_is_refused_by_name():
+    message = run_on_ranks(4, _three_d_body)[0]
+    assert "attn.qkv.weight (and 4 more) are tensor-parallel shards" in message
+    assert "hybrid sharding (a 2D FSDP mesh) with tensor parallelism (3D) is not supported" in \
+        message

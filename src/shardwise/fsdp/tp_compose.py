@@ -65,7 +65,9 @@ def compose(handle, params: list, replicate: dist.ProcessGroup | None) -> None:
         return
     names = [holders[0][2] for _, holders in params]
     if replicate is not None:
-        raise ValueError(f"fully_shard: {names[0]} and others are tensor-parallel shards; hybrid "
+        first = next(n for n, (p, _) in zip(names, params) if id(p) in tp)
+        raise ValueError(f"fully_shard: {first} (and {len(tp) - 1} more) are tensor-parallel "
+                         "shards; hybrid "
                          "sharding (a 2D FSDP mesh) with tensor parallelism (3D) is not "
                          "supported: give fully_shard the 1D data-parallel mesh")
     tp_group = _one_group(tp, names, params)
