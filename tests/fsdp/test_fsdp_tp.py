@@ -115,6 +115,8 @@ def _live_body(ctx):
     model, _ = _two_d(2, 2)
     st = model.blocks[0].mlp.fc1.weight
     assert isinstance(st, ShardedTensor)
+    assert st.dtype == torch.float32 and st.requires_grad  # answered from the slot as it is
+    assert "ShardedTensor(size=(128, 32)" in repr(st)
     try:  # between steps the TP shard is itself sharded over dp
         st.local_tensor()
     except ShardingError as err:

@@ -37,11 +37,14 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from shardwise.fsdp.dtensor import _contiguous_stride as contiguous_stride
 from shardwise.fsdp.dtensor import device_type_of
 from shardwise.sharded_tensor import ChunkShardingSpec, ShardedTensor, sharded_parameters
 
 MESH_DIM_NAMES = ("dp", "tp")
-_MESHES: dict[tuple, DeviceMesh] = {}  # (dp global ranks, tp global ranks) -> 2D mesh
+# (dp group, tp group) -> their 2D mesh (keyed by the group objects: groups made again over the
+# same ranks are other groups)
+_MESHES: dict[tuple, DeviceMesh] = {}
 
 
 def tp_sharded(params: list) -> dict[int, ShardedTensor]:
@@ -67,9 +70,8 @@ def compose(handle, params: list, replicate: dist.ProcessGroup | None) -> None:
     if replicate is not None:
         first = next(n for n, (p, _) in zip(names, params) if id(p) in tp)
         raise ValueError(f"fully_shard: {first} (and {len(tp) - 1} more) are tensor-parallel "
-                         "shards; hybrid "
-                         "sharding (a 2D FSDP mesh) with tensor parallelism (3D) is not "
-                         "supported: give fully_shard the 1D data-parallel mesh")
+                         "shards; hybrid sharding (a 2D FSDP mesh) with tensor parallelism (3D) "
+                         "is not supported: give fully_shard the 1D data-parallel mesh")
     tp_group = _one_group(tp, names, params)
     mesh = mesh_2d(handle.group, tp_group)
     for slot, (p, holders) in zip(handle.slots, params):
@@ -77,7 +79,7 @@ def compose(handle, params: list, replicate: dist.ProcessGroup | None) -> None:
         placements = _placements(st, mesh, holders[0][2])
         shape = st.shape if st is not None else torch.Size(slot.layout.shape)
         dt = DTensor.from_local(slot.local, mesh, placements, run_check=False, shape=shape,
-                                stride=_contiguous_stride(shape))
+                                stride=contiguous_stride(shape))
         slot.shard_param = nn.Parameter(dt, requires_grad=slot.requires_grad)
     handle.use_sharded_params()
 
@@ -99,7 +101,7 @@ def mesh_2d(dp_group: dist.ProcessGroup, tp_group: dist.ProcessGroup) -> DeviceM
     all-gather of the tp groups' global ranks over dp."""
     dp_ranks = _global_ranks(dp_group)
     tp_ranks = _global_ranks(tp_group)
-    key = (tuple(dp_ranks), tuple(tp_ranks))
+    key = (dp_group, tp_group)
     if key not in _MESHES:
         mine = torch.tensor(tp_ranks, dtype=torch.int64)
         if dist.get_backend(dp_group) == "nccl":
@@ -143,13 +145,6 @@ def _placements(st: ShardedTensor | None, mesh: DeviceMesh, name: str) -> list:
         return [_StridedShard(0, split_factor=tp), Shard(0)] if tp > 1 else [Shard(0), Shard(0)]
     return [Shard(0), Shard(dim)]
 
-
-def _contiguous_stride(shape) -> tuple[int, ...]:
-    stride, at = [], 1
-    for size in reversed(tuple(shape)):
-        stride.append(at)
-        at *= max(size, 1)
-    return tuple(reversed(stride))
 
 
 def is_tp_sharded(param: torch.Tensor) -> bool:
