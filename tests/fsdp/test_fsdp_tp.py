@@ -92,6 +92,28 @@ def _train_2d(ctx, dp: int, tp: int, api: str):
     return _placements(model)
 
 
+def _state_round_trip_body(ctx):
+    """model.state_dict() (2D DTensors) loads into a freshly built 2D model, which then computes
+    the same logits."""
+    model, mesh = _two_d(2, 2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    x, y = token_batch(0, 1, GLOBAL_BATCH, CFG.seq_len, CFG.vocab_size)
+    lm_loss(model(x[0]), y[0]).backward()
+    opt.step()
+    fresh, _ = _two_d(2, 2)
+    with torch.no_grad():
+        before = fresh(x[0])
+        fresh.load_state_dict(model.state_dict())
+        after, expected = fresh(x[0]), model(x[0])
+    for (name, p), q in zip(model.named_parameters(), fresh.parameters()):
+        assert torch.equal(p.to_local(), q.to_local()), name
+    assert not torch.equal(before, expected) and torch.equal(after, expected)
+
+
+def test_state_dict_of_2d_dtensors_loads_into_a_fresh_2d_model():
+    run_on_ranks(4, _state_round_trip_body)
+
+
 def _placements(model) -> dict[str, tuple]:
     return {n: tuple(p.placements) for n, p in model.named_parameters()}
 
