@@ -8,7 +8,7 @@ AdamW, fp32, CPU + gloo, each rank its slice of a global batch; every implementa
 ranks, rounds interleaved (sidebyside.py). Prints the table, then for each mesh our step time
 over torch's and both peak RSS per rank.
 
-    python benchmarks/bench_mesh.py --nproc 4 --replicas 2 --rounds 3 --steps 10
+    python benchmarks/bench_mesh.py --rounds 3 --steps 10      # --nproc 4 --replicas 2
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ PAIRS = [("shardwise-hsdp", "torch-fsdp2-hsdp"), ("shardwise-full", "torch-fsdp2
 def _args(parser) -> None:
     _model_args(parser)
     parser.add_argument("--replicas", type=int, default=2, help="HSDP replicas (mesh dim 0)")
+    parser.set_defaults(nproc=4, batch_size=4)  # 2 x 2 for HSDP: one sample per rank
 
 
 def _mesh(impl: str, args, group: dist.ProcessGroup):

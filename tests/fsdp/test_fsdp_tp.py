@@ -18,6 +18,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from shardwise import FullyShardedDataParallel, fully_shard
+from shardwise.checkpoint import get_state_dict, set_state_dict
 from shardwise.cli.plan import tp_units
 from shardwise.cli.strategy_tp import gpt_plan
 from shardwise.distributed import init_device_mesh
@@ -94,7 +95,8 @@ def _train_2d(ctx, dp: int, tp: int, api: str):
 
 def _state_round_trip_body(ctx):
     """model.state_dict() (2D DTensors) loads into a freshly built 2D model, which then computes
-    the same logits."""
+    the same logits; so do shardwise.checkpoint's get_state_dict / set_state_dict, with the
+    AdamW state."""
     model, mesh = _two_d(2, 2)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     x, y = token_batch(0, 1, GLOBAL_BATCH, CFG.seq_len, CFG.vocab_size)
@@ -108,6 +110,17 @@ def _state_round_trip_body(ctx):
     for (name, p), q in zip(model.named_parameters(), fresh.parameters()):
         assert torch.equal(p.to_local(), q.to_local()), name
     assert not torch.equal(before, expected) and torch.equal(after, expected)
+    # shardwise.checkpoint's get/set_state_dict: model and AdamW state as 2D DTensors
+    model_sd, optim_sd = get_state_dict(model, opt)
+    assert all(isinstance(v, DTensor) and v.device_mesh.ndim == 2 for v in model_sd.values())
+    other, _ = _two_d(2, 2)
+    other_opt = torch.optim.AdamW(other.parameters(), lr=1e-2)
+    set_state_dict(other, other_opt, model_state_dict=model_sd, optim_state_dict=optim_sd)
+    for p, q in zip(opt.param_groups[0]["params"], other_opt.param_groups[0]["params"]):
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(opt.state[p][key].to_local(), other_opt.state[q][key].to_local())
+    with torch.no_grad():
+        assert torch.equal(other(x[0]), expected)
 
 
 def test_state_dict_of_2d_dtensors_loads_into_a_fresh_2d_model():
