@@ -147,8 +147,10 @@ def _tp_params(model: nn.Module) -> dict[int, ShardedTensor]:
     """id(local shard Parameter) -> its ShardedTensor, for parameters sharded by shard_module."""
     out = {}
     for module in unwrap(model).modules():
-        for st in sharded_parameters(module).values():
-            out[id(st.local_shards()[0].tensor)] = st
+        for name, st in sharded_parameters(module).items():
+            p = module._parameters.get(name)
+            if p is not None and not isinstance(p, DTensor):  # DTensor: FSDP x TP presents it
+                out[id(p)] = st
     return out
 
 

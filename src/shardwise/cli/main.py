@@ -69,7 +69,7 @@ def _train(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: list
     if problem:
         parser.exit(2, f"shardwise train: error: {problem}\n")
     try:
-        validate(cfg, cfg.nproc * args.nnodes)
+        validate(cfg, cfg.nproc * args.nnodes, args.nnodes)
     except ConfigError as exc:
         parser.exit(2, f"shardwise train: error: {exc}\n")
     return run_launcher("shardwise train", cfg.nproc,

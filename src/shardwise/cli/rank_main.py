@@ -27,7 +27,7 @@ def train_rank(cfg: TrainConfig) -> int:
     env = read_env()
     cfg = _resume_after_restart(cfg, env.restart_count)
     try:
-        validate(cfg, env.world_size)
+        validate(cfg, env.world_size, _nodes(env.world_size))
     except ConfigError as exc:
         print(f"shardwise train: error: {exc}", file=sys.stderr)
         return 2
@@ -70,6 +70,13 @@ def _print_result(result) -> None:
         print(f"train loss at step {last + 1}: {result.losses[last]:.6f}")
     mem = ", ".join(f"rank{r} {m:.0f} MiB" for r, m in enumerate(result.peak_mib))
     print(f"throughput: {result.tokens_per_s:,.0f} tokens/s; peak memory: {mem}")
+
+
+def _nodes(world_size: int) -> int:
+    """Nodes in the job: the world over the ranks per node (LOCAL_WORLD_SIZE)."""
+    from shardwise.distributed.topology import local_world_size_from_env
+
+    return max(1, world_size // local_world_size_from_env(world_size))
 
 
 def _device(cfg: TrainConfig, local_rank: int) -> torch.device:

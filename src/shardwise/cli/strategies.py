@@ -42,7 +42,10 @@ STRATEGIES: dict[str, tuple[str, str]] = {
               "sharded"),
     "tp": ("shardwise.cli.strategy_tp:build", "tensor parallel (sharded tensors), AdamW on shards"),
     "pipeline": ("shardwise.cli.strategy_pipeline:build", "GPT stages per rank, RPC micro-batches"),
-    "fsdp": ("shardwise.cli.strategy_fsdp:build", "FullyShardedDataParallel, one unit per block"),
+    "fsdp": ("shardwise.cli.strategy_fsdp:build", "FullyShardedDataParallel, one unit per block "
+             "(--tp T: FSDP x tensor parallel)"),
+    "hsdp": ("shardwise.cli.strategy_fsdp:build_hybrid", "FSDP HYBRID_SHARD: sharded within "
+             "groups, replicated across --replicas (default: nodes)"),
 }
 
 

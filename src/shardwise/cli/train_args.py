@@ -9,6 +9,7 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 from shardwise.checkpoint import CheckpointError, latest_checkpoint, read_meta
+from shardwise.cli.mesh_args import add_mesh_args, mesh_problem
 from shardwise.cli.strategies import STRATEGIES, check_strategy, strategy_names
 from shardwise.models import GPTConfig
 
@@ -39,6 +40,8 @@ class TrainConfig:
     cpu_offload: bool = False
     progress: bool = True
     log_dir: str | None = None  # metrics, loss curve, TensorBoard events (cli/run_log.py)
+    replicas: int = 0  # hsdp: replicas (0: one per node); see cli/mesh_args.py
+    tp: int = 1  # fsdp: tensor-parallel degree (FSDP x TP)
 
     def model_config(self) -> GPTConfig:
         return GPTConfig(seq_len=self.seq_len, n_layer=self.n_layer, n_head=self.n_head,
@@ -83,6 +86,7 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     add("--cpu-offload", action="store_true", help="fsdp only")
     add("--no-progress", dest="progress", action="store_false", help="no progress bar")
     _add_log_args(parser)
+    add_mesh_args(parser)
     return parser
 
 
@@ -106,7 +110,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     return TrainConfig(**{k: v for k, v in vars(args).items() if k in names})
 
 
-def validate(cfg: TrainConfig, world_size: int) -> None:
+def validate(cfg: TrainConfig, world_size: int, nnodes: int = 1) -> None:
     """Raise ConfigError naming the first problem found; also checks the resume checkpoint."""
     _positive(cfg, "nproc", "steps", "batch_size", "n_layer", "n_head", "d_model", "seq_len",
               "eval_batches", "log_every", "corpus_bytes")
@@ -128,6 +132,9 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
         raise ConfigError(
             f"--batch-size {cfg.batch_size} is not divisible by the world size {world_size}"
         )
+    problem = mesh_problem(cfg, world_size, nnodes)
+    if problem:
+        raise ConfigError(problem)
     if cfg.resume and not cfg.checkpoint_dir:
         raise ConfigError("--resume needs --checkpoint-dir to know where to resume from")
     if cfg.checkpoint_dir:

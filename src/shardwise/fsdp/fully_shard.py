@@ -19,7 +19,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from shardwise.distributed.agree import check_same_model
-from shardwise.fsdp import checks
+from shardwise.fsdp import checks, tp_compose
 from shardwise.fsdp.dtensor import mesh_for_group
 from shardwise.fsdp.flat_param import FlatParamHandle
 from shardwise.fsdp.layout import check_shardable
@@ -88,6 +88,7 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh | None = None,
     params = [(p, h) for p, h in _unit_params(module, children) if p not in ignored]
     _check_placements(params, shard_placement_fn)
     handle = _make_handle(module, params, (group, replicate), mesh, mp, offloads_params(offload))
+    tp_compose.compose(handle, params, replicate)  # TP-sharded parameters: 2D DTensors
     _cast_buffers(module, mp)
     unit = FSDPUnit(module, handle, group, reshard, mp, children)
     unit.forward_prefetch = forward_prefetch

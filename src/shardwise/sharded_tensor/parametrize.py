@@ -7,12 +7,17 @@
   class is not changed. It lives in the instance ``__dict__``, which attribute lookup consults
   before ``nn.Module.__getattr__`` looks in ``_parameters``.
 - ``module._parameters["weight"]`` is an ordinary ``nn.Parameter`` holding this rank's shard, and
-  the ShardedTensor's local shard *is* that Parameter. So ``model.parameters()`` yields local
-  shards, gradients are accumulated into them, and any optimizer steps them in place: no
-  wrapper optimizer and no copies.
+  the ShardedTensor's local shard *is* whatever that slot holds, looked up live on every access
+  (``_ParamShards``). So ``model.parameters()`` yields local shards, gradients are accumulated
+  into them, and any optimizer steps them in place: no wrapper optimizer and no copies. A
+  mechanism that replaces the slot's tensor (FSDP over a data axis puts its gathered copy there
+  for forward and backward, its further-sharded DTensor between steps; see fsdp/tp_compose.py)
+  is followed without being told.
 - ``state_dict()`` gives a ShardedTensor (this rank's shard, detached, with the global metadata)
   under the parameter's key; ``load_state_dict`` takes a ShardedTensor with the same layout (its
   local shard is copied in) or a whole tensor of the global size (this rank's box of it is).
+  When the slot holds a DTensor (FSDP x TP: the 2D DTensor of the whole parameter), the entry
+  is that DTensor, left to its owner in both directions.
 
 Move a module to its device before sharding it: ``module.to()`` would replace the Parameters
 behind the ShardedTensors' backs.
@@ -21,15 +26,17 @@ behind the ShardedTensors' backs.
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Iterable, Mapping
+import weakref
+from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from shardwise.sharded_tensor import comm
 from shardwise.sharded_tensor.creation import shard_tensor
-from shardwise.sharded_tensor.metadata import ShardingError
+from shardwise.sharded_tensor.metadata import ShardingError, ShardMetadata
 from shardwise.sharded_tensor.shard import Shard
 from shardwise.sharded_tensor.sharded_tensor import ShardedTensor
 from shardwise.sharded_tensor.spec import ChunkShardingSpec, ShardingSpec
@@ -63,8 +70,8 @@ def shard_parameter(module: nn.Module, param_name: str, sharding_spec: ShardingS
                             f"{bad} {[counts[r] for r in bad]} shards; a parameter needs "
                             "exactly one shard on every rank")
     local = nn.Parameter(st.local_tensor(), requires_grad=param.requires_grad)
-    st._local_shards = [Shard(local, st.local_shards()[0].metadata)]
     module._parameters[param_name] = local
+    st._local_shards = _ParamShards(module, param_name, st.local_shards()[0].metadata)
     object.__setattr__(module, param_name, st)
     if _ATTR not in module.__dict__:
         module.__dict__[_ATTR] = {}
@@ -74,10 +81,49 @@ def shard_parameter(module: nn.Module, param_name: str, sharding_spec: ShardingS
     return st
 
 
+class _ParamShards(Sequence):
+    """The one local shard of a sharded parameter: ``module._parameters[name]`` at the moment
+    of access, with its box. Holds the module weakly (the module holds the ShardedTensor)."""
+
+    def __init__(self, module: nn.Module, name: str, metadata: ShardMetadata):
+        self._module = weakref.ref(module)
+        self._name = name
+        self._metadata = metadata
+
+    def tensor(self) -> torch.Tensor:
+        module = self._module()
+        if module is None:
+            raise ShardingError(f"the module that held sharded parameter {self._name!r} is gone")
+        return module._parameters[self._name]
+
+    def __len__(self) -> int:
+        return 1
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return [self[i] for i in range(1)[index]]
+        if index not in (0, -1):
+            raise IndexError(f"a sharded parameter has one local shard, not index {index}")
+        t = self.tensor()
+        if isinstance(t, DTensor) or tuple(t.shape) != self._metadata.shard_sizes:
+            raise ShardingError(
+                f"sharded parameter {self._name!r}: its local shard "
+                f"{self._metadata.describe()} is sharded further ({type(t).__name__} of local "
+                f"size {tuple(getattr(t, '_local_tensor', t).shape)}, e.g. by FSDP over a data "
+                "axis); it is whole only while its FSDP unit is gathered (forward, backward, "
+                "unshard())")
+        return Shard(t, self._metadata)
+
+
+def _owned_elsewhere(module: nn.Module, name: str) -> bool:
+    """The slot holds a DTensor: another mechanism (FSDP x TP) owns its state-dict entry."""
+    return isinstance(module._parameters.get(name), DTensor)
+
+
 def _state_dict_hook(module: nn.Module, state_dict: dict, prefix: str, _meta) -> None:
     for name, st in sharded_parameters(module).items():
         key = prefix + name
-        if key in state_dict:
+        if key in state_dict and not _owned_elsewhere(module, name):
             shards = [Shard(s.tensor.detach(), s.metadata) for s in st.local_shards()]
             state_dict[key] = ShardedTensor._from_parts(shards, st.metadata(),
                                                         st.sharding_spec(), st.process_group)
@@ -87,7 +133,7 @@ def _load_hook(module: nn.Module, state_dict: dict, prefix: str, *_rest) -> None
     for name, st in sharded_parameters(module).items():
         key = prefix + name
         value = state_dict.get(key)
-        if value is None:
+        if value is None or _owned_elsewhere(module, name):
             continue
         state_dict[key] = _local_value(key, value, st)
 

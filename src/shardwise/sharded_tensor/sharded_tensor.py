@@ -127,20 +127,32 @@ class ShardedTensor:
     def numel(self) -> int:
         return self._metadata.size.numel()
 
+    def _a_local_tensor(self) -> torch.Tensor | None:
+        """A local tensor to answer dtype, device and requires_grad from: a sharded parameter's
+        slot as it is (even while another mechanism shards it further, see parametrize.py)."""
+        slot = getattr(self._local_shards, "tensor", None)
+        if callable(slot):
+            return slot()
+        return self._local_shards[0].tensor if self._local_shards else None
+
     @property
     def dtype(self) -> torch.dtype:
-        return self._local_shards[0].tensor.dtype if self._local_shards else \
-            self._metadata.tensor_properties.dtype
+        t = self._a_local_tensor()
+        return t.dtype if t is not None else self._metadata.tensor_properties.dtype
 
     @property
     def device(self) -> torch.device:
-        if self._local_shards:
-            return self._local_shards[0].tensor.device
+        t = self._a_local_tensor()
+        if t is not None:
+            return t.device
         return resolve_device(self._metadata.shards_metadata[0].placement,
                               dist.get_backend(self._process_group))
 
     @property
     def requires_grad(self) -> bool:
+        slot = getattr(self._local_shards, "tensor", None)
+        if callable(slot):  # a sharded parameter: its slot
+            return slot().requires_grad
         return any(s.tensor.requires_grad for s in self._local_shards)
 
     def gather(self, dst: int = 0, out: torch.Tensor | None = None) -> torch.Tensor | None:
