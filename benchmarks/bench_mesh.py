@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from gpt_steps import batch_stream, timed_steps
 
 import sidebyside
 from bench_fsdp import _model_args, _state_mib
-from gpt_steps import batch_stream, timed_steps
 from shardwise import fully_shard
 from shardwise.models import GPT, GPTConfig
 
