@@ -36,7 +36,8 @@ twice, and the previous block's reduction still held its 48 MiB flat gradient an
 receive buffer. torch's FSDP2 reduces synchronously, so it has no reduction in flight, but it
 copies each unit's gradients into a reduce-scatter input while they are alive.
 A callback queued on autograd's engine reduces the gradient of any unit that got only part of
-its gradients (a parameter unused in forward), finishes the remaining reductions and reshards
+its gradients (a parameter unused in forward) or got some after its reduction ([Note: FSDP unit
+states], unit.py), finishes the remaining reductions and reshards
 whatever is still unsharded when the backward pass ends.
 """
 
@@ -112,6 +113,12 @@ class RootState:
                    if u.handle is not None and u.handle.state is ShardState.GATHERING)
 
     # ---- backward -----------------------------------------------------------------------
+    @property
+    def in_backward(self) -> bool:
+        """A backward pass through the tree is running (from its first pre-backward hook to
+        the end-of-backward callback)."""
+        return self.callback_queued
+
     def enter_backward(self) -> None:
         """First pre-backward of a backward pass: queue the end-of-backward callback."""
         if not self.callback_queued:
@@ -168,7 +175,8 @@ class RootState:
         """Reduce the gradients of units that got only some of theirs (a parameter unused in
         forward), finish every reduction, reshard every unit, reset per-backward state."""
         for unit in self.units:
-            if not unit.backward_done and unit.handle is not None and unit.handle.grads_arrived():
+            partial = not unit.backward_done or unit.late_grads
+            if partial and unit.handle is not None and unit.handle.grads_arrived():
                 unit.reduce_gradient()
         self.finish_reductions()
         for unit in self.units:
@@ -176,7 +184,7 @@ class RootState:
                 if unit.reshard_after_backward:
                     unit.handle.reshard()
                 unit.handle.reset_backward()
-            unit.backward_ready = unit.backward_done = False
+            unit.end_backward()
         self.callback_queued = False
 
     # ---- measurement --------------------------------------------------------------------
