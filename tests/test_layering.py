@@ -105,3 +105,22 @@ def test_the_check_sees_an_import_of_the_cli(tmp_path, module, line):
     path = tmp_path / "m.py"
     path.write_text(f"def f():\n    {line}\n")
     assert any(_package(m) == "cli" for _, m in _imports(path))
+
+
+DOCS = Path(__file__).resolve().parents[1] / "docs"
+README = Path(__file__).resolve().parents[1] / "README.md"
+NOTES = {"distributed": "data_parallel.md", "ddp": "ddp.md", "zero": "zero.md",
+         "fsdp": "fsdp.md", "sharded_tensor": "sharded_tensor.md", "pipeline": "pipeline.md",
+         "rpc": "rpc.md", "checkpoint": "checkpoint.md"}
+
+
+def test_each_mechanism_has_a_design_note_linked_from_the_readme():
+    readme = README.read_text()
+    for package, note in {**NOTES, "launcher": "launcher.md"}.items():
+        assert (DOCS / note).is_file(), f"{package}: docs/{note} is missing"
+        assert f"](docs/{note})" in readme, f"README does not link docs/{note}"
+
+
+def test_no_code_points_outside_the_repository_for_its_notes():
+    for path in SRC.rglob("*.py"):
+        assert "shared/notes" not in path.read_text(), path
