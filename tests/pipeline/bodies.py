@@ -169,3 +169,28 @@ def bad_microbatches(ctx) -> str:
     except ValueError as exc:
         return str(exc)
     return "no error"
+
+
+def eval_then_train(ctx, transport: str, schedule: str) -> dict:
+    """Two forward-only steps (``schedule.eval``), then one training step, on one pipeline."""
+    pp = ctx.world_size
+    with rpc_agents(ctx) if transport == "rpc" else contextlib.nullcontext():
+        _, module, stage = make_stage(ctx, pp, transport)
+        sched = SCHEDULES[schedule](stage, 4, loss_fn=lm_loss)
+        x, y = batch(0)
+        args = (x,) if stage.is_first else ()
+        target = y if stage.is_last else None
+        evals = []
+        for _ in range(2):
+            got: list = []
+            sched.eval(*args, target=target, losses=got)
+            evals.append(torch.stack(got).mean().item() if got else None)
+        grads_after_eval = [p.grad for p in module.parameters()]
+        trained: list = []
+        sched.step(*args, target=target, losses=trained)
+        if transport == "rpc":
+            dist.barrier()
+        return {"last": stage.is_last, "evals": evals,
+                "train": torch.stack(trained).mean().item() if trained else None,
+                "no_grad_after_eval": all(g is None for g in grads_after_eval),
+                "grads_after_train": all(p.grad is not None for p in module.parameters())}

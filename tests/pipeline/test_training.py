@@ -44,3 +44,17 @@ def test_single_stage_is_the_plain_model(transport):
     results = run_on_ranks(1, bodies.train_losses, 1, "1f1b", transport)
     for got, expected in zip(results[0]["losses"], reference(), strict=True):
         assert abs(got - expected) <= 1e-5 * abs(expected)
+
+
+@pytest.mark.parametrize("transport", ["p2p", "rpc"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_eval_runs_forwards_only_and_training_goes_on(schedule, transport):
+    """``schedule.eval`` gives the unsplit model's loss, leaves no gradient, no graph and no
+    pending receive behind: two evals then a training step on the same pipeline all agree."""
+    results = run_on_ranks(2, bodies.eval_then_train, transport, schedule)
+    last = next(r for r in results if r["last"])
+    expected = reference()[0]  # the untrained model's loss on batch 0
+    assert last["evals"][0] == last["evals"][1]
+    assert abs(last["evals"][0] - expected) <= 1e-5 * expected
+    assert abs(last["train"] - expected) <= 1e-5 * expected
+    assert all(r["no_grad_after_eval"] and r["grads_after_train"] for r in results)

@@ -41,7 +41,8 @@ STRATEGIES: dict[str, tuple[str, str]] = {
     "zero2": ("shardwise.cli.strategy_zero:build_zero2", "ZeRO stage 2: AdamW state and gradients "
               "sharded"),
     "tp": ("shardwise.cli.strategy_tp:build", "tensor parallel (sharded tensors), AdamW on shards"),
-    "pipeline": ("shardwise.cli.strategy_pipeline:build", "GPT stages per rank, RPC micro-batches"),
+    "pipeline": ("shardwise.cli.strategy_pipeline:build", "GPT stages (shardwise.pipeline): "
+                 "--schedule, --microbatches, --dp, --transport"),
     "fsdp": ("shardwise.cli.strategy_fsdp:build", "FullyShardedDataParallel, one unit per block "
              "(--tp T: FSDP x tensor parallel)"),
     "hsdp": ("shardwise.cli.strategy_fsdp:build_hybrid", "FSDP HYBRID_SHARD: sharded within "

@@ -1,20 +1,19 @@
-"""`--strategy pipeline`: the GPT split into one stage per rank, driven by RPC from rank 0.
+"""`--strategy pipeline`: the GPT cut into stages with shardwise.pipeline; this file only wires.
 
-Every rank starts an RPC agent (rendezvous through a fresh TCPStore whose port rank 0 shares
-over the gloo group) and keeps its own stage: rank 0 the embeddings and first blocks, the last
-rank the final blocks, ``ln_f`` and the head. Rank 0 splits each batch into micro-batches and
-sends each through the stages with ``remote()``, every stage fetching its input from the
-previous stage directly (``to_here``), so stage k works on micro-batch i while stage k+1 works on
-i-1. The loss is computed on rank 0 and backward runs with distributed autograd; each stage's
-gradients are then loaded into ``.grad`` and the training loop's own optimizer step (a local
-AdamW per stage) applies them. Other ranks' ``train_step`` waits for rank 0's loss (a gloo
-broadcast), so every rank logs the same number.
+``--nproc N --dp D`` makes D replicas of a pipeline of N / D stages (``pipeline_layout``: rank r
+is stage r % (N / D) of replica r // (N / D)); with D > 1 each stage is wrapped in our
+DistributedDataParallel over its data-parallel group, which reduces once per step. Each step
+runs ``--schedule`` (gpipe or 1f1b) over ``--microbatches`` micro-batches of the replica's
+slice of the batch, over ``--transport`` (c10d point-to-point, or RPC with distributed
+autograd). Every rank steps a local AdamW on its own stage. The last stage's loss is broadcast
+over the pipeline group so that every rank returns its replica's loss to the training loop.
+Evaluation runs the schedule's forwards only and broadcasts the last stage's logits likewise.
 """
 
 from __future__ import annotations
 
 import atexit
-import threading
+import math
 
 import torch
 import torch.distributed as dist
@@ -24,96 +23,23 @@ import shardwise.rpc as rpc
 from shardwise.cli.optim import make_adamw
 from shardwise.cli.strategies import Prepared
 from shardwise.cli.train_args import TrainConfig
+from shardwise.ddp import DistributedDataParallel
 from shardwise.models import GPT, lm_loss
-from shardwise.rpc import autograd as dist_autograd
+from shardwise.pipeline import (
+    PipelineLayout,
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    pipeline_layout,
+    split_gpt,
+)
 
-MICRO_BATCHES = 2
-_stage: dict[str, nn.Module] = {}
-
-
-class Embed(nn.Module):
-    def __init__(self, gpt: GPT):
-        super().__init__()
-        self.tok_emb, self.pos_emb = gpt.tok_emb, gpt.pos_emb
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        return self.tok_emb(idx) + self.pos_emb(torch.arange(idx.shape[1], device=idx.device))
-
-
-class Head(nn.Module):
-    def __init__(self, gpt: GPT):
-        super().__init__()
-        self.ln_f, self.head = gpt.ln_f, gpt.head
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.ln_f(x))
-
-
-class Stage(nn.Module):
-    """A run of consecutive layers; one stage's calls run one at a time."""
-
-    def __init__(self, layers: list[nn.Module]):
-        super().__init__()
-        self.layers = nn.Sequential(*layers)
-        self.lock = threading.Lock()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        with self.lock:
-            return self.layers(x)
-
-
-def split_gpt(gpt: GPT, stages: int) -> list[Stage]:
-    """[Embed, blocks..., Head] cut into ``stages`` runs of near-equal length."""
-    layers = [Embed(gpt), *gpt.blocks, Head(gpt)]
-    if stages > len(layers):
-        raise ValueError(f"pipeline of {stages} stages needs at least {stages - 2} blocks, "
-                         f"the model has {len(gpt.blocks)}")
-    cuts = [round(i * len(layers) / stages) for i in range(stages + 1)]
-    return [Stage(layers[a:b]) for a, b in zip(cuts, cuts[1:])]
-
-
-def stage_forward(stage_rref: rpc.RRef, x_rref: rpc.RRef) -> torch.Tensor:
-    return stage_rref.local_value()(x_rref.to_here())
-
-
-def stage_rref(name: str) -> rpc.RRef:
-    return rpc.RRef(_stage[name])
-
-
-def load_grads(stage_rref_: rpc.RRef, context_id: int) -> None:
-    grads = dist_autograd.get_gradients(context_id)
-    for p in stage_rref_.local_value().parameters():
-        p.grad = grads.get(p)
-
-
-class PipelineModel(nn.Module):
-    """Forward through the stages by RPC; callable on any rank."""
-
-    def __init__(self, stages: list[rpc.RRef], micro_batches: int = MICRO_BATCHES):
-        super().__init__()
-        self.stages, self.micro_batches = stages, micro_batches
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        outs = []
-        for chunk in idx.chunk(min(self.micro_batches, idx.shape[0])):
-            ref = rpc.RRef(chunk)
-            for s in self.stages:
-                ref = rpc.remote(s.owner(), stage_forward, args=(s, ref))
-            outs.append(ref)
-        return torch.cat([r.to_here() for r in outs])
-
-    def train_step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """Forward, distributed backward, and each stage's gradients into its ``.grad``."""
-        with dist_autograd.context() as cid:
-            loss = lm_loss(self(x), y)
-            dist_autograd.backward(cid, [loss])
-            for f in [rpc.rpc_async(s.owner(), load_grads, args=(s, cid)) for s in self.stages]:
-                f.wait()
-        return loss.detach()
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 
 
 def start_rpc(group: dist.ProcessGroup, rank: int, world: int) -> None:
-    """An RPC agent per rank, rendezvousing through a new store on a port rank 0 picks."""
+    """An RPC agent per rank (RPC rank = c10d rank), rendezvousing through a new store on a
+    port rank 0 picks and broadcasts over ``group``."""
     port = torch.zeros(1, dtype=torch.int64)
     store = None
     if rank == 0:
@@ -127,32 +53,65 @@ def start_rpc(group: dist.ProcessGroup, rank: int, world: int) -> None:
     atexit.register(rpc.shutdown)
 
 
-def build(model: nn.Module, cfg: TrainConfig, group: dist.ProcessGroup,
+class PipelineForward(nn.Module):
+    """``forward(idx)`` on every rank of a pipeline: the stages' forwards only (no graph), the
+    last stage's logits broadcast over the pipeline group. Used for evaluation."""
+
+    def __init__(self, stage: PipelineStage, layout: PipelineLayout, microbatches: int,
+                 vocab_size: int):
+        super().__init__()
+        self.stage_module = stage.submod  # a child, so that .train()/.eval() reach it
+        self._stage, self._layout = stage, layout
+        self._m, self._vocab = microbatches, vocab_size
+        self._last = dist.get_global_rank(layout.pp_group, layout.pp - 1)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        schedule = ScheduleGPipe(self._stage, math.gcd(self._m, idx.shape[0]))
+        out = schedule.eval(idx) if self._stage.is_first else schedule.eval()
+        if out is None:
+            out = torch.empty(*idx.shape, self._vocab, device=idx.device)
+        out = out.contiguous()
+        dist.broadcast(out, src=self._last, group=self._layout.pp_group)
+        return out
+
+
+def build(model: GPT, cfg: TrainConfig, group: dist.ProcessGroup,
           device: torch.device) -> Prepared:
-    if device.type != "cpu":
-        raise ValueError("--strategy pipeline runs on CPU (CUDA device maps are not wired "
-                         "into the CLI)")
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
-    stage = split_gpt(model, world)[rank]
-    _stage[f"stage{rank}"] = stage
-    start_rpc(group, rank, world)
-    stages = [rpc.rpc_sync(f"stage{r}", stage_rref, args=(f"stage{r}",)) for r in range(world)]
-    pipe = PipelineModel(stages)
-    optimizer = make_adamw(stage.parameters(), cfg)
-    loss_src = dist.get_global_rank(group, 0)
+    world = dist.get_world_size(group)
+    if world != dist.get_world_size():
+        raise ValueError("--strategy pipeline lays its stages out over the whole world")
+    if cfg.transport == "rpc" and device.type != "cpu":
+        raise ValueError("--strategy pipeline --transport rpc runs on CPU (CUDA device maps "
+                         "are not wired into the CLI); use --transport p2p")
+    if cfg.transport == "rpc":
+        start_rpc(group, dist.get_rank(group), world)
+    layout = pipeline_layout(world // cfg.dp)
+    inner = split_gpt(model, layout.pp)[layout.stage_index].to(device)
+    module: nn.Module = inner
+    if layout.dp > 1:
+        module = DistributedDataParallel(inner, process_group=layout.dp_group)
+    stage = PipelineStage(module, layout.stage_index, layout.pp, device=device,
+                          group=layout.pp_group, transport=cfg.transport)
+    schedule = SCHEDULES[cfg.schedule](stage, cfg.microbatches, loss_fn=lm_loss)
+    optimizer = make_adamw(inner.parameters(), cfg)
+    last = dist.get_global_rank(layout.pp_group, layout.pp - 1)
 
     def train_step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        loss = pipe.train_step(x, y) if rank == 0 else torch.zeros(())
-        loss = loss.reshape(1).float().clone()
-        dist.broadcast(loss, src=loss_src, group=group)
+        losses: list[torch.Tensor] = []
+        schedule.step(*(x,) if stage.is_first else (), target=y if stage.is_last else None,
+                      losses=losses, return_outputs=False)
+        loss = torch.stack(losses).mean() if losses else torch.zeros((), device=device)
+        loss = loss.detach().float().reshape(1).clone()
+        dist.broadcast(loss, src=last, group=layout.pp_group)
         return loss
 
     def state_dict() -> dict:
-        return {"stage": stage.state_dict(), "optimizer": optimizer.state_dict()}
+        return {"stage": inner.state_dict(), "optimizer": optimizer.state_dict()}
 
     def load_state_dict(state: dict) -> None:
-        stage.load_state_dict(state["stage"])
+        inner.load_state_dict(state["stage"])
         optimizer.load_state_dict(state["optimizer"])
 
-    return Prepared(pipe, optimizer, state_dict, load_state_dict, per_rank_state=True,
-                    data_slice=(0, 1), train_step=train_step)
+    forward = PipelineForward(stage, layout, cfg.microbatches, model.cfg.vocab_size)
+    return Prepared(forward, optimizer, state_dict, load_state_dict, per_rank_state=True,
+                    data_slice=(layout.replica, layout.dp), train_step=train_step)

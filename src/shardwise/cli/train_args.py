@@ -42,6 +42,11 @@ class TrainConfig:
     log_dir: str | None = None  # metrics, loss curve, TensorBoard events (cli/run_log.py)
     replicas: int = 0  # hsdp: replicas (0: one per node); see cli/mesh_args.py
     tp: int = 1  # fsdp: tensor-parallel degree (FSDP x TP)
+    # --strategy pipeline only (see add_pipeline_args)
+    schedule: str = "1f1b"
+    microbatches: int = 2
+    dp: int = 1
+    transport: str = "p2p"
 
     def model_config(self) -> GPTConfig:
         return GPTConfig(seq_len=self.seq_len, n_layer=self.n_layer, n_head=self.n_head,
@@ -87,6 +92,7 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     add("--no-progress", dest="progress", action="store_false", help="no progress bar")
     _add_log_args(parser)
     add_mesh_args(parser)
+    add_pipeline_args(parser)
     return parser
 
 
@@ -94,6 +100,44 @@ def _add_log_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-dir", default=None,
                         help="write metrics.jsonl, loss.png and (with tensorboard installed) "
                              "TensorBoard events here")
+
+
+PIPELINE_FLAGS = ("schedule", "microbatches", "dp", "transport")
+
+
+def add_pipeline_args(parser: argparse.ArgumentParser) -> None:
+    d = TrainConfig()
+    add = parser.add_argument
+    add("--schedule", default=d.schedule, choices=["gpipe", "1f1b"], help="pipeline only")
+    add("--microbatches", type=int, default=d.microbatches,
+        help="pipeline only: micro-batches per step (must divide the batch per replica)")
+    add("--dp", type=int, default=d.dp,
+        help="pipeline only: data-parallel replicas of the pipeline (stages = nproc / dp)")
+    add("--transport", default=d.transport, choices=["p2p", "rpc"],
+        help="pipeline only: c10d point-to-point, or RPC with distributed autograd")
+
+
+def validate_pipeline(cfg: TrainConfig, world_size: int) -> None:
+    """The pipeline flags: refused with another strategy; the layout must fit the world,
+    the model and the batch."""
+    if cfg.strategy != "pipeline":
+        d = TrainConfig()
+        set_ = [f"--{n}" for n in PIPELINE_FLAGS if getattr(cfg, n) != getattr(d, n)]
+        if set_:
+            raise ConfigError(f"{', '.join(set_)} only apply to --strategy pipeline")
+        return
+    _positive(cfg, "microbatches", "dp")
+    if world_size % cfg.dp:
+        raise ConfigError(f"--dp {cfg.dp} does not divide the world size {world_size}")
+    stages = world_size // cfg.dp
+    if stages > cfg.n_layer + 2:
+        raise ConfigError(f"a pipeline of {stages} stages needs at least {stages - 2} layers "
+                          f"(--n-layer is {cfg.n_layer})")
+    per_replica = cfg.batch_size // cfg.dp
+    if cfg.batch_size % cfg.dp or per_replica % cfg.microbatches:
+        raise ConfigError(f"--batch-size {cfg.batch_size} gives {cfg.batch_size / cfg.dp:g} "
+                          f"samples per replica (--dp {cfg.dp}), not divisible by "
+                          f"--microbatches {cfg.microbatches}")
 
 
 def _override_list(text: str) -> tuple[str, ...]:
@@ -123,6 +167,7 @@ def validate(cfg: TrainConfig, world_size: int, nnodes: int = 1) -> None:
         raise ConfigError(f"--lr must be positive and finite, got {cfg.lr}")
     if cfg.keep < 0:
         raise ConfigError(f"--keep must be at least 0, got {cfg.keep}")
+    validate_pipeline(cfg, world_size)
     if cfg.batch_size < world_size:
         raise ConfigError(
             f"--batch-size {cfg.batch_size} is smaller than the world size {world_size}: "

@@ -89,7 +89,7 @@ class Bucket:
     state: BucketState = BucketState.FILLING
     work: Waitable | None = None
     # each parameter's view of `buffer` (its shape), made with the buffer: a gradient hook and
-    # the finish step use them every step, and slicing anew cost ~20 us each on CPU
+    # the finish step use them every step, and slicing anew costs (docs/data_parallel.md)
     views: list[torch.Tensor] | None = field(default=None, repr=False)
     # positions of parameters that no rank used in this reduction (set before finish when
     # globally unused parameters are tracked; see the module docstring)

@@ -9,10 +9,7 @@ next unit's parameters arrive on gloo's threads (or NCCL's stream). At most
 ``forward_prefetch=True`` (then 2): with 1, a unit's own gather takes the only place, so forward
 gathers each unit when it is needed (the unsharded memory is the root and one unit, as in
 torch's FSDP2 on CPU); with 2 the next unit's gather overlaps the current unit's compute, for
-one unit more of memory. Measured on the bench GPT (51M parameters, world size 2, gloo,
-MALLOC_MMAP_THRESHOLD_=131072): peak RSS per rank 812 MiB without forward prefetch and 844 with
-it, torch's FSDP2 877; step time did not measurably differ, because on 2 shared cores gloo's
-threads compete with compute. (The peak is in backward, see below.)
+one unit more of memory (figures in docs/fsdp.md). (The peak is in backward, see below.)
 The root, and the unit that ran last in forward, stay unsharded after forward: backward starts
 with them.
 
@@ -28,15 +25,16 @@ gradient is allocated, and in any case before another reduction is issued (at mo
 pre-backward and the computation of its first gradient, and no unit's flat gradient is
 allocated while another unit's reduction still holds its own: the flat gradients alive are the
 root's (whose head receives the first gradient of backward) and at most one other unit's.
-Measured on the bench GPT, this, keeping no per-parameter gradients next to the flat one, and a
-reduce-scatter that receives straight into its output on two ranks (fast_collectives.py) took
-the backward peak from 882 to 812 MiB per rank. At the old peak (the last block's per-parameter
-gradients just concatenated into its flat gradient) the block's 48 MiB of gradients were alive
-twice, and the previous block's reduction still held its 48 MiB flat gradient and a 24 MiB
-receive buffer. torch's FSDP2 reduces synchronously, so it has no reduction in flight, but it
-copies each unit's gradients into a reduce-scatter input while they are alive.
+This, keeping no per-parameter gradients next to the flat one, and a reduce-scatter that
+receives straight into its output on two ranks (fast_collectives.py) lowered the backward peak
+(figures in docs/fsdp.md): at the old peak the last block's gradients were alive twice (per
+parameter and just concatenated into its flat gradient), and the previous block's reduction
+still held its flat gradient and a receive buffer. torch's FSDP2 reduces synchronously, so it
+has no reduction in flight, but it copies each unit's gradients into a reduce-scatter input
+while they are alive.
 A callback queued on autograd's engine reduces the gradient of any unit that got only part of
-its gradients (a parameter unused in forward), finishes the remaining reductions and reshards
+its gradients (a parameter unused in forward) or got some after its reduction ([Note: FSDP unit
+states], unit.py), finishes the remaining reductions and reshards
 whatever is still unsharded when the backward pass ends.
 """
 
@@ -112,6 +110,12 @@ class RootState:
                    if u.handle is not None and u.handle.state is ShardState.GATHERING)
 
     # ---- backward -----------------------------------------------------------------------
+    @property
+    def in_backward(self) -> bool:
+        """A backward pass through the tree is running (from its first pre-backward hook to
+        the end-of-backward callback)."""
+        return self.callback_queued
+
     def enter_backward(self) -> None:
         """First pre-backward of a backward pass: queue the end-of-backward callback."""
         if not self.callback_queued:
@@ -168,7 +172,8 @@ class RootState:
         """Reduce the gradients of units that got only some of theirs (a parameter unused in
         forward), finish every reduction, reshard every unit, reset per-backward state."""
         for unit in self.units:
-            if not unit.backward_done and unit.handle is not None and unit.handle.grads_arrived():
+            partial = not unit.backward_done or unit.late_grads
+            if partial and unit.handle is not None and unit.handle.grads_arrived():
                 unit.reduce_gradient()
         self.finish_reductions()
         for unit in self.units:
@@ -176,7 +181,7 @@ class RootState:
                 if unit.reshard_after_backward:
                     unit.handle.reshard()
                 unit.handle.reset_backward()
-            unit.backward_ready = unit.backward_done = False
+            unit.end_backward()
         self.callback_queued = False
 
     # ---- measurement --------------------------------------------------------------------

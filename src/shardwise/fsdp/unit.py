@@ -27,8 +27,32 @@ UNIT_ATTR = "_shardwise_fsdp_unit"
 
 
 class TrainingState(Enum):
-    IDLE = auto()
-    FORWARD = auto()  # inside the unit's forward
+    """Where a unit is in one iteration; every hook reads it ([Note: FSDP unit states])."""
+
+    IDLE = auto()  # between iterations, and after the unit's forward until backward reaches it
+    FORWARD = auto()  # inside the unit's forward (pre-forward ran, post-forward not yet)
+    PRE_BACKWARD = auto()  # backward reached the unit: parameters gathered, gradients arriving
+    POST_BACKWARD = auto()  # every gradient in: reduction issued (parameters resharded)
+
+
+# [Note: FSDP unit states]
+# IDLE -> FORWARD (pre-forward: gather, record the forward order) -> IDLE (post-forward: reshard
+# unless backward needs the unit first). IDLE -> PRE_BACKWARD (the first gradient of one of the
+# unit's outputs: gather, prefetch the next unit in backward order; later outputs' gradients
+# find the unit already in PRE_BACKWARD and do nothing) -> POST_BACKWARD (the last parameter
+# gradient of the unit: reshard, reduce-scatter) -> IDLE (the root's end-of-backward callback,
+# for every unit at once).
+# A forward that runs while a backward is running is an activation-checkpoint recompute
+# (torch.utils.checkpoint, reentrant or not, of the whole unit or inside it): it leaves the
+# state as it is, records no forward order, gathers the parameters if they are not gathered
+# and never reshards them, since the recomputed graph's backward is about to use them. A
+# non-reentrant recompute may stop before the unit's post-forward runs; end-of-backward clears
+# the recompute flag. Gradients are counted per parameter, once each: a parameter whose
+# gradient arrives twice in one backward (used both inside and outside a reentrant checkpoint,
+# whose inner backward delivers its gradient separately) is accumulated, and one that arrives
+# after the unit's reduction was issued (POST_BACKWARD) goes into a new flat gradient that the
+# end-of-backward callback reduces too: a reduce-scatter is linear, so the two reductions sum
+# to the one the whole gradient would have had. tests/fsdp/test_fsdp_state_machine.py.
 
 
 class FSDPUnit:
@@ -49,9 +73,11 @@ class FSDPUnit:
         self.is_root = False
         self.no_sync = False  # keep unsharded gradients, no reduce-scatter (no_sync())
         self.state = TrainingState.IDLE
+        self.recomputing = False  # a forward run during backward (activation checkpointing)
+        self.late_grads = False  # gradients arrived in POST_BACKWARD, reduced at the end
+        self._arrived: set[int] = set()  # leaves whose gradient arrived in this backward
+        self._expected = 0  # leaves that require grad, read at the first arrival
         self.forward_index = -1  # position of the current call in the forward order
-        self.backward_ready = False  # parameters gathered for this backward
-        self.backward_done = False  # gradient reduction issued for this backward
         self.reshard_after_backward = True
         # set_modules_to_{forward,backward}_prefetch: None follows the recorded order
         self.forward_prefetch_units: list[FSDPUnit] | None = None
@@ -92,6 +118,22 @@ class FSDPUnit:
             out += child.subtree()
         return out
 
+    @property
+    def backward_ready(self) -> bool:
+        """Parameters gathered for this backward (its pre-backward ran)."""
+        return self.state in (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD)
+
+    @property
+    def backward_done(self) -> bool:
+        """Gradient reduction issued for this backward."""
+        return self.state is TrainingState.POST_BACKWARD
+
+    def end_backward(self) -> None:
+        """The backward pass is over (the root's callback): back to IDLE."""
+        self.state = TrainingState.IDLE
+        self.recomputing = self.late_grads = False
+        self._arrived.clear()
+
     def needs_gradients(self) -> bool:
         return self.handle is not None and self.handle.requires_grad
 
@@ -115,18 +157,34 @@ class FSDPUnit:
     def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if self.root_state is None:
             self._lazy_init()
-        if self.is_root:
-            self.root_state.start_forward()
-        self.state = TrainingState.FORWARD
-        self.root_state.unshard_for_forward(self, self.forward_prefetch_units)
-        if self.handle is not None:
-            self.handle.use_unsharded_views()
+        if self.root_state.in_backward:
+            self._pre_recompute()
+        else:
+            if self.is_root:
+                self.root_state.start_forward()
+            self.state = TrainingState.FORWARD
+            self.root_state.unshard_for_forward(self, self.forward_prefetch_units)
+            if self.handle is not None:
+                self.handle.use_unsharded_views()
         mp = self.mixed_precision
         if mp is not None and mp.param_dtype is not None and mp.cast_forward_inputs:
             args, kwargs = _cast_floats((args, kwargs), mp.param_dtype)
         return args, kwargs
 
+    def _pre_recompute(self) -> None:
+        """A forward during backward (see [Note: FSDP unit states]): parameters gathered and in
+        place, the state and the forward order left alone."""
+        self.recomputing = True
+        if self.handle is not None:
+            self.handle.finish_unshard()  # no collective when already gathered
+            if not self.handle.views_set:
+                self.handle.use_unsharded_views()
+
     def _post_forward(self, module: nn.Module, args: tuple, output: Any) -> Any:
+        if self.recomputing:  # parameters stay: the recomputed graph's backward needs them
+            self.recomputing = False
+            register_pre_backward(output, self._pre_backward)
+            return self._cast_output(output)
         self.state = TrainingState.IDLE
         grad = torch.is_grad_enabled()
         if self.handle is not None:
@@ -135,6 +193,9 @@ class FSDPUnit:
             if not keep:
                 self.handle.reshard()
         register_pre_backward(output, self._pre_backward)
+        return self._cast_output(output)
+
+    def _cast_output(self, output: Any) -> Any:
         mp = self.mixed_precision
         if mp is not None and getattr(mp, "output_dtype", None) is not None:
             output = _cast_floats(output, mp.output_dtype)
@@ -143,9 +204,9 @@ class FSDPUnit:
     # ---- backward -----------------------------------------------------------------------
     def _pre_backward(self) -> None:
         self.root_state.enter_backward()
-        if self.backward_ready:
-            return
-        self.backward_ready = True
+        if self.state in (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD):
+            return  # another output of the unit, or a recomputed one: already done
+        self.state = TrainingState.PRE_BACKWARD
         if self.handle is not None:
             handle = self.handle
             handle.start_unshard()
@@ -160,17 +221,27 @@ class FSDPUnit:
                 handle.use_unsharded_views()
 
     def _on_param_grad(self, index: int, leaf: torch.Tensor) -> None:
-        """One parameter's gradient is complete: into the flat gradient with it."""
+        """One parameter's gradient is complete: into the flat gradient with it. The unit's
+        backward is over when every parameter that requires grad delivered one (each counted
+        once; a late or repeated one: [Note: FSDP unit states])."""
+        if self.state is TrainingState.POST_BACKWARD:
+            # into new gradients, reduced at the end
+            self.handle.add_param_grad(index, sync=not self.no_sync)
+            self.late_grads = True
+            return
         if not self.handle.grads_arrived():
             # the unit's first gradient in this backward: finish the reduction in flight before
             # this unit's flat gradient is allocated (see [Note: FSDP schedule])
             self.root_state.finish_reductions()
-        if self.handle.add_param_grad(index, sync=not self.no_sync):
+            self._expected = sum(s.requires_grad for s in self.handle.slots)
+        self.handle.add_param_grad(index, sync=not self.no_sync)
+        self._arrived.add(index)
+        if len(self._arrived) == self._expected:
             self._post_backward()
 
     def _post_backward(self) -> None:
         """Every gradient of the unit is in: its backward is over (see the Note)."""
-        self.backward_done = True
+        self.state = TrainingState.POST_BACKWARD
         if self.reshard_after_backward:
             self.handle.reshard()  # parameters first: free their buffer before reductions'
         if self.backward_prefetch_units is None:

@@ -83,13 +83,16 @@ class P2PRuntime:
             self._post_fwd_recv()
         return x
 
-    def send_forward(self, out: torch.Tensor) -> None:
-        """Send an activation, and post the receive of its gradient (same shape) right away;
-        gradients come back in the order activations went out."""
+    def send_forward(self, out: torch.Tensor, expect_grad: bool = True) -> None:
+        """Send an activation, and post the receive of its gradient (same shape) right away
+        (unless the step runs forwards only); gradients come back in the order activations
+        went out."""
         if not self._sent_meta:
             self._isend(encode_meta(out).to(self.device), self.next)
             self._sent_meta = True
         self._isend(out.detach().contiguous(), self.next)
+        if not expect_grad:
+            return
         grad = torch.empty(out.shape, dtype=out.dtype, device=self.device)
         self._bwd_recvs.append((dist.irecv(grad, src=self.next, group=self.group), grad))
 

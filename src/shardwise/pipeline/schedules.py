@@ -16,6 +16,7 @@ mean loss.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 
 import torch
@@ -71,17 +72,30 @@ class _Schedule:
         Returns the last stage's output (the micro-batches' outputs concatenated, detached)
         when ``return_outputs``; None elsewhere. Point-to-point sends and RPCs happen as the
         stage's transport does them; no collective beyond those (and DDP's, if wrapped)."""
+        train = self._loss_fn is not None
+        return self._run(args, target, losses, return_outputs, train)
+
+    def eval(self, *args: torch.Tensor, target: torch.Tensor | None = None,
+             losses: list | None = None) -> torch.Tensor | None:
+        """Forwards only, as torch's ``schedule.eval``: no graph kept, no gradient sent; the
+        last stage computes each micro-batch's loss into ``losses`` when it has a target."""
+        return self._run(args, target, losses, True, train=False)
+
+    def _run(self, args: tuple, target: torch.Tensor | None, losses: list | None,
+             return_outputs: bool, train: bool) -> torch.Tensor | None:
         stage = self._stage
         micro_x = self._split_inputs(args)
-        micro_t = self._split_target(target)
-        stage.begin_step(self._n)
+        micro_t = self._split_target(target, needed=train)
+        order = self._order() if train else gpipe_order(self._n, backward=False)
+        stage.begin_step(self._n, backward=train)
         outputs, micro_losses, out = [], {}, None
         try:
-            for kind, i in self._order():
+            for kind, i in order:
                 if kind == "F":
                     out = stage.forward_one_chunk(i, micro_x[i] if micro_x else None)
-                    if stage.is_last and self._loss_fn is not None:
-                        micro_losses[i] = self._loss_fn(out, micro_t[i])
+                    if stage.is_last and self._loss_fn is not None and micro_t is not None:
+                        with contextlib.nullcontext() if train else torch.no_grad():
+                            micro_losses[i] = self._loss_fn(out, micro_t[i])
                     if stage.is_last and return_outputs:
                         outputs.append(out.detach())
                 else:
@@ -95,7 +109,7 @@ class _Schedule:
             stage._saved.clear()
             raise
         stage.end_step()
-        if losses is not None and stage.is_last and self._loss_fn is not None:
+        if losses is not None and micro_losses:
             losses.extend(micro_losses[i].detach() for i in range(self._n))
         del out
         return torch.cat(outputs) if outputs else None
@@ -110,13 +124,14 @@ class _Schedule:
             raise ValueError("the first stage passes exactly one input tensor to step()")
         return self._chunks(args[0], "input")
 
-    def _split_target(self, target: torch.Tensor | None) -> list[torch.Tensor] | None:
+    def _split_target(self, target: torch.Tensor | None,
+                      needed: bool) -> list[torch.Tensor] | None:
         if not self._stage.is_last:
             if target is not None:
                 raise ValueError(f"stage {self._stage.stage_index} got a target: only the last "
                                  "stage takes target= (and losses=)")
             return None
-        if self._loss_fn is not None and target is None:
+        if needed and target is None:
             raise ValueError("the last stage of a schedule with a loss_fn needs target=")
         return self._chunks(target, "target") if target is not None else None
 

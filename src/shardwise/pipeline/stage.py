@@ -99,16 +99,19 @@ class PipelineStage:
         return self.stage_index == self.num_stages - 1
 
     # ---------------------------------------------------------------- one step
-    def begin_step(self, n_microbatches: int) -> None:
+    def begin_step(self, n_microbatches: int, backward: bool = True) -> None:
+        """Start a step of ``n_microbatches``; ``backward=False``: forwards only (no graph is
+        kept, no gradient is received, no distributed autograd context is opened)."""
         if self._saved:
             raise RuntimeError("a new step began while micro-batches of the last one were in "
                                "flight (an earlier step failed?)")
         self._n, self._busy, self._start = n_microbatches, 0.0, time.perf_counter()
+        self._backward = backward
         if self.meter is not None:
             self.meter.reset_peak()
         if self.transport == "p2p":
             self._p2p.begin_step(n_microbatches)
-        else:
+        elif backward:
             self._set_ddp_sync(False)  # micro-batches' distributed backwards stay local
 
     def end_step(self) -> None:
@@ -116,7 +119,8 @@ class PipelineStage:
             self._p2p.end_step()
         else:
             self._rpc.end_step()
-            self._apply_rpc_grads()
+            if self._backward:
+                self._apply_rpc_grads()
         step_s = time.perf_counter() - self._start
         idle = None if self.transport == "rpc" else 1 - self._busy / step_s
         peak = self.meter.peak_bytes if self.meter is not None else None
@@ -124,16 +128,20 @@ class PipelineStage:
 
     def forward_one_chunk(self, micro: int, x: torch.Tensor | None) -> torch.Tensor:
         """Forward of micro-batch ``micro``: ``x`` on the first stage, received elsewhere."""
-        cid = None
+        cid, train = None, self._backward
         if self.transport == "rpc":
-            cid, x = (self._rpc.new_context(), x) if self.is_first else \
-                self._rpc.recv_forward(micro)
+            if not self.is_first:
+                cid, x = self._rpc.recv_forward(micro)
+            elif train:
+                cid = self._rpc.new_context()
         elif not self.is_first:
             x = self._p2p.recv_forward()
-            if x.is_floating_point():
+            if x.is_floating_point() and train:
                 x.requires_grad_(True)
         start = time.perf_counter()
-        with self.meter.recording() if self.meter is not None else contextlib.nullcontext():
+        meter = self.meter.recording() if self.meter is not None and train else \
+            contextlib.nullcontext()
+        with meter, contextlib.nullcontext() if train else torch.no_grad():
             out = self.submod(x)
         self._busy += time.perf_counter() - start
         if not isinstance(out, torch.Tensor):
@@ -141,10 +149,11 @@ class PipelineStage:
                             "passes one tensor to the next")
         if not self.is_last:
             if self.transport == "p2p":
-                self._p2p.send_forward(out)
+                self._p2p.send_forward(out, expect_grad=train)
             else:
                 self._rpc.send_forward(micro, cid, out)
-        self._saved[micro] = (x, out, cid)
+        if train:
+            self._saved[micro] = (x, out, cid)
         return out
 
     def backward_one_chunk(self, micro: int, loss: torch.Tensor | None = None,

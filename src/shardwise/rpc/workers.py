@@ -3,7 +3,7 @@
 [Note: worker pool] ``concurrent.futures.ThreadPoolExecutor`` wakes an idle thread for every
 task it is given. When many calls arrive at once, all ``num_worker_threads`` threads end up
 runnable, and in one Python process they mostly take turns at the GIL and at the socket:
-measured on the RPC benchmark, ten context switches per call on the callee. This pool wakes a
+several context switches per call on the callee (docs/rpc.md). This pool wakes a
 thread only when no thread is running tasks; a running thread takes the next task itself, without
 sleeping in between. That alone would make a task that blocks (a nested RPC, a wait on another
 call) hold up every task queued behind it, so a watchdog thread looks at the queue every

@@ -28,6 +28,7 @@ from shardwise.sharded_tensor.shard import Shard
 from shardwise.sharded_tensor.sharded_tensor import (
     ShardedTensor,
     _size_arg,
+    check_torch_only,
     group_rank,
     resolved_metadata,
 )
@@ -46,25 +47,29 @@ def _filled(fill: Callable[[torch.Tensor], None], spec: ShardingSpec, size: tupl
 
 
 def empty(sharding_spec: ShardingSpec, *size: int, dtype: torch.dtype | None = None,
-          requires_grad: bool = False, process_group=None, **_torch_only) -> ShardedTensor:
+          requires_grad: bool = False, process_group=None, **torch_only) -> ShardedTensor:
     """Uninitialised shards (no communication)."""
+    check_torch_only("empty", torch_only)
     return ShardedTensor(sharding_spec, *size, dtype=dtype, requires_grad=requires_grad,
                          process_group=process_group)
 
 
 def zeros(sharding_spec: ShardingSpec, *size: int, dtype: torch.dtype | None = None,
-          requires_grad: bool = False, process_group=None, **_torch_only) -> ShardedTensor:
+          requires_grad: bool = False, process_group=None, **torch_only) -> ShardedTensor:
+    check_torch_only("zeros", torch_only)
     return _filled(lambda t: t.zero_(), sharding_spec, size, dtype, requires_grad, process_group)
 
 
 def ones(sharding_spec: ShardingSpec, *size: int, dtype: torch.dtype | None = None,
-         requires_grad: bool = False, process_group=None, **_torch_only) -> ShardedTensor:
+         requires_grad: bool = False, process_group=None, **torch_only) -> ShardedTensor:
+    check_torch_only("ones", torch_only)
     return _filled(lambda t: t.fill_(1), sharding_spec, size, dtype, requires_grad, process_group)
 
 
 def full(sharding_spec: ShardingSpec, size: Sequence[int], fill_value, *,
          dtype: torch.dtype | None = None, requires_grad: bool = False, process_group=None,
-         **_torch_only) -> ShardedTensor:
+         **torch_only) -> ShardedTensor:
+    check_torch_only("full", torch_only)
     return _filled(lambda t: t.fill_(fill_value), sharding_spec, tuple(size), dtype,
                    requires_grad, process_group)
 
@@ -83,16 +88,18 @@ def _random(draw: Callable, spec: ShardingSpec, size: tuple, dtype, requires_gra
 
 def rand(sharding_spec: ShardingSpec, *size: int, dtype: torch.dtype | None = None,
          requires_grad: bool = False, process_group=None, generator=None,
-         **_torch_only) -> ShardedTensor:
+         **torch_only) -> ShardedTensor:
     """Uniform [0, 1) values equal to ``torch.rand(*size)`` on one process with the same seed."""
+    check_torch_only("rand", torch_only)
     return _random(torch.rand, sharding_spec, size, dtype, requires_grad, process_group,
                    generator)
 
 
 def randn(sharding_spec: ShardingSpec, *size: int, dtype: torch.dtype | None = None,
           requires_grad: bool = False, process_group=None, generator=None,
-          **_torch_only) -> ShardedTensor:
+          **torch_only) -> ShardedTensor:
     """Normal values equal to ``torch.randn(*size)`` on one process with the same seed."""
+    check_torch_only("randn", torch_only)
     return _random(torch.randn, sharding_spec, size, dtype, requires_grad, process_group,
                    generator)
 
@@ -117,10 +124,11 @@ def shard_tensor(tensor: torch.Tensor, sharding_spec: ShardingSpec, src_rank: in
 
 
 def init_from_local_shards(local_shards: list[Shard], *global_size: int,
-                           process_group=None, **_torch_only) -> ShardedTensor:
+                           process_group=None, **torch_only) -> ShardedTensor:
     """Wrap each rank's shards into one ShardedTensor (one ``all_gather_object`` of the shards'
     metadata, then validation: sizes match the metadata, shards on their own rank, no overlap,
     full coverage). The spec is the EnumerableShardingSpec of the gathered shards."""
+    check_torch_only("init_from_local_shards", torch_only)
     size = _size_arg(global_size)
     rank, world = group_rank(process_group)
     for s in local_shards:

@@ -13,6 +13,7 @@ for the whole tensor.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -46,14 +47,39 @@ def resolved_metadata(spec: ShardingSpec, size: Sequence[int], group) -> list[Sh
     return out
 
 
+
+# torch's sharded-tensor constructors take these too; we accept them and do not honour them
+# (shards are strided, contiguous, not pinned; RRefs to peers' shards are not built): a value
+# other than torch's default warns once. Any other keyword is a TypeError.
+TORCH_ONLY_DEFAULTS: dict[str, Any] = {"layout": torch.strided, "pin_memory": False,
+                                       "memory_format": torch.contiguous_format,
+                                       "init_rrefs": False}
+_warned_torch_only: set[str] = set()
+
+
+def check_torch_only(func: str, kwargs: dict[str, Any]) -> None:
+    """Refuse unknown keywords of a constructor (TypeError naming them); warn once per
+    argument set to a value we do not honour."""
+    unknown = sorted(set(kwargs) - set(TORCH_ONLY_DEFAULTS))
+    if unknown:
+        raise TypeError(f"{func}() got an unexpected keyword argument {unknown[0]!r}")
+    for name, value in kwargs.items():
+        if value != TORCH_ONLY_DEFAULTS[name] and name not in _warned_torch_only:
+            _warned_torch_only.add(name)
+            warnings.warn(f"{func}: {name}={value!r} is accepted for torch's API and ignored "
+                          f"(shards use {name}={TORCH_ONLY_DEFAULTS[name]!r})", stacklevel=3)
+
 class ShardedTensor:
     """``ShardedTensor(spec, *size, dtype=None, requires_grad=False, process_group=None)``
-    allocates uninitialised local shards, as torch's constructor does; see creation.py for
+    allocates uninitialised local shards, as torch's constructor does (torch's ``layout``,
+    ``pin_memory``, ``memory_format``, ``init_rrefs`` are accepted, ignored, and warn once when
+    not torch's default; any other keyword is a TypeError); see creation.py for
     ``zeros``/``ones``/``rand``/``randn``, ``shard_tensor`` and ``init_from_local_shards``."""
 
     def __init__(self, sharding_spec: ShardingSpec, *size: int, dtype: torch.dtype | None = None,
                  requires_grad: bool = False, process_group: dist.ProcessGroup | None = None,
-                 **_torch_only: Any):
+                 **torch_only: Any):
+        check_torch_only("ShardedTensor", torch_only)
         size = _size_arg(size)
         dtype = dtype or torch.get_default_dtype()
         metas = resolved_metadata(sharding_spec, size, process_group)

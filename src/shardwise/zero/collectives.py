@@ -5,9 +5,8 @@
   rather than one per tensor, all issued asynchronously (gloo runs them on its own threads).
 - Stage 2 delivers each gradient bucket to its owner with ``reduce_to_owner``. Buckets hold the
   parameters of a single owner (see [Note: stage 2 buckets] in stage2.py), so a per-owner
-  ``dist.reduce`` fits partitions of any shape. Measured on gloo, 2 ranks, 32 MiB of fp32
-  (shared 2-core machine): two reduces (one to each owner) 58 ms, ``reduce_scatter_tensor``
-  117 ms, ``all_to_all_single`` + local sum 76 ms, ``all_reduce`` 54 ms.
+  ``dist.reduce`` fits partitions of any shape; on gloo it is also faster than a
+  reduce-scatter (figures in docs/zero.md).
 - State-dict consolidation gathers each rank's (small, pickled) local state to one rank.
 """
 

@@ -1,0 +1,126 @@
+"""The layering that docs/DESIGN states, checked on every import in src/ (top-level and inside
+functions): nothing imports ``shardwise.cli`` but the command's entry point; ``distributed/``
+knows nothing above it; each mechanism imports only ``distributed/`` and the mechanisms below
+it in ALLOWED; ``models/`` and ``data/`` serve the CLI, tests and benchmarks, never a mechanism.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parents[1] / "src" / "shardwise"
+
+# What each subpackage of src/shardwise may import from the others (its own files aside).
+# Bottom to top: distributed; the leaf mechanisms; zero (over ddp: DDP + ZeRO stage 1);
+# fsdp (may use sharded tensors for 2D layouts); pipeline (stages over rpc, replicated with
+# ddp or sharded with fsdp); checkpoint (saves and reshards every strategy's state).
+ALLOWED: dict[str, set[str]] = {
+    "distributed": set(),
+    "models": set(),
+    "data": set(),
+    "memory": {"distributed"},
+    "sharded_tensor": {"distributed"},
+    "rpc": {"distributed"},
+    "ddp": {"distributed"},
+    "zero": {"distributed", "ddp"},
+    "fsdp": {"distributed", "sharded_tensor"},
+    "pipeline": {"distributed", "rpc", "ddp", "fsdp"},
+    "checkpoint": {"distributed", "ddp", "zero", "fsdp", "sharded_tensor"},
+}
+MECHANISMS = set(ALLOWED) - {"distributed", "models", "data"}
+ENTRY_POINT = "__main__.py"  # `python -m shardwise` is the command: it may import the CLI
+
+
+def _imports(path: Path) -> list[tuple[int, str]]:
+    """(line, absolute module) of every import in the file; relative imports are refused."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                found.append((node.lineno, "<relative import>"))
+            else:
+                found.append((node.lineno, node.module or ""))
+                found += [(node.lineno, f"{node.module}.{a.name}") for a in node.names
+                          if node.module == "shardwise"]
+    return found
+
+
+def _package(module: str) -> str | None:
+    parts = module.split(".")
+    if parts[0] != "shardwise":
+        return None
+    return parts[1] if len(parts) > 1 else ""
+
+
+def _violations() -> list[str]:
+    bad = []
+    for path in sorted(SRC.rglob("*.py")):
+        rel = path.relative_to(SRC)
+        here = rel.parts[0] if len(rel.parts) > 1 else ""
+        for line, module in _imports(path):
+            where = f"src/shardwise/{rel.as_posix()}:{line} imports {module}"
+            if module == "<relative import>":
+                bad.append(f"{where} (use absolute imports)")
+                continue
+            target = _package(module)
+            if target is None or target == here:
+                continue
+            if target == "cli" and str(rel) != ENTRY_POINT:
+                bad.append(f"{where}: nothing imports the CLI")
+            elif here in ALLOWED and target not in ALLOWED[here]:
+                bad.append(f"{where}: {here}/ may import only {sorted(ALLOWED[here])}")
+    return bad
+
+
+def test_layering_holds():
+    assert _violations() == []
+
+
+def test_every_subpackage_has_a_place_in_the_graph():
+    packages = {p.name for p in SRC.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    assert packages - {"cli"} == set(ALLOWED), "add the new subpackage to ALLOWED"
+
+
+def test_the_graph_has_no_cycle_and_no_mechanism_uses_models_or_data():
+    for mech in MECHANISMS:
+        assert not ALLOWED[mech] & {"models", "data", "cli"}
+
+    def visit(pkg: str, path: tuple[str, ...]) -> None:
+        assert pkg not in path, f"cycle: {' -> '.join(path + (pkg,))}"
+        for dep in ALLOWED[pkg]:
+            visit(dep, path + (pkg,))
+
+    for pkg in ALLOWED:
+        visit(pkg, ())
+
+
+@pytest.mark.parametrize("module,line", [("shardwise.cli.main", "import shardwise.cli.main"),
+                                         ("shardwise.cli", "from shardwise import cli")])
+def test_the_check_sees_an_import_of_the_cli(tmp_path, module, line):
+    path = tmp_path / "m.py"
+    path.write_text(f"def f():\n    {line}\n")
+    assert any(_package(m) == "cli" for _, m in _imports(path))
+
+
+DOCS = Path(__file__).resolve().parents[1] / "docs"
+README = Path(__file__).resolve().parents[1] / "README.md"
+NOTES = {"distributed": "data_parallel.md", "ddp": "ddp.md", "zero": "zero.md",
+         "fsdp": "fsdp.md", "sharded_tensor": "sharded_tensor.md", "pipeline": "pipeline.md",
+         "rpc": "rpc.md", "checkpoint": "checkpoint.md"}
+
+
+def test_each_mechanism_has_a_design_note_linked_from_the_readme():
+    readme = README.read_text()
+    for package, note in {**NOTES, "launcher": "launcher.md"}.items():
+        assert (DOCS / note).is_file(), f"{package}: docs/{note} is missing"
+        assert f"](docs/{note})" in readme, f"README does not link docs/{note}"
+
+
+def test_no_code_points_outside_the_repository_for_its_notes():
+    for path in SRC.rglob("*.py"):
+        assert "shared/notes" not in path.read_text(), path
