@@ -29,8 +29,11 @@ ALLOWED: dict[str, set[str]] = {
     "fsdp": {"distributed", "sharded_tensor"},
     "pipeline": {"distributed", "rpc", "ddp", "fsdp"},
     "checkpoint": {"distributed", "ddp", "zero", "fsdp", "sharded_tensor"},
+    # a tool beside the CLI (`shardwise bench`): runs every mechanism on the demo models
+    "bench": {"distributed", "models", "data", "memory", "sharded_tensor", "rpc", "ddp", "zero",
+              "fsdp", "pipeline", "checkpoint"},
 }
-MECHANISMS = set(ALLOWED) - {"distributed", "models", "data"}
+MECHANISMS = set(ALLOWED) - {"distributed", "models", "data", "bench"}
 ENTRY_POINT = "__main__.py"  # `python -m shardwise` is the command: it may import the CLI
 
 
