@@ -29,9 +29,8 @@ ALLOWED: dict[str, set[str]] = {
     "fsdp": {"distributed", "sharded_tensor"},
     "pipeline": {"distributed", "rpc", "ddp", "fsdp"},
     "checkpoint": {"distributed", "ddp", "zero", "fsdp", "sharded_tensor"},
-    # a tool beside the CLI (`shardwise bench`): runs every mechanism on the demo models, through
-    # the public API ("": `from shardwise import fully_shard`) as users do
-    "bench": {"", "distributed", "models", "data", "memory", "sharded_tensor", "rpc", "ddp", "zero",
+    # a tool beside the CLI (`shardwise bench`): runs every mechanism on the demo models
+    "bench": {"distributed", "models", "data", "memory", "sharded_tensor", "rpc", "ddp", "zero",
               "fsdp", "pipeline", "checkpoint"},
 }
 MECHANISMS = set(ALLOWED) - {"distributed", "models", "data", "bench"}
@@ -96,7 +95,7 @@ def test_the_graph_has_no_cycle_and_no_mechanism_uses_models_or_data():
 
     def visit(pkg: str, path: tuple[str, ...]) -> None:
         assert pkg not in path, f"cycle: {' -> '.join(path + (pkg,))}"
-        for dep in ALLOWED[pkg] - {""}:  # the package root is the public API, above all
+        for dep in ALLOWED[pkg]:
             visit(dep, path + (pkg,))
 
     for pkg in ALLOWED:

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from shardwise import DistributedDataParallel
 from shardwise.bench.gpt_steps import batch_stream, timed_steps
 from shardwise.bench.sidebyside import SideBySide
+from shardwise.ddp import DistributedDataParallel
 from shardwise.memory import state_bytes
 from shardwise.models import GPT, GPTConfig
 

@@ -15,9 +15,10 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from shardwise import DistributedDataParallel, fully_shard
 from shardwise.bench.gpt_steps import batch_stream, timed_steps
 from shardwise.bench.sidebyside import SideBySide
+from shardwise.ddp import DistributedDataParallel
+from shardwise.fsdp import fully_shard
 from shardwise.memory import state_bytes
 from shardwise.models import GPT, GPTConfig
 

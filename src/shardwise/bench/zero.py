@@ -22,11 +22,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero
 
-from shardwise import DistributedDataParallel, ZeroDataParallel, ZeroRedundancyOptimizer
 from shardwise.bench.gpt_steps import batch_stream, timed_steps
 from shardwise.bench.sidebyside import SideBySide
+from shardwise.ddp import DistributedDataParallel
 from shardwise.memory import state_bytes
 from shardwise.models import GPT, GPTConfig, lm_loss
+from shardwise.zero import ZeroDataParallel, ZeroRedundancyOptimizer
 
 IMPLS = ["torch-ddp-adamw", "torch-ddp-zero1", "shardwise-ddp-zero1", "shardwise-zero2"]
 ADAMW = {"lr": 1e-3, "weight_decay": 0.01}
