@@ -1,4 +1,4 @@
-"""`shardwise train`, `shardwise run` and `shardwise plan`.
+"""`shardwise train`, `shardwise run`, `shardwise plan` and `shardwise checkpoint`.
 
 ``shardwise train`` started by hand validates its arguments, then starts ``--nproc`` local ranks
 of itself through the launcher. Started by a launcher (ours or torchrun: RANK and WORLD_SIZE are
@@ -25,6 +25,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _train(parser, args, argv)
     if args.command == "plan":
         return _plan(parser, args)
+    if args.command == "checkpoint":
+        from shardwise.cli.checkpoint_cmd import main as checkpoint_main
+
+        return checkpoint_main(parser, args)
     return _run(parser, args)
 
 
@@ -42,6 +46,9 @@ def _parser() -> argparse.ArgumentParser:
     from shardwise.cli.plan import build_parser as plan_parser
 
     plan_parser(sub.add_parser("plan", help="model-state memory per rank of each strategy"))
+    from shardwise.cli.checkpoint_cmd import build_parser as checkpoint_parser
+
+    checkpoint_parser(sub.add_parser("checkpoint", help="export or inspect a checkpoint"))
     return parser
 
 
