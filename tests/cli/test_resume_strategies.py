@@ -119,3 +119,37 @@ def test_keep_leaves_the_newest_complete_checkpoints(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_000004",
                                                           "step_000005"]
     assert (tmp_path / "latest").read_text() == "step_000005"
+
+
+def _disk_fills_on_second_save(ctx, cfg: TrainConfig):
+    """Rank 0's data file of the second save fails with ENOSPC after its first chunk."""
+    from shardwise.checkpoint import saver
+
+    saves = []
+
+    def full(point, index):
+        if point == "chunk" and ctx.rank == 0:
+            saves.append(index)
+            if saves.count(0) == 2:
+                raise OSError(28, "No space left on device")
+
+    saver._fault_hook = full
+    try:
+        return _train(ctx, cfg)
+    except Exception as exc:  # noqa: BLE001 - returned for the test to read
+        return f"{type(exc).__name__}: {exc}"
+    finally:
+        saver._fault_hook = None
+
+
+def test_a_disk_that_fills_during_a_save_leaves_the_previous_checkpoint_to_resume(
+        tmp_path, uninterrupted):
+    cfg = dataclasses.replace(TINY, steps=END, strategy="fsdp", checkpoint_dir=str(tmp_path),
+                              checkpoint_every=2)
+    for text in run_on_ranks(2, _disk_fills_on_second_save, cfg):
+        assert "save failed while writing: rank 0: OSError: [Errno 28] No space left" in text
+    assert (tmp_path / "latest").read_text() == "step_000002"
+    assert not (tmp_path / "step_000004").exists()
+    got = run_on_ranks(2, _train, dataclasses.replace(cfg, resume=True))[0]
+    _assert_losses(got, uninterrupted, range(2, END))
+    assert not (tmp_path / "step_000004.tmp").exists()  # the leftover is removed at start
