@@ -153,3 +153,28 @@ def test_a_disk_that_fills_during_a_save_leaves_the_previous_checkpoint_to_resum
     got = run_on_ranks(2, _train, dataclasses.replace(cfg, resume=True))[0]
     _assert_losses(got, uninterrupted, range(2, END))
     assert not (tmp_path / "step_000004.tmp").exists()  # the leftover is removed at start
+
+
+@pytest.mark.parametrize(("point", "index", "mode"), [
+    ("chunk", 1, "sync"),  # inside the data file
+    ("metadata", 0, "sync"),  # metadata written, not yet renamed into place
+    ("chunk", 1, "async"),  # in the background writer
+])
+def test_a_run_killed_during_a_save_resumes_from_the_previous_checkpoint(
+        tmp_path, uninterrupted, point, index, mode):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    ck = tmp_path / "ck"
+    script = Path(__file__).with_name("crash_train.py")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    proc = subprocess.run([sys.executable, str(script), str(ck), str(tmp_path / "store"), point,
+                           str(index), mode], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 17, proc.stderr
+    assert (ck / "latest").read_text() == "step_000002"
+    assert not (ck / "step_000004").exists() and (ck / "step_000004.tmp").exists()
+    resumed = dataclasses.replace(TINY, steps=END, checkpoint_dir=str(ck), resume=True)
+    _assert_losses(run_on_ranks(2, _train, resumed)[0], uninterrupted, range(2, END))
