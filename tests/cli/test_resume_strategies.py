@@ -178,3 +178,36 @@ def test_a_run_killed_during_a_save_resumes_from_the_previous_checkpoint(
     assert not (ck / "step_000004").exists() and (ck / "step_000004.tmp").exists()
     resumed = dataclasses.replace(TINY, steps=END, checkpoint_dir=str(ck), resume=True)
     _assert_losses(run_on_ranks(2, _train, resumed)[0], uninterrupted, range(2, END))
+
+
+def _train_any(ctx, cfg: TrainConfig):
+    try:
+        return _train(ctx, cfg)
+    finally:
+        if cfg.strategy == "pipeline":
+            import shardwise.rpc as rpc
+
+            rpc.shutdown()
+
+
+@pytest.mark.parametrize(("src", "dst"), [(("pipeline", 2), ("fsdp", 4)),
+                                          (("zero2", 4), ("pipeline", 2))],
+                         ids=["pipelinex2-to-fsdpx4", "zero2x4-to-pipelinex2"])
+def test_pipeline_stages_save_their_layers_and_resume_anywhere(tmp_path, uninterrupted, src,
+                                                               dst):
+    """Each stage writes its own layers; the param groups name every layer, so a pipeline
+    checkpoint loads into any strategy and any into a pipeline. 1e-5: the pipeline's
+    micro-batches sum gradients in another order (as in tests/rpc/test_pipeline.py)."""
+    first = dataclasses.replace(TINY, steps=SAVED_AT, strategy=src[0],
+                                checkpoint_dir=str(tmp_path))
+    run_on_ranks(src[1], _train_any, first)
+    if src[0] == "pipeline":
+        files = {c["file"] for name, t in inspect(tmp_path / "step_000003")["tensors"].items()
+                 if name.startswith("model.") for c in t["chunks"]}
+        assert files == {"rank_00000.bin", "rank_00001.bin"}
+    resumed = dataclasses.replace(first, steps=END, strategy=dst[0], resume=True,
+                                  override=("strategy",))
+    for rank_losses in run_on_ranks(dst[1], _train_any, resumed):
+        assert sorted(rank_losses) == list(range(SAVED_AT, END))
+        for step, loss in rank_losses.items():
+            assert loss == pytest.approx(uninterrupted[step], rel=1e-5), (step, rank_losses)

@@ -96,8 +96,11 @@ class Checkpointer:
             load(state, checkpoint_id=path, process_group=self.group, strict=True)
             model = self.prepared.state_model or self.prepared.model
             full = {**get_model_state_dict(model), **state["model"]}
+            optim = state["optim"]
+            if self.prepared.owned_state is not None:
+                optim = _own_groups(optim, self.prepared.owned_state)
             set_state_dict(model, self.prepared.optimizer, model_state_dict=full,
-                           optim_state_dict=state["optim"])
+                           optim_state_dict=optim)
         except (CheckpointError, RuntimeError, KeyError, ValueError) as exc:
             raise CheckpointError(
                 f"checkpoint {path} (strategy {meta['strategy']}, world size "
@@ -108,7 +111,8 @@ class Checkpointer:
         model = self.prepared.state_model or self.prepared.model
         model_sd, optim_sd = get_state_dict(model, self.prepared.optimizer)
         owned = self.prepared.owned_state
-        if owned is not None:
+        if owned is not None:  # a pipeline stage: its own layers; the groups name every layer
+            optim_sd = _all_groups(optim_sd, [k for k, _ in model.named_parameters()])
             model_sd = {k: v for k, v in model_sd.items() if owned(k)}
         record = {**self.record, "step": step, "world_size": dist.get_world_size(self.group)}
         return {"model": model_sd, "optim": optim_sd, TRAIN_KEY: json.dumps(record)}
@@ -118,3 +122,19 @@ class Checkpointer:
             mark_latest(self.directory, path)
             if self.keep:
                 prune(self.directory, self.keep)
+
+
+def _all_groups(optim_sd: dict[str, Any], names: list[str]) -> dict[str, Any]:
+    """A stage's optimizer state with its one param group naming every parameter of the
+    model, as a one-stage run's would: the same value on every rank, whatever loads it."""
+    if len(optim_sd["param_groups"]) != 1:
+        raise CheckpointError("a checkpoint of a partial model needs an optimizer with one "
+                              f"param group, not {len(optim_sd['param_groups'])}")
+    return {**optim_sd, "param_groups": [{**optim_sd["param_groups"][0], "params": names}]}
+
+
+def _own_groups(optim_sd: dict[str, Any], owned) -> dict[str, Any]:
+    """The loaded param groups narrowed to the parameters this rank holds."""
+    groups = [{**g, "params": [n for n in g["params"] if owned(n)]}
+              for g in optim_sd["param_groups"]]
+    return {**optim_sd, "param_groups": groups}

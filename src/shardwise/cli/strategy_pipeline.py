@@ -154,5 +154,8 @@ def build(model: nn.Module, cfg: TrainConfig, group: dist.ProcessGroup,
         stage.load_state_dict(state["stage"])
         optimizer.load_state_dict(state["optimizer"])
 
+    own = {id(p) for p in stage.parameters()}
+    owned = {name for name, p in model.named_parameters() if id(p) in own}
     return Prepared(pipe, optimizer, state_dict, load_state_dict, per_rank_state=True,
-                    data_slice=(0, 1), train_step=train_step)
+                    data_slice=(0, 1), train_step=train_step,
+                    state_model=model, owned_state=owned.__contains__)
