@@ -211,3 +211,16 @@ def test_pipeline_stages_save_their_layers_and_resume_anywhere(tmp_path, uninter
         assert sorted(rank_losses) == list(range(SAVED_AT, END))
         for step, loss in rank_losses.items():
             assert loss == pytest.approx(uninterrupted[step], rel=1e-5), (step, rank_losses)
+
+
+@pytest.mark.parametrize("options", [{"mixed_precision": "bf16"}, {"cpu_offload": True}],
+                         ids=["bf16", "cpu-offload"])
+def test_fsdp_options_resume_exactly(tmp_path, options):
+    """FSDP with bf16 compute or CPU offload keeps fp32 shards: they and AdamW's state are what
+    is saved, so a resume continues that run's own uninterrupted losses."""
+    base = dataclasses.replace(TINY, strategy="fsdp", **options)
+    straight = run_on_ranks(2, _train, dataclasses.replace(base, steps=END))[0]
+    first = dataclasses.replace(base, steps=SAVED_AT, checkpoint_dir=str(tmp_path))
+    run_on_ranks(2, _train, first)
+    got = run_on_ranks(2, _train, dataclasses.replace(first, steps=END, resume=True))[0]
+    _assert_losses(got, straight, range(SAVED_AT, END))
