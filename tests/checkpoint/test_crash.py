@@ -46,3 +46,37 @@ def test_crash_while_overwriting_keeps_the_old_checkpoint(tmp_path, point, index
     save({"a": torch.ones(50, 40), "b": torch.ones(40), "v": 3}, checkpoint_id=tmp_path / "ck")
     load(target, checkpoint_id=tmp_path / "ck")  # the leftover .tmp is replaced
     assert target["v"] == 3
+
+
+FULL_DISK = """
+import resource, signal, sys, torch
+from shardwise.checkpoint import CheckpointError, async_save, save
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG
+resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))  # room for half of 'a' only
+state = {"a": torch.full((50, 40), 2.0), "b": torch.full((40,), 2.0), "v": 2}
+try:
+    if sys.argv[2] == "sync":
+        save(state, checkpoint_id=sys.argv[1])
+    else:
+        async_save(state, checkpoint_id=sys.argv[1]).result()
+except (CheckpointError, OSError) as err:
+    print(type(err).__name__, err)
+    sys.exit(3)
+"""
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_disk_that_fills_during_save_keeps_the_previous_checkpoint(tmp_path, mode):
+    """A write that fails for lack of room (the kernel refuses it: RLIMIT_FSIZE) is a clear
+    error, and the checkpoint it was replacing still loads whole."""
+    save({"a": torch.ones(50, 40), "b": torch.ones(40), "v": 1}, checkpoint_id=tmp_path / "ck")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    proc = subprocess.run([sys.executable, "-c", FULL_DISK, str(tmp_path / "ck"), mode],
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    assert "File too large" in proc.stdout, proc.stdout
+    if mode == "sync":
+        assert "save failed while writing: rank 0" in proc.stdout, proc.stdout
+    target = _target()
+    load(target, checkpoint_id=tmp_path / "ck")
+    assert target["v"] == 1 and bool((target["a"] == 1).all()) and bool((target["b"] == 1).all())

@@ -93,3 +93,31 @@ def _column_sharded(t: DTensor) -> DTensor:
     shape, _ = compute_local_shape_and_global_offset(t.shape, t.device_mesh, placements)
     return DTensor.from_local(torch.zeros(shape), t.device_mesh, placements, run_check=False,
                               shape=t.shape, stride=t.stride())
+
+
+def _zero_phases(ctx, path: str) -> dict:
+    """ZeRO-2: replicated parameters (written by rank 0 alone, straight from the model's
+    tensors) and optimizer state written by its owners: no rank gathers anything."""
+    libc = ctypes.CDLL("libc.so.6")
+    libc.mallopt(M_MMAP_THRESHOLD, 128 * 1024)
+    try:
+        wrapped, opt, _ = S.build("zero2", ctx.group, seed=0, cfg=CFG)
+        msd, osd = get_state_dict(wrapped, opt)
+        state = {"model": msd, "optim": osd}
+        base = _reset_peak()
+        save(state, checkpoint_id=path)
+        saved = _status("VmHWM") - base
+        base = _reset_peak()
+        load(state, checkpoint_id=path)
+        return {"save": saved, "load": _status("VmHWM") - base}
+    finally:
+        libc.mallopt(M_MMAP_THRESHOLD, 32 * MIB)
+
+
+def test_zero2_rank0_holds_no_more_than_the_others(tmp_path):
+    out = run_on_ranks(2, _zero_phases, str(tmp_path / "zero"), timeout=300)
+    for r in out:
+        assert r["save"] <= 2 * BLOCK_BYTES + SLACK, out
+        assert r["load"] <= 2 * BLOCK_BYTES + SLACK, out
+    assert out[0]["save"] <= out[1]["save"] + SLACK, out
+    assert out[0]["load"] <= out[1]["load"] + SLACK, out

@@ -154,14 +154,17 @@ def test_override_names_are_checked(capsys):
     assert "unknown name(s) colour" in capsys.readouterr().err
 
 
-def test_ddp_to_tp_resume_is_a_clear_error(tmp_path):
+def test_ddp_to_tp_resume_needs_override_and_then_continues_exactly(tmp_path):
     cfg = dataclasses.replace(TINY, steps=2, checkpoint_dir=str(tmp_path))
     run_on_ranks(2, _train, cfg)
     tp = dataclasses.replace(cfg, steps=4, resume=True, strategy="tp")
     with pytest.raises(ConfigError, match="strategy=ddp"):
         validate(tp, 2)
-    with pytest.raises(RankFailure, match="cannot be loaded by strategy tp"):
-        run_on_ranks(2, _train, dataclasses.replace(tp, override=("strategy",)))
+    got = run_on_ranks(2, _train, dataclasses.replace(tp, override=("strategy",)))[0][0]
+    expected = run_on_ranks(2, _train, dataclasses.replace(TINY, steps=4))[0][0]
+    assert sorted(got) == [2, 3]
+    for step in (2, 3):
+        assert got[step] == pytest.approx(expected[step], rel=1e-6)
 
 
 @pytest.mark.parametrize("pointer", ["../other/step_000040", "/etc", "step_000002/../../x", ""])
@@ -172,14 +175,24 @@ def test_latest_may_only_name_a_checkpoint_inside_the_directory(tmp_path, pointe
         validate(dataclasses.replace(cfg, steps=4, resume=True), 1)
 
 
-@pytest.mark.parametrize(("content", "says"), [
-    ("{not json", "damaged or unreadable"), ("[]", "not a JSON object"),
-    ('{"model": {}}', "no 'strategy' field"),
+def _edit_record(path, edit):
+    """Rewrite the run's record (a JSON string among the checkpoint metadata's values)."""
+    meta = json.loads(path.read_text())
+    meta["values"]["train"] = edit(meta["values"]["train"])
+    path.write_text(json.dumps(meta))
+
+
+@pytest.mark.parametrize(("record", "says"), [
+    (None, "damaged or unreadable"), ("{not json", "damaged or unreadable"),
+    ("[]", "not a JSON object"), ('{"model": {}}', "no 'strategy' field"),
 ])
-def test_damaged_metadata_names_the_file(tmp_path, content, says):
+def test_damaged_metadata_names_the_file(tmp_path, record, says):
     cfg = _checkpoint(tmp_path)
-    meta = tmp_path / "step_000002" / "meta.json"
-    meta.write_text(content)
+    meta = tmp_path / "step_000002" / "metadata.json"
+    if record is None:
+        meta.write_text("{not json")
+    else:
+        _edit_record(meta, lambda _: record)
     with pytest.raises(ConfigError) as info:
         validate(dataclasses.replace(cfg, steps=4, resume=True), 1)
     assert str(meta) in str(info.value) and says in str(info.value)
@@ -187,17 +200,21 @@ def test_damaged_metadata_names_the_file(tmp_path, content, says):
 
 def test_a_wrong_field_type_in_metadata_names_the_field(tmp_path):
     cfg = _checkpoint(tmp_path)
-    meta_file = tmp_path / "step_000002" / "meta.json"
-    meta = json.loads(meta_file.read_text())
-    meta["step"] = "two"
-    meta_file.write_text(json.dumps(meta))
+
+    def step_as_text(text):
+        record = json.loads(text)
+        record["step"] = "two"
+        return json.dumps(record)
+
+    _edit_record(tmp_path / "step_000002" / "metadata.json", step_as_text)
     with pytest.raises(ConfigError, match="'step' must be int, got 'two'"):
         validate(dataclasses.replace(cfg, steps=4, resume=True), 1)
 
 
 def test_leftovers_of_a_crashed_save_are_removed_and_keep_prunes(tmp_path):
     (tmp_path / "step_000007.tmp").mkdir()
-    (tmp_path / "step_000007.tmp" / "rank_00000.pt").write_text("half")
+    (tmp_path / "step_000007.tmp" / "rank_00000.bin").write_text("half")
+    (tmp_path / "step_000003.old-1f2e").mkdir()
     (tmp_path / "latest.tmp-4242").write_text("step_0000")
     cfg = dataclasses.replace(TINY, steps=5, checkpoint_every=1, keep=2,
                               checkpoint_dir=str(tmp_path))
@@ -211,15 +228,15 @@ def test_keep_must_not_be_negative(capsys):
     assert "--keep must be at least 0, got -1" in capsys.readouterr().err
 
 
-def test_a_missing_checkpoint_state_is_a_checkpoint_error(tmp_path):
+def test_a_truncated_checkpoint_file_is_a_checkpoint_error_naming_it(tmp_path):
     cfg = _checkpoint(tmp_path)
-    (tmp_path / "step_000002" / "rank_00000.pt").write_bytes(b"not a torch file")
-    with pytest.raises(RankFailure, match="cannot load"):
+    data = tmp_path / "step_000002" / "rank_00000.bin"
+    data.write_bytes(data.read_bytes()[:100])
+    with pytest.raises(RankFailure, match=r"cannot be loaded by this run: .*rank_00000\.bin"):
         run_on_ranks(1, _train, dataclasses.replace(cfg, steps=4, resume=True))
 
 
-def test_tensor_parallel_resume_loads_sharded_state_without_unrestricted_unpickling(tmp_path):
-    # rank states are loaded with weights_only=True; TP's sharded tensors are allow-listed
+def test_tensor_parallel_resume_reproduces_the_uninterrupted_losses(tmp_path):
     straight = dataclasses.replace(TINY, steps=4, strategy="tp")
     first = dataclasses.replace(straight, steps=2, checkpoint_dir=str(tmp_path))
     expected = run_on_ranks(2, _train, straight)[0][0]

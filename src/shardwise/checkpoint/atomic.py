@@ -4,23 +4,6 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
-
-import torch
-
-
-def atomic_save(obj: Any, path: str | os.PathLike) -> None:
-    """``torch.save`` to ``path.tmp-<pid>``, fsync, then rename over ``path``."""
-    path = Path(path)
-    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 def atomic_write_text(text: str, path: str | os.PathLike) -> None:

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from shardwise.checkpoint.format import FORMAT, METADATA, VERSION, fsync_dir
+from shardwise.checkpoint.format import FORMAT, METADATA, VERSION, fsync_dir, tmp_dir
 from shardwise.checkpoint.plan import SavePlan
 from shardwise.checkpoint.train_state import CheckpointError
 
@@ -44,11 +44,43 @@ def write_part(tmp: Path, plan: SavePlan, file_name: str, records: list[dict]) -
     os.rename(partial, final)
 
 
+def failure_file(tmp: Path, rank: int) -> Path:
+    return tmp / f".failed_{rank:05d}.json"
+
+
+def write_failure(tmp: Path, plan: SavePlan, error: BaseException) -> None:
+    """A rank whose background save failed says so in ``<id>.tmp``, so that the ranks waiting
+    for its part file (rank 0) or for rank 0's commit (the others) fail at once instead of
+    waiting out their timeout. Best effort: the directory may be gone or the disk full."""
+    try:
+        path = failure_file(tmp, plan.rank)
+        partial = path.with_name(path.name + ".partial")
+        partial.write_text(json.dumps({"token": plan.token,
+                                       "error": f"{type(error).__name__}: {error}"}))
+        os.rename(partial, path)
+    except OSError:
+        pass
+
+
+def check_failures(tmp: Path, plan: SavePlan) -> None:
+    """Raise if any rank recorded a failure of this save (see ``write_failure``)."""
+    for path in sorted(tmp.glob(".failed_*.json")):
+        try:
+            failed = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if failed.get("token") == plan.token:
+            rank = int(path.stem.split("_")[1])
+            raise CheckpointError(f"save into {tmp} failed on rank {rank}: {failed['error']}")
+
+
 def wait_for_parts(tmp: Path, plan: SavePlan, timeout_s: float) -> list[dict]:
-    """Rank 0: every rank's part file of this save (polling until ``timeout_s``)."""
+    """Rank 0: every rank's part file of this save (polling until ``timeout_s``; a failure
+    recorded by a rank is raised at once)."""
     deadline = time.monotonic() + timeout_s
     parts: dict[int, dict] = {}
     while len(parts) < plan.world:
+        check_failures(tmp, plan)
         for r in range(plan.world):
             if r not in parts and part_file(tmp, r).is_file():
                 part = json.loads(part_file(tmp, r).read_text())
@@ -97,11 +129,14 @@ def build_metadata(plan: SavePlan, parts: list[dict]) -> dict[str, Any]:
             "tensors": tensors, "values": plan.values}
 
 
-def wait_for_final(final: Path, token: str, timeout_s: float) -> None:
-    """Ranks other than 0 (async save): wait until rank 0 renamed this save into place."""
+def wait_for_final(final: Path, plan: SavePlan, timeout_s: float) -> None:
+    """Ranks other than 0 (async save): wait until rank 0 renamed this save into place (a
+    failure recorded by any rank is raised at once)."""
     deadline = time.monotonic() + timeout_s
     meta_file = final / METADATA
+    token = plan.token
     while True:
+        check_failures(tmp_dir(final), plan)
         try:
             if json.loads(meta_file.read_text()).get("token") == token:
                 return

@@ -87,10 +87,12 @@ def _background(future: Future, final: Path, tmp: Path, plan: SavePlan) -> None:
             parts = commit_mod.wait_for_parts(tmp, plan, ASYNC_COMMIT_TIMEOUT_S)
             commit_mod.commit(tmp, final, plan, parts, _fault_hook)
         else:
-            commit_mod.wait_for_final(final, plan.token, ASYNC_COMMIT_TIMEOUT_S)
+            commit_mod.wait_for_final(final, plan, ASYNC_COMMIT_TIMEOUT_S)
         plan.items = []  # drop the staged copy
         future.set_result(None)
     except BaseException as err:  # noqa: BLE001 - handed to whoever waits on the future
+        plan.items = []
+        commit_mod.write_failure(tmp, plan, err)
         future.set_exception(err)
 
 

@@ -1,4 +1,4 @@
-"""`shardwise train`, `shardwise run`, `shardwise plan`, `shardwise bench` and `shardwise plot`.
+"""`shardwise train`, `run`, `plan`, `bench`, `plot` and `checkpoint`.
 
 ``shardwise train`` started by hand validates its arguments, then starts ``--nproc`` local ranks
 of itself through the launcher. Started by a launcher (ours or torchrun: RANK and WORLD_SIZE are
@@ -31,6 +31,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _plan(parser, args)
     if args.command == "plot":
         return _plot(parser, args)
+
+    if args.command == "checkpoint":
+        from shardwise.cli.checkpoint_cmd import main as checkpoint_main
+
+        return checkpoint_main(parser, args)
     return _run(parser, args)
 
 
@@ -56,6 +61,10 @@ def _parser() -> argparse.ArgumentParser:
                            help="ours and torch's side by side: table, JSON record, PNG plot")
     bench.add_argument("bench_args", nargs=argparse.REMAINDER,
                        help="NAME [options], or --render-md RECORD.json ...")
+    plan_parser(sub.add_parser("plan", help="model-state memory per rank of each strategy"))
+    from shardwise.cli.checkpoint_cmd import build_parser as checkpoint_parser
+
+    checkpoint_parser(sub.add_parser("checkpoint", help="export or inspect a checkpoint"))
     return parser
 
 

@@ -22,9 +22,11 @@ class Prepared:
 
     model: nn.Module  # what forward is called on
     optimizer: torch.optim.Optimizer
-    state_dict: Callable[[], dict[str, Any]]  # this rank's part of a checkpoint
-    load_state_dict: Callable[[dict[str, Any]], None]
-    per_rank_state: bool  # True: every rank saves its own part; False: rank 0 saves all
+    # Not used by the training loop any more (its checkpoints go through shardwise.checkpoint:
+    # cli/checkpointing.py); kept so that builders passing them still work.
+    state_dict: Callable[[], dict[str, Any]] | None = None
+    load_state_dict: Callable[[dict[str, Any]], None] | None = None
+    per_rank_state: bool = False
     # (index, count): which of `count` equal slices of each global batch this rank trains and
     # evaluates on. None means (rank, world size), as in data parallelism; a strategy whose
     # ranks all work on the same batch (tensor parallelism) says (0, 1).
@@ -32,6 +34,11 @@ class Prepared:
     # forward + backward on one batch, returning the detached scalar loss; None means
     # ``lm_loss(model(x), y).backward()``. For strategies whose step is not one module call.
     train_step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+    # Checkpoints: the module whose state ``shardwise.checkpoint.get_state_dict`` takes (None:
+    # ``model``), and which of its entries this rank holds (None: all of them; a pipeline
+    # stage holds its own layers' only).
+    state_model: nn.Module | None = None
+    owned_state: Callable[[str], bool] | None = None
 
 
 # name -> (module:function of the builder, one-line description)

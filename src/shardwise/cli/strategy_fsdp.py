@@ -1,7 +1,7 @@
 """`--strategy fsdp` and `--strategy hsdp`: our FullyShardedDataParallel, one unit per transformer
 block, AdamW on the local shards; `--mixed-precision bf16|fp16` computes in that dtype (fp32
 master shards and gradient reduction), `--cpu-offload` keeps shards and gradients on the CPU.
-Checkpoints are per rank: each rank saves its own parameter shards and optimizer state.
+Checkpoints: each rank writes its own parameter and AdamW shards (cli/checkpointing.py).
 
 - ``fsdp``: FULL_SHARD over the world; with ``--tp T``, FSDP x TP on a ``(world / T, T)``
   = (dp, tp) mesh: the demo GPT is made tensor-parallel over ``mesh["tp"]`` by

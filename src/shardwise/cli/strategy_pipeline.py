@@ -113,5 +113,8 @@ def build(model: GPT, cfg: TrainConfig, group: dist.ProcessGroup,
         optimizer.load_state_dict(state["optimizer"])
 
     forward = PipelineForward(stage, layout, cfg.microbatches, model.cfg.vocab_size)
+    own = {id(p) for p in inner.parameters()}
+    owned = {name for name, p in model.named_parameters() if id(p) in own}
     return Prepared(forward, optimizer, state_dict, load_state_dict, per_rank_state=True,
-                    data_slice=(layout.replica, layout.dp), train_step=train_step)
+                    data_slice=(layout.replica, layout.dp), train_step=train_step,
+                    state_model=model, owned_state=owned.__contains__)

@@ -6,8 +6,8 @@ because every rank computes the same thing. Per block: the attention's ``qkv`` c
 heads per rank) and ``proj`` row-wise; the MLP's ``fc1`` column-wise and ``fc2`` row-wise: one
 all-reduce forward and one backward for each pair. The token embedding is sharded on the
 vocabulary, the position embedding on the embedding dim, the LM head column-wise on the
-vocabulary with its logits gathered for the loss. Checkpoints are per rank (each rank saves its
-shards and its AdamW state for them).
+vocabulary with its logits gathered for the loss. Checkpoints: each rank writes its shards and
+their AdamW state, rank 0 the replicated rest (cli/checkpointing.py).
 """
 
 from __future__ import annotations

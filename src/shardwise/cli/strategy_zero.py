@@ -1,9 +1,9 @@
 """`--strategy zero1` and `--strategy zero2`: ZeRO with AdamW state (and, for zero2, gradients)
 sharded across the ranks.
 
-Checkpoints hold the whole optimizer state, gathered on rank 0 by
-``consolidate_state_dict`` and keyed like a plain AdamW's, so a run can resume at any world size:
-each rank re-partitions the loaded state and keeps its own part.
+Checkpoints (cli/checkpointing.py): each rank writes the optimizer state of the parameters it
+owns (nothing is gathered on rank 0), keyed by parameter name, so a run resumes under any
+strategy and world size.
 """
 
 from __future__ import annotations

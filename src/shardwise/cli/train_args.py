@@ -36,6 +36,7 @@ class TrainConfig:
     resume: bool = False
     override: tuple[str, ...] = ()  # what a resume may change: names in OVERRIDABLE
     keep: int = 0  # checkpoints to keep (0: all)
+    async_checkpoint: bool = False  # --checkpoint-every saves written in the background
     mixed_precision: str | None = None
     cpu_offload: bool = False
     progress: bool = True
@@ -87,6 +88,8 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="what a --resume may change from the checkpoint's run, comma-separated: "
              + ", ".join(OVERRIDABLE))
     add("--keep", type=int, default=d.keep, help="keep the newest N checkpoints (0: all)")
+    add("--async-checkpoint", action="store_true",
+        help="write --checkpoint-every saves in the background while training goes on")
     add("--mixed-precision", default=None, choices=["bf16", "fp16"], help="fsdp only")
     add("--cpu-offload", action="store_true", help="fsdp only")
     add("--no-progress", dest="progress", action="store_false", help="no progress bar")
@@ -204,12 +207,6 @@ def check_resumable(cfg: TrainConfig, world_size: int) -> None:
             f"checkpoint {path} is of a different model or run: {'; '.join(diffs)}. "
             "Resume with the same settings, or name what may change with --override "
             f"(one or more of {','.join(OVERRIDABLE)})"
-        )
-    moved = meta["strategy"] != cfg.strategy or meta["world_size"] != world_size
-    if moved and meta["per_rank"]:
-        raise ConfigError(
-            f"checkpoint {path} holds per-rank state of strategy {meta['strategy']} at world "
-            f"size {meta['world_size']}; this run is {cfg.strategy} at {world_size}"
         )
     if meta["step"] >= cfg.steps:
         raise ConfigError(f"checkpoint {path} is already at step {meta['step']} >= --steps "

@@ -18,15 +18,8 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from shardwise.checkpoint import (
-    CheckpointError,
-    latest_checkpoint,
-    load_rank_state,
-    prune,
-    read_meta,
-    remove_leftovers,
-    save_train_state,
-)
+from shardwise.checkpoint import remove_leftovers
+from shardwise.cli.checkpointing import Checkpointer
 from shardwise.cli.optim import lr_at
 from shardwise.cli.run_log import RunLog
 from shardwise.cli.strategies import Prepared, get_builder
@@ -69,25 +62,28 @@ def train(cfg: TrainConfig, group: dist.ProcessGroup, device: torch.device,
     train_stream = BatchStream(TokenWindows(corpus.train, cfg.seq_len), cfg.batch_size, index,
                                count, seed=cfg.seed)
     result = TrainResult()
-    result.start_step = _maybe_resume(cfg, prepared, rank)
+    saver = _checkpointer(cfg, prepared, group)
+    result.start_step = _maybe_resume(cfg, saver, rank)
     val = _val_windows(corpus.val, cfg, index, count)
     if result.start_step == 0:
         result.val_start = evaluate(prepared, val, group, device)
     log = RunLog(cfg.log_dir, group, device) if cfg.log_dir else None
     try:
-        _run_steps(cfg, prepared, train_stream, group, device, result, preemption, log)
+        _run_steps(cfg, prepared, train_stream, group, device, result, preemption,
+                   saver, log)
     finally:
         if log is not None:
             log.plot()
             log.close()
     result.val_end = evaluate(prepared, val, group, device)
-    if cfg.checkpoint_dir:
-        _save(cfg, prepared, cfg.steps, world, group, result)
+    if saver is not None:
+        _save(saver, cfg.steps, result, background=False)
     return result
 
 
 def _run_steps(cfg, prepared: Prepared, stream: BatchStream, group, device, result,
-               preemption: Preemption | None, log: RunLog | None = None) -> None:
+               preemption: Preemption | None, saver: Checkpointer | None,
+               log: RunLog | None = None) -> None:
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     bar = tqdm(total=cfg.steps, initial=result.start_step, disable=not (cfg.progress and rank == 0),
                desc=f"{cfg.strategy} x{world}", unit="step", mininterval=0.5, dynamic_ncols=True)
@@ -103,12 +99,15 @@ def _run_steps(cfg, prepared: Prepared, stream: BatchStream, group, device, resu
             log.step(done, result.losses[step], lr_at(step, cfg), tokens)
         if stop:
             bar.close()
-            saved = bool(cfg.checkpoint_dir) and can_save
+            saved = saver is not None and can_save
             if saved:
-                _save(cfg, prepared, done, world, group, result)
+                _save(saver, done, result, background=False)
+            elif saver is not None:
+                saver.finish()
             raise Preempted(done, saved)
-        if cfg.checkpoint_every and done % cfg.checkpoint_every == 0 and done < cfg.steps:
-            _save(cfg, prepared, done, world, group, result)
+        if saver and cfg.checkpoint_every and done % cfg.checkpoint_every == 0 \
+                and done < cfg.steps:
+            _save(saver, done, result, background=cfg.async_checkpoint)
             if log is not None:
                 log.plot()
         if done % cfg.log_every == 0 or done == cfg.steps:
@@ -183,95 +182,30 @@ def _postfix(loss: float, result: TrainResult) -> str:
     return f"loss={loss:.4f} tok/s={result.tokens_per_s:,.0f} peak MiB/rank={mem}"
 
 
-def _save(cfg: TrainConfig, prepared: Prepared, step: int, world: int, group,
-          result: TrainResult) -> None:
-    start = time.perf_counter()
-    meta = {"model": asdict(cfg.model_config()), "strategy": cfg.strategy, "world_size": world,
-            "seed": cfg.seed, "batch_size": cfg.batch_size, "lr": cfg.lr}
-    save_train_state(cfg.checkpoint_dir, step, prepared.state_dict(), meta,
-                     prepared.per_rank_state, group)
-    if cfg.keep and dist.get_rank(group) == 0:
-        prune(cfg.checkpoint_dir, cfg.keep)
-    result.save_seconds = time.perf_counter() - start
-
-
-def _first_mismatch(saved, own, where: str = "state") -> str | None:
-    """Where ``saved`` does not have the structure of ``own`` (keys, lengths, tensor shapes and
-    dtypes), so that a checkpoint of another layout is refused before anything is loaded."""
-    if isinstance(own, torch.Tensor):
-        if not isinstance(saved, torch.Tensor):
-            return f"{where} is {type(saved).__name__} in the checkpoint, a tensor here"
-        if saved.shape != own.shape or saved.dtype != own.dtype:
-            return (f"{where} is {tuple(saved.shape)} {saved.dtype} in the checkpoint, "
-                    f"{tuple(own.shape)} {own.dtype} here")
+def _checkpointer(cfg: TrainConfig, prepared: Prepared, group) -> Checkpointer | None:
+    if not cfg.checkpoint_dir:
         return None
-    if isinstance(own, dict):
-        if not own:  # filled lazily (an optimizer's state before its first step)
-            return None
-        if not isinstance(saved, dict) or set(saved) != set(own):
-            extra = sorted(map(str, set(saved) - set(own))) if isinstance(saved, dict) else []
-            missing = sorted(map(str, set(own) - set(saved))) if isinstance(saved, dict) else []
-            return f"{where} has other entries (only in the checkpoint: {extra[:3]}; " \
-                   f"only here: {missing[:3]})"
-        for key in own:
-            found = _first_mismatch(saved[key], own[key], f"{where}[{key!r}]")
-            if found:
-                return found
-        return None
-    if isinstance(own, (list, tuple)):
-        if not isinstance(saved, (list, tuple)) or len(saved) != len(own):
-            return f"{where} differs in length"
-        for i, (a, b) in enumerate(zip(saved, own)):
-            found = _first_mismatch(a, b, f"{where}[{i}]")
-            if found:
-                return found
-    return None
+    record = {"model": asdict(cfg.model_config()), "strategy": cfg.strategy, "seed": cfg.seed,
+              "batch_size": cfg.batch_size, "lr": cfg.lr}
+    return Checkpointer(cfg.checkpoint_dir, prepared, group, record, cfg.keep)
 
 
-def _optimizer_mismatch(saved: dict, optimizer: torch.optim.Optimizer) -> str | None:
-    """For a plain torch optimizer (whose state is empty until its first step): the saved
-    per-parameter state must have the shapes of this run's parameters."""
-    saved = saved.get("optimizer") if isinstance(saved, dict) else None
-    if not type(optimizer).__module__.startswith("torch.optim") or not isinstance(saved, dict):
-        return None
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    groups = saved.get("param_groups", [])
-    count = sum(len(g.get("params", [])) for g in groups if isinstance(g, dict))
-    if count != len(params):
-        return f"the optimizer has {count} parameters in the checkpoint, {len(params)} here"
-    for index, entry in saved.get("state", {}).items():
-        for name, value in entry.items() if isinstance(entry, dict) else ():
-            param = params[int(index)] if 0 <= int(index) < len(params) else None
-            if isinstance(value, torch.Tensor) and value.dim() and (
-                    param is None or value.shape != param.shape):
-                shape = tuple(param.shape) if param is not None else None
-                return (f"optimizer state {name!r} of parameter {index} is "
-                        f"{tuple(value.shape)} in the checkpoint, the parameter is {shape} here")
-    return None
+def _save(saver: Checkpointer, step: int, result: TrainResult, background: bool) -> None:
+    """Save after ``step`` steps; a foreground save first waits for a background one. The
+    time a foreground save takes is what a preemption must leave room for."""
+    waited = saver.finish()
+    stalled = saver.save(step, background)
+    if not background:
+        result.save_seconds = stalled
+    elif waited is not None:
+        result.save_seconds = waited
 
 
-def _maybe_resume(cfg: TrainConfig, prepared: Prepared, rank: int) -> int:
-    if not cfg.resume:
+def _maybe_resume(cfg: TrainConfig, saver: Checkpointer | None, rank: int) -> int:
+    if not cfg.resume or saver is None:
         return 0
-    path = latest_checkpoint(cfg.checkpoint_dir)
-    meta = read_meta(path)
-    state = load_rank_state(path, rank)
-    mismatch = _first_mismatch(state, prepared.state_dict()) or _optimizer_mismatch(
-        state, prepared.optimizer)
-    if mismatch:
-        raise CheckpointError(
-            f"checkpoint {path} (strategy {meta['strategy']}, world size {meta['world_size']}) "
-            f"cannot be loaded by strategy {cfg.strategy} at world size "
-            f"{dist.get_world_size()}: {mismatch}"
-        )
-    try:
-        prepared.load_state_dict(state)
-    except (RuntimeError, KeyError, ValueError, TypeError, IndexError) as exc:
-        raise CheckpointError(
-            f"checkpoint {path} (strategy {meta['strategy']}, world size {meta['world_size']}) "
-            f"cannot be loaded by strategy {cfg.strategy}: {type(exc).__name__}: "
-            f"{str(exc).splitlines()[0] if str(exc) else ''}"
-        ) from None
+    step, meta, path = saver.resume()
     if rank == 0:
-        print(f"resumed from {path} at step {meta['step']}", file=sys.stderr, flush=True)
-    return int(meta["step"])
+        print(f"resumed from {path} at step {step} (saved by {meta['strategy']} at world size "
+              f"{meta['world_size']})", file=sys.stderr, flush=True)
+    return step
