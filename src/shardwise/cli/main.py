@@ -61,7 +61,6 @@ def _parser() -> argparse.ArgumentParser:
                            help="ours and torch's side by side: table, JSON record, PNG plot")
     bench.add_argument("bench_args", nargs=argparse.REMAINDER,
                        help="NAME [options], or --render-md RECORD.json ...")
-    plan_parser(sub.add_parser("plan", help="model-state memory per rank of each strategy"))
     from shardwise.cli.checkpoint_cmd import build_parser as checkpoint_parser
 
     checkpoint_parser(sub.add_parser("checkpoint", help="export or inspect a checkpoint"))
