@@ -3,7 +3,9 @@
 A box is ``(offsets, sizes)``: the region ``[offsets[d], offsets[d] + sizes[d])`` on every dim
 of the global tensor. A plain tensor is one box covering everything (replicated: every rank
 holds it); a DTensor's local tensor is the box ``compute_local_shape_and_global_offset`` gives
-(Shard / Replicate placements on any mesh); a ShardedTensor's local shards carry their boxes.
+(Shard / Replicate placements on any mesh, and the ``_StridedShard`` that FSDP x TP puts on the
+data-parallel axis: FSDP's rows of a TP shard are still one box); a ShardedTensor's local shards
+carry their boxes.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from shardwise.sharded_tensor import ShardedTensor
 
@@ -55,9 +58,10 @@ def local_chunks(key: str, value: Any) -> list[LocalChunk]:
 
 def _dtensor_chunk(key: str, value: DTensor) -> LocalChunk:
     for p in value.placements:
-        if type(p) not in (Shard, Replicate):
+        if type(p) not in (Shard, Replicate, _StridedShard):
             raise ValueError(f"{key}: DTensor placement {p} is not supported by the checkpoint "
-                             "(only Shard and Replicate; redistribute a Partial first)")
+                             "(only Shard, _StridedShard and Replicate; redistribute a Partial "
+                             "first)")
     shape, offsets = compute_local_shape_and_global_offset(value.shape, value.device_mesh,
                                                            value.placements)
     local = value._local_tensor
