@@ -123,7 +123,8 @@ def start_rpc(group: dist.ProcessGroup, rank: int, world: int) -> None:
     if store is None:
         store = dist.TCPStore("127.0.0.1", int(port), world, is_master=False)
     opts = rpc.TensorPipeRpcBackendOptions(store=store, rpc_timeout=300)
-    rpc.init_rpc(f"stage{rank}", rank=rank, world_size=world, rpc_backend_options=opts)
+    rpc.init_rpc(f"stage{rank}", rank=rank, world_size=world, rpc_backend_options=opts,
+                 allowed_modules=[__name__])
     atexit.register(rpc.shutdown)
 
 

@@ -9,6 +9,7 @@ from typing import Any, Generic, TypeVar
 
 import torch
 
+from shardwise.rpc.callables import register
 from shardwise.rpc.current import get_agent
 from shardwise.rpc.functions import check_async_result
 from shardwise.rpc.messages import Kind
@@ -132,6 +133,7 @@ class _Proxy:
         return invoke
 
 
+@register
 def invoke_method(method: str, rref: RRef, args: tuple, kwargs: dict) -> Any:
     """Runs on the owner: ``rref.local_value().method(*args, **kwargs)`` (a future returned by
     an ``@async_execution`` method is answered when it completes, see functions.py)."""
@@ -149,6 +151,7 @@ def _scalar_value(rref: RRef) -> torch.Tensor:
     return value
 
 
+@register
 def backward_on_owner(rref: RRef, context_id: int, retain_graph: bool) -> None:
     """Runs on the owner: a distributed backward of ``context_id`` from the RRef's value."""
     from shardwise.rpc import autograd
@@ -156,6 +159,7 @@ def backward_on_owner(rref: RRef, context_id: int, retain_graph: bool) -> None:
     autograd.backward(context_id, [_scalar_value(rref)], retain_graph=retain_graph)
 
 
+@register
 def rebuild_rref(rref_id, owner: int, fork) -> RRef:
     agent = current_session().hooks
     if owner == agent.rank:
