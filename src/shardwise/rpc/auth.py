@@ -19,13 +19,15 @@ import hmac
 import secrets
 import socket
 import struct
+import time
 
-from shardwise.rpc.wire import PeerClosed, recv_exact
+from shardwise.rpc.wire import PeerClosed
 
 MAGIC = b"SWA1"
 NONCE = 16
 _DIGEST = hashlib.sha256().digest_size
 _HELLO = struct.Struct(f"!4s{NONCE}s")
+HELLO_SIZE = _HELLO.size
 _REPLY = struct.Struct(f"!4sI{NONCE}s{_DIGEST}s")
 
 
@@ -41,12 +43,35 @@ def _mac(token: bytes, role: bytes, a: bytes, b: bytes, rank: int) -> bytes:
     return hmac.new(token, role + a + b + struct.pack("!I", rank), hashlib.sha256).digest()
 
 
-def accept_handshake(sock: socket.socket, token: bytes, world_size: int, me: int) -> int:
-    """Run the acceptor's side; returns the authenticated peer's rank."""
+def recv_by(sock: socket.socket, n: int, deadline: float | None) -> bytes:
+    """``n`` bytes, all received before ``deadline`` (monotonic seconds; None: the socket's
+    own timeout): a peer that trickles one byte at a time cannot stretch a handshake."""
+    buf = bytearray(n)
+    view, got = memoryview(buf), 0
+    while got < n:
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise AuthError(f"handshake not finished in time ({got} of {n} bytes)")
+            sock.settimeout(left)
+        try:
+            k = sock.recv_into(view[got:], n - got)
+        except TimeoutError as exc:
+            raise AuthError(f"handshake not finished in time ({got} of {n} bytes)") from exc
+        if k == 0:
+            raise PeerClosed(f"closed after {got} of {n} bytes", truncated=got > 0)
+        got += k
+    return bytes(buf)
+
+
+def accept_handshake(sock: socket.socket, token: bytes, world_size: int, me: int,
+                     deadline: float | None = None) -> int:
+    """Run the acceptor's side; returns the authenticated peer's rank. The whole exchange
+    must end before ``deadline`` (monotonic seconds)."""
     nonce = secrets.token_bytes(NONCE)
     sock.sendall(_HELLO.pack(MAGIC, nonce))
     try:
-        magic, rank, peer_nonce, mac = _REPLY.unpack(recv_exact(sock, _REPLY.size))
+        magic, rank, peer_nonce, mac = _REPLY.unpack(recv_by(sock, _REPLY.size, deadline))
     except PeerClosed as exc:
         raise AuthError(f"connection closed during the handshake: {exc}") from exc
     if magic != MAGIC:
@@ -59,14 +84,15 @@ def accept_handshake(sock: socket.socket, token: bytes, world_size: int, me: int
     return rank
 
 
-def connect_handshake(sock: socket.socket, token: bytes, me: int) -> None:
+def connect_handshake(sock: socket.socket, token: bytes, me: int,
+                      deadline: float | None = None) -> None:
     """Run the connector's side; raises AuthError if the acceptor is not of our group."""
     try:
-        magic, nonce = _HELLO.unpack(recv_exact(sock, _HELLO.size))
+        magic, nonce = _HELLO.unpack(recv_by(sock, _HELLO.size, deadline))
         peer_nonce = secrets.token_bytes(NONCE)
         mac = _mac(token, b"connector", nonce, peer_nonce, me)
         sock.sendall(_REPLY.pack(MAGIC, me, peer_nonce, mac))
-        answer = recv_exact(sock, _DIGEST)
+        answer = recv_by(sock, _DIGEST, deadline)
     except PeerClosed as exc:
         raise AuthError(f"peer closed the connection during the handshake: {exc}") from exc
     if magic != MAGIC:
