@@ -178,6 +178,14 @@ def test_unpickler_allows_data_and_refuses_code():
                          ("torch.storage", "_load_from_bytes"), ("nt", "system"),
                          ("subprocess", "Popen"), ("operator", "attrgetter"),
                          ("builtins", "bytearray"), ("torch", "load")):
-        data = pickle.dumps(0, protocol=2)[:2] + b"c" + f"{module}\n{name}\n".encode() + b"."
+        data = b"\x80\x04c" + f"{module}\n{name}\n".encode() + b"."
         with pytest.raises(pickle.UnpicklingError, match=f"{module}.{name}"):
+            _unpickle(data)
+
+
+def test_memo_index_opcodes_are_refused_before_unpickling():
+    """A 4-byte LONG_BINPUT index made CPython's unpickler allocate and zero gigabytes."""
+    for data in (b"\x80\x04K\x01r\x00\x00\x00\x40.", b"\x80\x04K\x01p999999999\n.",
+                 b"\x80\x02K\x01.", b"K\x01."):
+        with pytest.raises(pickle.UnpicklingError):
             _unpickle(data)

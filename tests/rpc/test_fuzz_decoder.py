@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import collections
 import os
-import pickle
 import random
 import signal
 import struct
