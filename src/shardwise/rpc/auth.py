@@ -1,15 +1,17 @@
 """Mutual authentication of a new connection with the group's token (HMAC challenge-response).
 
-The token is 32 random bytes that rank 0 writes to the rendezvous store; only processes that
-joined the rendezvous can read it. On connect:
+The token is the group's key, derived from a secret that never goes through the rendezvous
+store ([Note: group secret] in secret.py). On connect:
 
     acceptor  -> connector : "SWA1" | acceptor nonce (16 bytes)
     connector -> acceptor  : "SWA1" | connector rank (u32) | connector nonce | HMAC(token, ...)
     acceptor  -> connector : HMAC(token, "acceptor" | both nonces | rank)
 
 Each side proves it knows the token without sending it, over fresh nonces, so a recorded
-handshake cannot be replayed. Anything else (wrong magic, unknown rank, bad MAC, silence past
-the handshake timeout) is an :class:`AuthError` and the socket is closed by the caller.
+handshake cannot be replayed; the rank is inside the MAC, so a connection proves both the secret
+and its rank. Anything else (wrong magic, a rank that is not above the acceptor's, bad MAC, a
+handshake not finished by its deadline) is an :class:`AuthError` and the socket is closed by
+the caller.
 """
 
 from __future__ import annotations
@@ -76,8 +78,9 @@ def accept_handshake(sock: socket.socket, token: bytes, world_size: int, me: int
         raise AuthError(f"connection closed during the handshake: {exc}") from exc
     if magic != MAGIC:
         raise AuthError(f"not a shardwise RPC peer (handshake magic {bytes(magic)!r})")
-    if not 0 <= rank < world_size or rank == me:
-        raise AuthError(f"handshake names rank {rank}, not a peer in a world of {world_size}")
+    if not me < rank < world_size:  # (higher ranks connect to lower ones: transport.py)
+        raise AuthError(f"handshake names rank {rank}, not a rank above {me} in a world of "
+                        f"{world_size}")
     if not hmac.compare_digest(mac, _mac(token, b"connector", nonce, peer_nonce, rank)):
         raise AuthError(f"peer claiming rank {rank} failed authentication (wrong group token)")
     sock.sendall(_mac(token, b"acceptor", nonce, peer_nonce, rank))
