@@ -189,3 +189,13 @@ def test_memo_index_opcodes_are_refused_before_unpickling():
                  b"\x80\x02K\x01.", b"K\x01."):
         with pytest.raises(pickle.UnpicklingError):
             _unpickle(data)
+
+
+def test_rref_proxy_cannot_name_special_methods(rpc_world):
+    from shardwise.rpc.rref import invoke_method
+
+    rref = rpc.remote("worker1", helpers.Tracked, args=(3,))
+    for method in ("__setattr__", "__class__", "__reduce_ex__", "__init__"):
+        with pytest.raises(ForbiddenCallable, match="special method"):
+            rpc.rpc_sync("worker1", invoke_method, args=(method, rref, ("value", 5), {}))
+    assert rref.to_here().value == 3

@@ -9,7 +9,7 @@ from typing import Any, Generic, TypeVar
 
 import torch
 
-from shardwise.rpc.callables import register
+from shardwise.rpc.callables import ForbiddenCallable, register
 from shardwise.rpc.current import get_agent
 from shardwise.rpc.functions import check_async_result
 from shardwise.rpc.messages import Kind
@@ -133,10 +133,17 @@ class _Proxy:
         return invoke
 
 
+_DUNDERS = frozenset({"__call__", "__getitem__", "__len__"})
+
+
 @register
 def invoke_method(method: str, rref: RRef, args: tuple, kwargs: dict) -> Any:
     """Runs on the owner: ``rref.local_value().method(*args, **kwargs)`` (a future returned by
-    an ``@async_execution`` method is answered when it completes, see functions.py)."""
+    an ``@async_execution`` method is answered when it completes, see functions.py). Special
+    names other than ``__call__`` / ``__getitem__`` / ``__len__`` are refused: a peer does not
+    reach ``__class__``, ``__setattr__`` or ``__reduce_ex__`` of the owner's objects."""
+    if not isinstance(method, str) or (method.startswith("__") and method not in _DUNDERS):
+        raise ForbiddenCallable(f"RRef proxy calls cannot name the special method {method!r}")
     target = getattr(rref.local_value(), method)
     result = target(*args, **kwargs)
     check_async_result(target, result)
