@@ -199,3 +199,14 @@ def test_rref_proxy_cannot_name_special_methods(rpc_world):
         with pytest.raises(ForbiddenCallable, match="special method"):
             rpc.rpc_sync("worker1", invoke_method, args=(method, rref, ("value", 5), {}))
     assert rref.to_here().value == 3
+
+
+def test_spawned_main_script_is_allowed_like_main(monkeypatch):
+    """multiprocessing's spawn imports the parent's script as ``__mp_main__``: its functions are
+    the script's, allowed as ``__main__``'s are (benchmarks/bench_rpc.py runs this way)."""
+    mod = types.ModuleType("__mp_main__")
+    exec(compile("def echo(x):\n    return x\n", "script.py", "exec"), mod.__dict__)  # noqa: S102
+    monkeypatch.setitem(sys.modules, "__mp_main__", mod)
+    assert resolve("__mp_main__:echo") is mod.echo
+    with pytest.raises(ForbiddenCallable):
+        resolve("__mp_main__:compile")

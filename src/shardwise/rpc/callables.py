@@ -38,10 +38,12 @@ from torch import nn
 
 F = TypeVar("F")
 
-MAIN = "__main__"
+# the script every worker runs: ``__main__``, or ``__mp_main__`` in a process that
+# multiprocessing's spawn started (it imports the parent's script under that name)
+MAIN_MODULES = ("__main__", "__mp_main__")
 _registry: dict[str, Any] = {}  # "module:qualname" -> object
 _names: dict[int, str] = {}  # id(object) -> its registered name (the caller's side)
-_modules: set[str] = {MAIN}
+_modules: set[str] = set(MAIN_MODULES)
 _lock = threading.Lock()
 
 # Pure tensor operations every worker serves by default (``torch.<name>``): they compute on
