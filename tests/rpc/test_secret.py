@@ -7,6 +7,7 @@ import os
 import socket
 import stat
 import threading
+import time
 
 import pytest
 import torch.distributed as dist
@@ -112,3 +113,23 @@ def test_secret_file_readable_by_others_is_refused(monkeypatch, tmp_path):
         secret.from_environment()
     path.chmod(0o600)
     assert secret.from_environment() == b"s3cret"
+
+
+def test_outsider_connecting_as_a_rank_before_the_real_one_is_refused():
+    """A slow worker's rank claimed first by an outsider (who read everything in the store):
+    the outsider is refused and the real worker, arriving later, joins."""
+    from tests.rpc.test_resources import _Server
+
+    srv = _Server()
+    try:
+        with pytest.raises((AuthError, ConnectionError)):
+            srv.join_as(1, token=hashlib.sha256(b"whatever the store held").digest())
+        assert 1 not in srv.t.conns
+        real = srv.join_as(1)
+        deadline = time.monotonic() + 5
+        while 1 not in srv.t.conns and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert 1 in srv.t.conns and srv.lost == []
+        real.close()
+    finally:
+        srv.t.close()
