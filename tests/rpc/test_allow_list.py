@@ -210,3 +210,14 @@ def test_spawned_main_script_is_allowed_like_main(monkeypatch):
     assert resolve("__mp_main__:echo") is mod.echo
     with pytest.raises(ForbiddenCallable):
         resolve("__mp_main__:compile")
+
+
+def test_error_replies_rebuild_only_allowed_exception_types():
+    from shardwise.rpc.messages import RemoteException, decode_exception
+
+    assert type(decode_exception(("builtins:ValueError", "m", "tb"), "w")) is ValueError
+    assert type(decode_exception(("shardwise.rpc.callables:ForbiddenCallable", "m", "tb"),
+                                 "w")) is ForbiddenCallable
+    for info in (("os:system", "m", "tb"), ("builtins:eval", "m", "tb"),
+                 ("subprocess:CalledProcessError", "m", "tb"), 5, ("a", "b")):
+        assert type(decode_exception(info, "w")) is RemoteException

@@ -44,6 +44,8 @@ def encode_exception(exc: BaseException) -> tuple[str, str, str]:
 def decode_exception(info: tuple[str, str, str], worker: str) -> BaseException:
     """The remote exception, as its own type where possible, its message followed by the
     remote traceback."""
+    if not (isinstance(info, tuple) and len(info) == 3 and all(isinstance(x, str) for x in info)):
+        return RemoteException(f"worker {worker!r} sent a malformed error reply")
     type_name, message, tb = info
     text = f"{message}\n\nOn worker {worker!r}:\n{tb}"
     module, _, qualname = type_name.partition(":")
