@@ -179,6 +179,7 @@ class Transport:
         self._cv = threading.Condition()
         self._closing = False
         self._slots = threading.BoundedSemaphore(handshake_slots)
+        self._slot_count = handshake_slots
         self._handshakes: dict[threading.Thread, socket.socket] = {}
         self._rejections = RateLimitedLog()
         self._listener = socket.create_server((host, 0), backlog=128)
@@ -196,7 +197,7 @@ class Transport:
             if self._closing or not self._slots.acquire(blocking=False):
                 self._rejections.warning("shardwise.rpc rank %d: refused a connection from %s: "
                                          "%d handshakes already in progress", self.rank, addr,
-                                         HANDSHAKE_SLOTS)
+                                         self._slot_count)
                 sock.close()
                 continue
             thread = threading.Thread(target=self._admit, args=(sock, addr), daemon=True,
