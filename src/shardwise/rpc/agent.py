@@ -394,10 +394,13 @@ class RpcAgent:
         try:
             missing = rendezvous.barrier(self.store, "shutdown", self.rank, self.world_size,
                                          left(), dead=lambda: set(self.dead))
-            # the store's host (rank 0 without a launcher) stays until everyone has read it
-            rendezvous.barrier(self.store, "left", self.rank, self.world_size,
-                               left() if self.rank == 0 else 0.0,
-                               dead=lambda: set(self.dead) | set(missing))
+            # the store's host (rank 0 without a launcher) stays until everyone has read it,
+            # then closes it: the others only say they are done and never read it again
+            if self.rank == 0:
+                rendezvous.barrier(self.store, "left", self.rank, self.world_size, left(),
+                                   dead=lambda: set(self.dead) | set(missing))
+            else:
+                self.store.set(f"left/{self.rank}", "1")
         except (RuntimeError, OSError, dist.DistStoreError) as exc:  # store host gone
             raise rendezvous.RendezvousError(
                 f"shutdown on {self.name!r}: lost the rendezvous store while waiting for the "
