@@ -49,7 +49,8 @@ def rpc_world():
     opts = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{port}",
                                            rpc_timeout=30, connect_timeout=60)
     try:
-        rpc.init_rpc("worker0", rank=0, world_size=WORLD, rpc_backend_options=opts)
+        rpc.init_rpc("worker0", rank=0, world_size=WORLD, rpc_backend_options=opts,
+                     allowed_modules=[helpers])
     except BaseException:
         for p in procs:
             p.kill()

@@ -279,3 +279,47 @@ def local_backward_of_owned(x):
     leaf = x.detach().requires_grad_()
     rpc.RRef((leaf * leaf).sum()).backward()
     return leaf.grad
+
+
+class ImportDottedSystem:
+    """Pickles as ``torch._utils._import_dotted_name("os.system")``: the first half of the
+    ``__reduce__`` chain an attacker uses to reach ``os.system`` through an allowed-looking
+    torch helper."""
+
+    def __reduce__(self):
+        return torch._utils._import_dotted_name, ("os.system",)
+
+    def __call__(self, *args):  # (pickle wants a callable; this one never runs here)
+        raise AssertionError("not called locally")
+
+
+class RunsShell:
+    """Pickles as ``os.system(command)`` reached through :class:`ImportDottedSystem`."""
+
+    def __init__(self, command: str):
+        self.command = command
+
+    def __reduce__(self):
+        return ImportDottedSystem(), (self.command,)
+
+
+def evil_reply(command: str) -> RunsShell:
+    """A compromised callee: its reply, unpickled by the caller, would run ``command``."""
+    return RunsShell(command)
+
+
+def resources() -> tuple[int, int, int]:
+    """This worker's thread count, open file descriptors and resident memory (bytes)."""
+    with open("/proc/self/statm") as f:
+        rss_pages = int(f.read().split()[1])
+    return threading.active_count(), len(os.listdir("/proc/self/fd")), \
+        rss_pages * os.sysconf("SC_PAGE_SIZE")
+
+
+def listener_address() -> tuple[str, int]:
+    return get_agent().transport._listener.getsockname()[:2]
+
+
+# every worker that imports this module lets its peers call the functions above (shardwise
+# resolves only allowed names: [Note: allow-list] in shardwise/rpc/callables.py)
+rpc.register_module(__name__)

@@ -7,9 +7,12 @@ MASTER_PORT as a launcher sets them) and prints ``key: value`` lines that the te
 
 from __future__ import annotations
 
+import gc
 import os
+import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -19,6 +22,7 @@ from torch import nn
 
 import shardwise.rpc as rpc
 from shardwise.rpc import autograd as dist_autograd
+from shardwise.rpc.current import get_agent
 
 SHORT = 1.0  # seconds: the RPC timeout of the shutdown scenarios; serving lasts 3 x longer
 STEPS, PAUSE = 6, 0.5
@@ -158,13 +162,63 @@ def shared_store(rank: int, world: int, order: str) -> None:
     print("done: yes")
 
 
+# ---------------------------------------------------------------- init / shutdown cycles
+def _counts() -> tuple[int, int]:
+    return threading.active_count(), len(os.listdir("/proc/self/fd"))
+
+
+def _refused(host: str, port: int) -> bool:
+    try:
+        socket.create_connection((host, port), timeout=2).close()
+    except OSError:
+        return True
+    return False
+
+
+def cycles(rank: int, world: int, n: int = 10) -> None:
+    """``n`` init_rpc / shutdown rounds (each with a call to the next worker); prints the
+    thread and file-descriptor counts after the first and the last, and whether the agent's
+    port and (rank 0) the store it hosted refuse connections after shutdown."""
+    counts, ports_refused, store_refused = [], [], []
+    store_port = int(os.environ["MASTER_PORT"])
+    for _ in range(n):
+        rpc.init_rpc(f"worker{rank}", rank=rank, world_size=world)
+        peer = f"worker{(rank + 1) % world}"
+        assert rpc.rpc_sync(peer, torch.add, args=(torch.tensor(rank), 10)).item() == rank + 10
+        port = get_agent().transport.port
+        rpc.shutdown()
+        gc.collect()
+        counts.append(_counts())
+        ports_refused.append(_refused("127.0.0.1", port))
+        if rank == 0:
+            store_refused.append(_refused("127.0.0.1", store_port))
+        dist_barrier_file(rank, world)
+    print(f"first: {counts[0]}")
+    print(f"last: {counts[-1]}")
+    print(f"rpc port refused: {all(ports_refused)}")
+    if rank == 0:
+        print(f"store refused: {all(store_refused)}")
+
+
+def dist_barrier_file(rank: int, world: int) -> None:
+    """Wait until every rank finished this round (files: the store is closed between rounds),
+    so rank 0 re-hosts the store only when nobody still talks to the old one."""
+    where = Path(os.environ["SCENARIO_DIR"])
+    n = len(list(where.glob(f"round*_r{rank}")))
+    (where / f"round{n}_r{rank}").touch()
+    while not all((where / f"round{n}_r{r}").exists() for r in range(world)):
+        time.sleep(0.01)
+
+
 def main() -> None:
     mode = sys.argv[1]
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     torch.set_num_threads(1)
     # first use of an optimizer imports seconds' worth of torch: not inside a 1 s RPC
     torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1).step()
-    if mode == "ps_shutdown":
+    if mode == "cycles":
+        cycles(rank, world)
+    elif mode == "ps_shutdown":
         ps_shutdown(rank, world)
     elif mode == "ps_dead_trainer":
         ps_shutdown(rank, world, die=1)

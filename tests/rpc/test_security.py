@@ -90,3 +90,29 @@ def test_bad_and_truncated_frames_drop_only_that_connection():
         c._reader.join(5)
     assert sorted(lost) == [("FrameError", False), ("PeerClosed", False)]
     assert frames == []
+
+
+def test_handshake_refuses_a_rank_that_does_not_connect_to_this_one():
+    """Higher ranks connect to lower ones: a connection to rank 2 claiming rank 1 (or 2, or one
+    outside the world) is refused even with the right key."""
+    token = new_token()
+    for claimed in (1, 2, 4):
+        a, b = _pair()
+        a.settimeout(5)
+        b.settimeout(5)
+        result = {}
+
+        def acceptor(sock=a, out=result):
+            try:
+                out["rank"] = accept_handshake(sock, token, world_size=4, me=2)
+            except AuthError as exc:
+                out["error"] = exc
+                sock.close()
+
+        t = threading.Thread(target=acceptor)
+        t.start()
+        with pytest.raises((AuthError, ConnectionError)):
+            connect_handshake(b, token, me=claimed)
+        t.join(5)
+        b.close()
+        assert "not a rank above 2" in str(result["error"])

@@ -33,23 +33,17 @@ from shardwise.pipeline import (
     pipeline_layout,
     split_gpt,
 )
+from shardwise.rpc.rendezvous import group_store
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 
 
 def start_rpc(group: dist.ProcessGroup, rank: int, world: int) -> None:
-    """An RPC agent per rank (RPC rank = c10d rank), rendezvousing through a new store on a
-    port rank 0 picks and broadcasts over ``group``."""
-    port = torch.zeros(1, dtype=torch.int64)
-    store = None
-    if rank == 0:
-        store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False)
-        port[0] = store.port
-    dist.broadcast(port, src=dist.get_global_rank(group, 0), group=group)
-    if store is None:
-        store = dist.TCPStore("127.0.0.1", int(port), world, is_master=False)
-    opts = rpc.TensorPipeRpcBackendOptions(store=store, rpc_timeout=300)
-    rpc.init_rpc(f"stage{rank}", rank=rank, world_size=world, rpc_backend_options=opts)
+    """An RPC agent per rank, rendezvousing through the process group's own store (the
+    launcher's, on any host): no second store, no port picked here."""
+    opts = rpc.TensorPipeRpcBackendOptions(store=group_store(group), rpc_timeout=300)
+    rpc.init_rpc(f"stage{rank}", rank=rank, world_size=world, rpc_backend_options=opts,
+                 allowed_modules=[__name__])
     atexit.register(rpc.shutdown)
 
 

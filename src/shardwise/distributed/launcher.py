@@ -22,6 +22,7 @@ import contextlib
 import math
 import os
 import queue
+import secrets
 import shutil
 import signal
 import subprocess
@@ -38,7 +39,7 @@ from typing import TextIO
 import torch.distributed as dist
 
 from shardwise.distributed.blame import Blame, RankExit, blame
-from shardwise.distributed.env import AGENT_STORE_VAR
+from shardwise.distributed.env import AGENT_STORE_VAR, RPC_SECRET_VAR
 from shardwise.distributed.errors import ERROR_FILE_VAR, read_record
 from shardwise.distributed.lifeline import LAUNCHER_FD_VAR, LAUNCHER_PID_VAR
 from shardwise.distributed.nodes import Layout, NodeError, NodeLink, open_store
@@ -110,6 +111,8 @@ def launch(
         job.link = NodeLink(job.store, node_rank, nnodes, nproc, max_restarts, seconds)
         job.layout = job.link.join()
     job.nproc, job.node_rank, job.nnodes = nproc, node_rank, nnodes
+    if nnodes == 1:  # one host: the ranks' RPC secret, private to them (rpc/secret.py)
+        job.base_env.setdefault(RPC_SECRET_VAR, secrets.token_hex(32))
     with _SignalTrap() as trap:
         job.trap = trap
         return job.run()

@@ -30,6 +30,7 @@ import torch
 import shardwise.rpc as rpc
 from shardwise.distributed.timeouts import default_timeout
 from shardwise.rpc import autograd as dist_autograd
+from shardwise.rpc.callables import register
 
 _boxes: dict[str, _Mailbox] = {}
 _boxes_lock = threading.Lock()
@@ -64,16 +65,19 @@ def _box(key: str) -> _Mailbox:
         return _boxes.setdefault(key, _Mailbox())
 
 
+@register
 def deliver_activation(box: str, micro: int, context_id: int, x: torch.Tensor) -> None:
     """Run by RPC on the next stage: queue micro-batch ``micro``'s input."""
     _box(box).put(("F", micro), (context_id, x))
 
 
+@register
 def backward_done(box: str, micro: int, context_id: int) -> None:
     """Run by RPC on an earlier stage: keep this worker's gradients of micro-batch ``micro``."""
     _box(box).put(("G", micro), dist_autograd.get_gradients(context_id))
 
 
+@register
 def release_here(box: str, micro: int, context_id: int) -> None:
     """Run by RPC on an earlier stage once every stage has its gradients: free the context
     (its graph) here, then let the schedule go on."""

@@ -22,7 +22,7 @@ from shardwise.rpc.api import (
     set_device_map,
     shutdown,
 )
-from shardwise.rpc.callables import ForbiddenCallable, register_module
+from shardwise.rpc.callables import ForbiddenCallable, register, register_module
 from shardwise.rpc.device_maps import DeviceMapError
 from shardwise.rpc.messages import RemoteException
 from shardwise.rpc.optimizer import DistributedOptimizer
@@ -53,6 +53,7 @@ __all__ = [
     "get_worker_info",
     "init_rpc",
     "is_available",
+    "register",
     "register_module",
     "remote",
     "rpc_async",

@@ -28,11 +28,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from shardwise.rpc import rendezvous
+from shardwise.rpc import rendezvous, secret
 from shardwise.rpc.autograd.container import AutogradContainer
 from shardwise.rpc.callables import qualified_name, resolve
 from shardwise.rpc.cuda_transfer import CudaTransfer
-from shardwise.rpc.device_maps import DeviceMap, inverse
+from shardwise.rpc.device_maps import (
+    DeviceMap,
+    as_device,
+    inverse,
+    local_devices,
+    validate_device_maps,
+)
 from shardwise.rpc.functions import check_async_result, is_future
 from shardwise.rpc.messages import (
     ENVELOPE,
@@ -370,6 +376,9 @@ class RpcAgent:
             self.transport.close()
             self.pending.close()
             self.pool.shutdown()
+            self.pool.join(5.0)
+            # the store RPC hosted (rank 0 without a launcher) closes with its last reference
+            self.store = None
 
     def _drain(self, limit: float | None) -> None:
         deadline = None if limit is None else time.monotonic() + limit
@@ -385,10 +394,13 @@ class RpcAgent:
         try:
             missing = rendezvous.barrier(self.store, "shutdown", self.rank, self.world_size,
                                          left(), dead=lambda: set(self.dead))
-            # the store's host (rank 0 without a launcher) stays until everyone has read it
-            rendezvous.barrier(self.store, "left", self.rank, self.world_size,
-                               left() if self.rank == 0 else 0.0,
-                               dead=lambda: set(self.dead) | set(missing))
+            # the store's host (rank 0 without a launcher) stays until everyone has read it,
+            # then closes it: the others only say they are done and never read it again
+            if self.rank == 0:
+                rendezvous.barrier(self.store, "left", self.rank, self.world_size, left(),
+                                   dead=lambda: set(self.dead) | set(missing))
+            else:
+                self.store.set(f"left/{self.rank}", "1")
         except (RuntimeError, OSError, dist.DistStoreError) as exc:  # store host gone
             raise rendezvous.RendezvousError(
                 f"shutdown on {self.name!r}: lost the rendezvous store while waiting for the "
@@ -414,18 +426,28 @@ def _copy_future(src: torch.futures.Future, dst: torch.futures.Future) -> None:
 def start_agent(name: str, rank: int, world_size: int, options: TensorPipeRpcBackendOptions,
                 publish=None) -> RpcAgent:
     """Rendezvous, connect to every peer, check device maps, and return a running agent."""
-    from shardwise.rpc.device_maps import as_device, local_devices, validate_device_maps
-
     devices = local_devices(options.devices, options.device_maps)  # bad maps fail before
-    store = rendezvous.scoped(options.store or rendezvous.make_store(
-        options.init_method, rank, world_size, options.connect_timeout))
-    token = rendezvous.share_token(store, rank, options.connect_timeout)
-    store_host = None if options.store else _store_host(options.init_method)
-    host = rendezvous.advertised_host(store_host)
+    raw_store = options.store or rendezvous.make_store(
+        options.init_method, rank, world_size, options.connect_timeout)
+    store = rendezvous.scoped(raw_store)
+    token, secret_file = secret.group_key(store, rank, world_size, _address(raw_store),
+                                          options.connect_timeout)
+    try:  # the secret file (one host, no $SHARDWISE_RPC_SECRET) goes once all connected
+        return _start(name, rank, world_size, options, store, token, devices, publish)
+    finally:
+        secret.remove(secret_file)
+
+
+def _start(name, rank, world_size, options, store, token, devices, publish) -> RpcAgent:
+    where = rendezvous.store_host(options.store) if options.store else \
+        _store_host(options.init_method)
+    host = rendezvous.advertised_host(where)
     holder: dict[str, Transport] = {}
 
     def factory(on_frame, on_lost) -> Transport:
-        holder["t"] = Transport(rank, world_size, token, host, on_frame, on_lost)
+        holder["t"] = Transport(rank, world_size, token, host, on_frame, on_lost,
+                                handshake_timeout=options.handshake_timeout,
+                                max_message=options.max_message_size)
         return holder["t"]
 
     # the transport must listen before the address is published, so build it first
@@ -463,6 +485,14 @@ def start_agent(name: str, rank: int, world_size: int, options: TensorPipeRpcBac
             publish(None)
         raise
     return agent
+
+
+def _address(store: dist.Store) -> str:
+    """host:port of the store (names the one-host secret file), unwrapped from prefixes."""
+    while isinstance(store, dist.PrefixStore):
+        store = store.underlying_store
+    host, port = getattr(store, "host", None), getattr(store, "port", None)
+    return f"{host}:{port}" if host is not None else type(store).__name__
 
 
 def _store_host(init_method: str) -> str | None:

@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from types import ModuleType
 from typing import Any
 
 import torch
 
+from shardwise.distributed.env import int_var
 from shardwise.rpc import current
 from shardwise.rpc.agent import start_agent
-from shardwise.rpc.callables import qualified_name
+from shardwise.rpc.callables import qualified_name, register_module
 from shardwise.rpc.device_maps import normalize_device_map, validate_device_maps
 from shardwise.rpc.messages import Kind
 from shardwise.rpc.options import UNSET_RPC_TIMEOUT, TensorPipeRpcBackendOptions, WorkerInfo
@@ -18,23 +20,30 @@ from shardwise.rpc.rref import RRef
 
 
 def init_rpc(name: str, backend: Any = None, rank: int = -1, world_size: int | None = None,
-             rpc_backend_options: TensorPipeRpcBackendOptions | None = None) -> None:
+             rpc_backend_options: TensorPipeRpcBackendOptions | None = None, *,
+             allowed_modules: Iterable[str | ModuleType] = ()) -> None:
     """Join the RPC group as worker ``name``; returns once every worker is connected.
 
     ``rank`` / ``world_size`` default to $RANK / $WORLD_SIZE (torchrun). ``backend`` is accepted
     for torch's signature; there is one backend. The rendezvous store at MASTER_ADDR /
     MASTER_PORT (or ``tcp://``) is shared with a process group on the same address, made before
     or after this call ([Note: shared store] in rendezvous.py).
+
+    ``allowed_modules`` (ours): modules whose own functions and classes peers may call, beside
+    ``__main__`` and what :func:`register` marked ([Note: allow-list] in callables.py).
     """
     if not isinstance(name, str) or not name:
         raise ValueError(f"worker name must be a non-empty string, got {name!r}")
-    rank = int(os.environ["RANK"]) if rank < 0 and "RANK" in os.environ else rank
+    if rank < 0 and "RANK" in os.environ:
+        rank = int_var("RANK", minimum=0)
     if world_size is None and "WORLD_SIZE" in os.environ:
-        world_size = int(os.environ["WORLD_SIZE"])
+        world_size = int_var("WORLD_SIZE", minimum=1)
     if world_size is None or not 0 <= rank < world_size:
         raise ValueError(f"init_rpc needs 0 <= rank < world_size, got rank={rank}, "
                          f"world_size={world_size}")
     options = rpc_backend_options or TensorPipeRpcBackendOptions()
+    for module in allowed_modules:
+        register_module(module)
     if current.maybe_agent() is not None:
         raise RuntimeError(f"RPC is already initialised in this process (as "
                            f"{current.maybe_agent().name!r}); call shutdown() first")

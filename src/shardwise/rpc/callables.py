@@ -1,99 +1,129 @@
 """Which functions and classes a peer may name, and how a local function is named for a peer.
 
-[Note: no code from peers] A request names its function by ``module:qualname``; the callee
-resolves that name only in modules that are already imported in its process (a peer can never
-make it import anything) or that the user registered with :func:`register_module`, and never in
-the modules that run programs, touch files or load code (``os``, ``subprocess``, ``pickle``, ...,
-and ``builtins.eval`` and friends). The unpickler applies the same rule to every global an
-argument refers to (classes, dtypes), so a pickled payload cannot smuggle a call to ``os.system``
-either. Peers are authenticated first (see auth.py); this is the second line.
+[Note: allow-list] A request names its function as ``module:qualname`` and every global inside
+a pickled argument or reply is a ``(module, qualname)`` pair. A worker resolves such a name only
+when it is, exactly, one of:
+
+1. a callable or class registered with :func:`register` (also a decorator);
+2. a function or class *defined* in a module the user allowed (``init_rpc(...,
+   allowed_modules=[...])`` or :func:`register_module`), or in ``__main__`` (the script every
+   worker runs, as torch's pickler names its functions): ``name`` or ``Class.name``, found in
+   the module's (and the class's) own ``__dict__`` and whose own ``__module__`` and
+   ``__qualname__`` are the name asked for, so a name imported into the module (``os``,
+   ``subprocess.run``) or reached through an attribute path never resolves;
+3. one of shardwise's own RPC entry points (RRefs, remote modules, the distributed optimizer,
+   autograd, the pipeline), registered by their modules;
+4. a default pure tensor operation (``DEFAULT_OPS``: ``torch.add``, ``torch.matmul``, ...), an
+   ``nn.Module`` class of ``torch.nn`` or an optimizer class of ``torch.optim``.
+
+The unpickler (serialization.py) also accepts data-only globals (dtypes, ``torch.device``,
+``torch.Size``, layouts, ``collections.OrderedDict``, builtin containers and scalars) and
+refuses everything else, with an error that names the global and says how to allow it. Nothing
+is ever imported because a peer named it. Peers are authenticated first (auth.py); this is the
+second line.
 """
 
 from __future__ import annotations
 
+import builtins
+import collections
 import sys
 import threading
 from collections.abc import Callable
 from types import ModuleType
-from typing import Any
+from typing import Any, TypeVar
 
-_DENIED_ROOTS = frozenset({
-    "os", "posix", "nt", "sys", "subprocess", "shutil", "importlib", "pickle", "_pickle",
-    "copyreg", "marshal", "ctypes", "socket", "runpy", "code", "codeop", "pty", "signal",
-    "multiprocessing", "threading", "_thread", "asyncio", "io", "_io", "pathlib", "tempfile",
-    "glob", "webbrowser", "http", "urllib", "ftplib", "smtplib", "telnetlib", "pdb", "bdb",
-    "inspect", "gc", "atexit", "site", "sysconfig", "zipimport", "pkgutil", "types",
-})
-_DENIED_NAMES = frozenset({
-    ("builtins", "eval"), ("builtins", "exec"), ("builtins", "compile"),
-    ("builtins", "__import__"), ("builtins", "open"), ("builtins", "getattr"),
-    ("builtins", "setattr"), ("builtins", "delattr"), ("builtins", "globals"),
-    ("builtins", "locals"), ("builtins", "vars"), ("builtins", "input"),
-    ("builtins", "breakpoint"), ("builtins", "exit"), ("builtins", "quit"),
-    ("torch", "load"), ("torch", "save"), ("torch.serialization", "load"),
-    ("torch", "compile"), ("torch", "hub"),
-})
-_registered: set[str] = set()
+import torch
+from torch import nn
+
+F = TypeVar("F")
+
+# the script every worker runs: ``__main__``, or ``__mp_main__`` in a process that
+# multiprocessing's spawn started (it imports the parent's script under that name)
+MAIN_MODULES = ("__main__", "__mp_main__")
+_registry: dict[str, Any] = {}  # "module:qualname" -> object
+_names: dict[int, str] = {}  # id(object) -> its registered name (the caller's side)
+_modules: set[str] = set(MAIN_MODULES)
 _lock = threading.Lock()
+
+# Pure tensor operations every worker serves by default (``torch.<name>``): they compute on
+# their arguments and touch nothing else (no files, no code, no process state).
+DEFAULT_OPS = (
+    "abs", "add", "addmm", "all", "allclose", "any", "arange", "argmax", "argmin", "bmm", "cat",
+    "chunk", "clamp", "clone", "cos", "cumsum", "div", "dot", "einsum", "empty", "eq", "equal",
+    "exp", "eye", "flatten", "full", "ge", "gt", "le", "linspace", "log", "lt", "matmul", "max",
+    "maximum", "mean", "min", "minimum", "mm", "mul", "ne", "neg", "norm", "ones", "ones_like",
+    "pow", "prod", "rand", "randn", "relu", "reshape", "sigmoid", "sin", "softmax", "split",
+    "sqrt", "square", "stack", "std", "sub", "sum", "t", "tanh", "transpose", "var", "where",
+    "zeros", "zeros_like",
+)
+_DEFAULTS = {f"torch:{n}": vars(torch)[n] for n in DEFAULT_OPS}
+_DEFAULT_NAMES = {id(v): k for k, v in _DEFAULTS.items()}
+_TORCH_CLASS_ROOTS = (("torch.nn.modules.", nn.Module), ("torch.optim.", torch.optim.Optimizer))
+# (builtins whose pickles are REDUCE calls; none iterates or allocates by its argument)
+_DATA_BUILTINS = {"complex": complex, "slice": slice}
+_HOW = ("register it on this worker: @shardwise.rpc.register on the function or class, or "
+        "init_rpc(..., allowed_modules=[{module!r}]) for that module's own functions and "
+        "classes")
 
 
 class ForbiddenCallable(RuntimeError):
     """A peer named a function or class this worker refuses to resolve."""
 
 
-def register_module(module: str | ModuleType) -> None:
-    """Allow peers to call functions of ``module`` (imported now if given by name).
+def register(obj: F) -> F:
+    """Let peers call (or send in an argument) ``obj``, a module-level function or class or a
+    function defined in a class; usable as a decorator. Returns ``obj``."""
+    name = _own_name(obj)
+    with _lock:
+        _registry[name] = obj
+        _names[id(obj)] = name
+    return obj
 
-    Modules already imported are callable by default (unless on the deny list); registering is
-    how a worker opts in to a module before any local code imported it, or to one on the deny
-    list that it really means to expose.
-    """
+
+def register_module(module: str | ModuleType) -> None:
+    """Let peers name the functions and classes that ``module`` itself defines (not the names
+    it imports). A module given by name is imported now; a peer never imports anything."""
     if isinstance(module, str):
         __import__(module)
         name = module
     else:
         name = module.__name__
     with _lock:
-        _registered.add(name)
+        _modules.add(name)
+
+
+def allowed_modules() -> frozenset[str]:
+    return frozenset(_modules)
+
+
+def _own_name(obj: Any) -> str:
+    module = getattr(obj, "__module__", None)
+    qualname = getattr(obj, "__qualname__", None)
+    if not isinstance(module, str) or not isinstance(qualname, str) or "<" in qualname:
+        raise TypeError(f"{obj!r} cannot be registered for RPC: only module-level functions and "
+                        "classes and functions defined in a class have a name a peer can use")
+    return f"{module}:{qualname}"
 
 
 def qualified_name(func: Callable[..., Any]) -> str:
-    """``module:qualname`` of ``func``, checked to resolve back to ``func`` in this process."""
+    """``module:qualname`` under which a peer can find ``func``."""
+    known = _names.get(id(func)) or _DEFAULT_NAMES.get(id(func))
+    if known is not None:
+        return known
     module = getattr(func, "__module__", None)
-    qualname = getattr(func, "__qualname__", None) or getattr(func, "__name__", None)
-    if module is None and isinstance(getattr(func, "__self__", None), ModuleType):
-        module = func.__self__.__name__  # builtins of C extension modules
-    if not module or not qualname or "<" in qualname:
+    qualname = getattr(func, "__qualname__", None)
+    if not isinstance(module, str) or not isinstance(qualname, str) or "<" in qualname:
         raise TypeError(
             f"RPC functions are sent by importable name; {func!r} has none (lambdas, local "
             "functions and bound methods of local objects cannot be called remotely: define "
             "the function at module level)"
         )
-    for name in dict.fromkeys((qualname, getattr(func, "__name__", None) or qualname)):
-        try:
-            found = _walk(sys.modules[module], name)
-        except (KeyError, AttributeError):
-            continue
-        if _same_callable(found, func):
-            return f"{module}:{name}"
-    raise TypeError(
-        f"RPC function {func!r} is not reachable as {module}:{qualname}; define it at "
-        "module level so that the callee can find it by name"
-    )
-
-
-def _same_callable(found: Any, func: Any) -> bool:
-    """``found`` is ``func``; a class method is a new bound object at every access, so two
-    bound methods are the same when their function and their ``__self__`` are."""
-    if found is func or getattr(found, "__func__", found) is func:
-        return True
-    return (getattr(found, "__func__", None) is not None
-            and getattr(found, "__func__", None) is getattr(func, "__func__", None)
-            and getattr(found, "__self__", None) is getattr(func, "__self__", None))
+    return f"{module}:{qualname}"
 
 
 def resolve(name: str) -> Any:
-    """The object a peer named ``module:qualname`` (or ``module``, ``qualname``), if allowed."""
+    """The callable a peer named ``module:qualname``, if this worker allows it."""
     module, sep, qualname = name.partition(":")
     if not sep or not module or not qualname:
         raise ForbiddenCallable(f"malformed function name {name!r}; expected module:qualname")
@@ -101,33 +131,124 @@ def resolve(name: str) -> Any:
 
 
 def resolve_global(module: str, qualname: str) -> Any:
-    """The global ``module.qualname`` if policy allows it (used by the unpickler too)."""
-    root = module.split(".", 1)[0]
-    allowed = module in _registered or root in _registered
-    if not allowed and (root in _DENIED_ROOTS or _denied_name(module, qualname)):
+    """The object ``module.qualname`` if [Note: allow-list] allows it, else ForbiddenCallable."""
+    key = f"{module}:{qualname}"
+    found = _registry.get(key)
+    if found is None:
+        found = _DEFAULTS.get(key)
+    if found is None and module in _modules:
+        found = _own_member(module, qualname)
+    if found is None:
+        found = _torch_class(module, qualname)
+    if found is None:
         raise ForbiddenCallable(
-            f"peer named {module}.{qualname}, which RPC never resolves (module {root!r} can run "
-            "programs, touch files or load code); call shardwise.rpc.register_module to opt in"
-        )
+            f"RPC never resolves {module}.{qualname} on this worker: it is not a registered "
+            f"function or class; to allow it, {_HOW.format(module=module)}")
+    return found
+
+
+def resolve_data(module: str, qualname: str) -> Any:
+    """Data-only globals that pickles of tensors' dtypes, devices, shapes and builtin
+    containers name (the unpickler's additions to :func:`resolve_global`); None if not one."""
+    if module == "torch":
+        value = vars(torch).get(qualname)
+        if isinstance(value, (torch.dtype, torch.layout, torch.memory_format)):
+            return value
+        if qualname == "device":
+            return torch.device
+        if qualname == "Size":
+            return _size
+    if (module, qualname) == ("torch.serialization", "_get_layout"):
+        return _layout
+    if (module, qualname) == ("collections", "OrderedDict"):
+        return _ordered_dict
+    if module == "builtins":
+        return _DATA_BUILTINS.get(qualname)
+    return None
+
+
+def _size(dims: Any = ()) -> torch.Size:
+    """``torch.Size`` from a pickled tuple of at most 64 ints (never iterates anything else)."""
+    if not isinstance(dims, (tuple, list)) or len(dims) > 64 \
+            or not all(type(d) is int for d in dims):
+        raise ForbiddenCallable("a pickled torch.Size must be a tuple of at most 64 ints")
+    return torch.Size(dims)
+
+
+def _ordered_dict(*args: Any) -> collections.OrderedDict:
+    """An empty OrderedDict (its pickle fills it with SETITEMS); never iterates an argument."""
+    if args:
+        raise ForbiddenCallable("a pickled OrderedDict must be built empty")
+    return collections.OrderedDict()
+
+
+def _layout(name: str) -> torch.layout:
+    value = vars(torch).get(name.removeprefix("torch."))
+    if not isinstance(value, torch.layout):
+        raise ForbiddenCallable(f"unknown tensor layout {name!r}")
+    return value
+
+
+def _own_member(module: str, qualname: str) -> Any:
+    """A function or class that ``module`` defines, by its exact qualified name; None if none."""
+    parts = qualname.split(".")
+    if len(parts) > 2 or any(p.startswith("__") or not p for p in parts):
+        return None
     mod = sys.modules.get(module)
     if mod is None:
-        raise ForbiddenCallable(
-            f"peer named {module}.{qualname}, but module {module!r} is not imported on this "
-            "worker; import it or call shardwise.rpc.register_module before init_rpc"
-        )
-    try:
-        return _walk(mod, qualname)
-    except AttributeError as exc:
-        raise ForbiddenCallable(f"module {module!r} has no attribute {qualname!r}") from exc
+        return None
+    top = vars(mod).get(parts[0])
+    if not _defined_as(top, module, parts[0]):
+        return None
+    if len(parts) == 1:
+        return top
+    if not isinstance(top, type):
+        return None
+    member = vars(top).get(parts[1])
+    func = member.__func__ if isinstance(member, (staticmethod, classmethod)) else member
+    if not _defined_as(func, module, qualname):
+        return None
+    return getattr(top, parts[1])  # (a classmethod bound to its class)
 
 
-def _denied_name(module: str, qualname: str) -> bool:
-    parts = qualname.split(".")
-    dunder = any(p.startswith("__") for p in parts)  # __globals__, __subclasses__, ...
-    return dunder or (module, parts[0]) in _DENIED_NAMES
+def _defined_as(obj: Any, module: str, qualname: str) -> bool:
+    """``obj`` is a function or class whose own module and qualified name are these."""
+    return (obj is not None and callable(obj) and not isinstance(obj, ModuleType)
+            and getattr(obj, "__module__", None) == module
+            and getattr(obj, "__qualname__", None) == qualname)
 
 
-def _walk(obj: Any, qualname: str) -> Any:
-    for part in qualname.split("."):
-        obj = getattr(obj, part)
-    return obj
+def _torch_class(module: str, qualname: str) -> type | None:
+    """An ``nn.Module`` class of torch.nn or an optimizer class of torch.optim, by exact name
+    (RemoteModule and DistributedOptimizer send them)."""
+    for root, base in _TORCH_CLASS_ROOTS:
+        if module.startswith(root) and "." not in qualname:
+            mod = sys.modules.get(module)
+            cls = vars(mod).get(qualname) if mod is not None else None
+            if (isinstance(cls, type) and issubclass(cls, base)
+                    and _defined_as(cls, module, qualname)):
+                return cls
+    return None
+
+
+def resolve_exception(module: str, qualname: str) -> type[Exception] | None:
+    """The exception class a reply names, if it is a builtin one, one of shardwise's, or one the
+    worker allows; None otherwise (the caller then raises a RemoteException)."""
+    if module == "builtins":
+        cls = vars(builtins).get(qualname)
+    elif module.startswith("shardwise.") or module.startswith("torch."):
+        mod = sys.modules.get(module)
+        cls = _exception_in(mod, qualname) if mod is not None else None
+    else:
+        try:
+            cls = resolve_global(module, qualname)
+        except ForbiddenCallable:
+            cls = None
+    if isinstance(cls, type) and issubclass(cls, Exception):
+        return cls
+    return None
+
+
+def _exception_in(mod: ModuleType, qualname: str) -> Any:
+    cls = vars(mod).get(qualname)
+    return cls if _defined_as(cls, mod.__name__, qualname) else None

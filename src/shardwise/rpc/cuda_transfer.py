@@ -18,6 +18,7 @@ from collections.abc import Iterator
 
 import torch
 
+from shardwise.rpc.callables import register
 from shardwise.rpc.device_maps import DeviceMap, DeviceMapError, target_device
 from shardwise.rpc.serialization import cpu_buffer, current_session, tensor_from_buffer
 
@@ -60,8 +61,10 @@ class CudaTransfer:
         if self._hosts and self._hosts[dest] == self._hosts[self._agent.rank]:
             from torch.multiprocessing.reductions import reduce_tensor
 
-            rebuild, args = reduce_tensor(t.detach())
-            return _rebuild_ipc, (rebuild, args, str(target), t.requires_grad)
+            _, args = reduce_tensor(t.detach())
+            # (the tensor and storage classes stay out of the pickle: the receiver supplies
+            # them, so the unpickler needs no global beyond _rebuild_ipc and the dtype)
+            return _rebuild_ipc, (args[1:4] + args[5:], str(target), t.requires_grad)
         if not self._warned:
             log.warning("shardwise.rpc: CUDA tensors to %r (another host) are staged through "
                         "host memory", peer)
@@ -86,14 +89,21 @@ def _finish(t: torch.Tensor, requires_grad: bool) -> torch.Tensor:
     return t
 
 
-def _rebuild_ipc(rebuild, args, target: str, requires_grad: bool) -> torch.Tensor:
+@register
+def _rebuild_ipc(args: tuple, target: str, requires_grad: bool) -> torch.Tensor:
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
     dev = _check_target(target)
-    shared = rebuild(*args)  # waits on the producer's IPC event on our current stream
+    if not isinstance(args, tuple) or len(args) != 13:
+        raise RuntimeError("malformed CUDA IPC tensor description")
+    # waits on the producer's IPC event on our current stream
+    shared = rebuild_cuda_tensor(torch.Tensor, *args[:3], torch.storage.TypedStorage, *args[3:])
     with torch.cuda.device(dev):
         own = shared.to(dev, copy=True)  # device to device, then the IPC block can go
     return _finish(own, requires_grad)
 
 
+@register
 def _rebuild_staged(buf, dtype: str, shape, target: str, requires_grad: bool) -> torch.Tensor:
     dev = _check_target(target)
     return _finish(tensor_from_buffer(buf, dtype, shape).to(dev), requires_grad)

@@ -12,7 +12,7 @@ import struct
 import traceback
 from enum import IntEnum
 
-from shardwise.rpc.callables import ForbiddenCallable, resolve_global
+from shardwise.rpc.callables import resolve_exception
 
 
 class Kind(IntEnum):
@@ -44,13 +44,15 @@ def encode_exception(exc: BaseException) -> tuple[str, str, str]:
 def decode_exception(info: tuple[str, str, str], worker: str) -> BaseException:
     """The remote exception, as its own type where possible, its message followed by the
     remote traceback."""
+    if not (isinstance(info, tuple) and len(info) == 3 and all(isinstance(x, str) for x in info)):
+        return RemoteException(f"worker {worker!r} sent a malformed error reply")
     type_name, message, tb = info
     text = f"{message}\n\nOn worker {worker!r}:\n{tb}"
     module, _, qualname = type_name.partition(":")
-    try:
-        cls = resolve_global(module, qualname)
-        if isinstance(cls, type) and issubclass(cls, Exception):
+    cls = resolve_exception(module, qualname)
+    if cls is not None:
+        try:
             return cls(text)
-    except (ForbiddenCallable, TypeError, ValueError):
-        pass
+        except Exception:  # noqa: BLE001 - a constructor that wants other arguments
+            pass
     return RemoteException(f"{type_name}: {text}")

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from shardwise.rpc import api
+from shardwise.rpc.callables import register
 from shardwise.rpc.current import get_agent
 from shardwise.rpc.rref import RRef
 
@@ -39,10 +40,12 @@ class _LocalOptimizer:
                     p.grad = g
 
 
+@register
 def _new_local_optimizer(optimizer_class, param_rrefs, args, kwargs) -> _LocalOptimizer:
     return _LocalOptimizer(optimizer_class, param_rrefs, args, kwargs)
 
 
+@register
 def _step_local(opt_rref: RRef, context_id: int) -> None:
     opt_rref.local_value().step(context_id)
 

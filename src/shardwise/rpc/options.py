@@ -7,13 +7,16 @@ from typing import Any
 
 import torch.distributed as dist
 
+from shardwise.rpc.callables import register
 from shardwise.rpc.device_maps import DeviceMap, normalize_device_map, normalize_devices
+from shardwise.rpc.wire import DEFAULT_MAX_MESSAGE
 
 DEFAULT_RPC_TIMEOUT = 60.0  # seconds, as torch's
 DEFAULT_SHUTDOWN_TIMEOUT = 0.0  # torch's: no limit
 UNSET_RPC_TIMEOUT = -1.0  # "use the agent's rpc_timeout"; 0 means no timeout (torch's rule)
 
 
+@register
 @dataclass(frozen=True)
 class WorkerInfo:
     """A worker of the group: its unique name and its rank (``id``, as in torch)."""
@@ -32,7 +35,9 @@ class TensorPipeRpcBackendOptions:
     rendezvous through instead. ``shutdown_timeout``: the bound of a graceful ``shutdown()``
     that passes no timeout; 0 (default, as torch's): wait as long as the live workers work.
     ``device_maps``: ``{worker_name: {local: remote}}``; ``devices``: the local devices this
-    agent may use (default: those the maps name).
+    agent may use (default: those the maps name). ``max_message_size``: the largest frame
+    (pickle and tensors) this worker accepts from a peer; a larger one drops that connection.
+    ``handshake_timeout``: the time a new connection has to authenticate, in all.
     """
 
     num_worker_threads: int = 16
@@ -43,12 +48,19 @@ class TensorPipeRpcBackendOptions:
     store: dist.Store | None = None
     shutdown_timeout: float = 0.0  # seconds; 0: no limit
     connect_timeout: float = 60.0
+    max_message_size: int = DEFAULT_MAX_MESSAGE  # bytes per frame received (ours)
+    handshake_timeout: float = 10.0  # seconds for a whole incoming handshake (ours)
 
     def __post_init__(self) -> None:
         if self.num_worker_threads < 1:
             raise ValueError(f"num_worker_threads must be >= 1, got {self.num_worker_threads}")
         if self.rpc_timeout < 0:
             raise ValueError(f"rpc_timeout must be >= 0 seconds (0: none), got {self.rpc_timeout}")
+        if self.max_message_size < 1:
+            raise ValueError(f"max_message_size must be >= 1 byte, got {self.max_message_size}")
+        if not self.handshake_timeout > 0:
+            raise ValueError(f"handshake_timeout must be > 0 seconds, got "
+                             f"{self.handshake_timeout}")
         if self.shutdown_timeout < 0:
             raise ValueError(f"shutdown_timeout must be >= 0 seconds (0: none), got "
                              f"{self.shutdown_timeout}")

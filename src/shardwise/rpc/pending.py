@@ -33,7 +33,9 @@ class PendingCalls:
         self._heap: list[tuple[float, int]] = []
         self._cv = threading.Condition()
         self._closed = False
-        threading.Thread(target=self._reap, daemon=True, name="shardwise-rpc-timeouts").start()
+        self._thread = threading.Thread(target=self._reap, daemon=True,
+                                        name="shardwise-rpc-timeouts")
+        self._thread.start()
 
     def add(self, msg_id: int, call: PendingCall) -> None:
         with self._cv:
@@ -82,10 +84,12 @@ class PendingCalls:
                 self._cv.wait(min(left, 0.1))
             return True
 
-    def close(self) -> None:
+    def close(self, join_timeout: float = 5.0) -> None:
         with self._cv:
             self._closed = True
             self._cv.notify_all()
+        if self._thread is not threading.current_thread():
+            self._thread.join(join_timeout)
 
     def _reap(self) -> None:
         while True:

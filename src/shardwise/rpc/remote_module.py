@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from shardwise.rpc import api
+from shardwise.rpc.callables import register
 from shardwise.rpc.current import get_agent
 from shardwise.rpc.rref import RRef
 from shardwise.rpc.serialization import current_session
@@ -58,6 +59,7 @@ def _is_device(text: str) -> bool:
     return True
 
 
+@register
 def _create_module(module_cls: type, args: tuple, kwargs: dict, device: str) -> nn.Module:
     """Runs on the owner: build the module and move it to its device."""
     module = module_cls(*args, **kwargs)
@@ -67,6 +69,7 @@ def _create_module(module_cls: type, args: tuple, kwargs: dict, device: str) -> 
     return module.to(device)
 
 
+@register
 def _param_rrefs(module_rref: RRef, recurse: bool) -> list[RRef]:
     """Runs on the owner: one owner RRef per parameter (the parameters themselves)."""
     return [RRef(p) for p in module_rref.local_value().parameters(recurse)]
@@ -82,6 +85,7 @@ def _to(value: Any, device: torch.device) -> Any:
     return value
 
 
+@register
 def _remote_forward(module_rref: RRef, device: str, is_device_map_set: bool, args: tuple,
                     kwargs: dict) -> Any:
     """Runs on the owner: ``module.forward`` on the module's device. Without a device map to
@@ -95,6 +99,7 @@ def _remote_forward(module_rref: RRef, device: str, is_device_map_set: bool, arg
     return out if is_device_map_set else _to(out, torch.device("cpu"))
 
 
+@register
 def _rebuild(on: str | int, device: str, module_rref: RRef) -> RemoteModule:
     """The receiving side of an RPC that carried a RemoteModule."""
     module = RemoteModule.__new__(RemoteModule)

@@ -1,12 +1,12 @@
-"""Rendezvous through a c10d store: the group token, every worker's address and devices.
+"""Rendezvous through a c10d store: every worker's address and devices.
 
-The store is found as torch's RPC finds it ([Note: shared store]). Rank 0 writes a fresh random
-token for authentication (auth.py), and every worker publishes ``{name, host, port, devices}``
-and reads everyone's record. All keys of one ``init_rpc`` live under their own prefix
-(``shardwise_rpc/<n>/``, ``n`` counting this process's ``init_rpc`` calls, as torch's
-``rpc_prefix_<n>``), so a store shared with a process group, or used by an earlier RPC group of
-the same processes, never mixes keys. Every wait is bounded, except the shutdown barrier's
-default (see [Note: shutdown] in agent.py).
+The store is found as torch's RPC finds it ([Note: shared store]). Every worker publishes
+``{name, host, port, devices}`` and reads everyone's record; the group secret never goes
+through the store ([Note: group secret] in secret.py). All keys of one ``init_rpc`` live
+under their own prefix (``shardwise_rpc/<n>/``, ``n`` counting this process's ``init_rpc``
+calls, as torch's ``rpc_prefix_<n>``), so a store shared with a process group, or used by an
+earlier RPC group of the same processes, never mixes keys. Every wait is bounded, except the
+shutdown barrier's default (see [Note: shutdown] in agent.py).
 
 [Note: shared store] ``init_process_group`` then ``init_rpc`` on one MASTER_ADDR / MASTER_PORT
 is how DDP and RPC are combined. Without a launcher, rank 0 hosts the TCPStore; two stores
@@ -15,8 +15,7 @@ at the same address, RPC uses that store; (2) otherwise rank 0 starts its TCPSto
 *multi-tenant* server, the one that torch's ``init_process_group`` (env:// and tcp://) also
 asks for and that c10d shares between all multi-tenant stores of a process on one port, so a
 process group made after RPC reuses it; (3) under torchrun or ``shardwise run``
-(TORCHELASTIC_USE_AGENT_STORE) the launcher hosts the store and every rank is a client. The
-token is still written by rank 0 to the store that every member, and only a member, joined.
+(TORCHELASTIC_USE_AGENT_STORE) the launcher hosts the store and every rank is a client.
 """
 
 from __future__ import annotations
@@ -34,10 +33,9 @@ from urllib.parse import urlparse
 
 import torch.distributed as dist
 
-from shardwise.rpc.auth import new_token
+from shardwise.distributed.env import AGENT_STORE_VAR, flag_var, int_var
 
 PREFIX = "shardwise_rpc"
-AGENT_STORE_VAR = "TORCHELASTIC_USE_AGENT_STORE"
 _init_counter = itertools.count()
 _counter_lock = threading.Lock()
 
@@ -47,12 +45,15 @@ class RendezvousError(RuntimeError):
 
 
 def make_store(init_method: str, rank: int, world_size: int, timeout: float) -> dist.Store:
-    """The store at ``init_method``'s address ([Note: shared store])."""
+    """The store at ``init_method``'s address ([Note: shared store]): the default process
+    group's when it serves that address, else the launcher's (torchrun, ``shardwise run``:
+    every rank a client, nothing binds), else one that rank 0 hosts, as ``init_process_group``
+    does."""
     host, port = _store_address(init_method)
     shared = default_group_store(host, port)
     if shared is not None:
         return shared
-    agent_hosted = os.environ.get(AGENT_STORE_VAR, "").lower() in ("1", "true")
+    agent_hosted = flag_var(AGENT_STORE_VAR)
     try:
         return dist.TCPStore(host, port, world_size, is_master=rank == 0 and not agent_hosted,
                              timeout=timedelta(seconds=timeout), wait_for_workers=False,
@@ -96,13 +97,24 @@ def scoped(store: dist.Store) -> dist.Store:
     return dist.PrefixStore(f"{PREFIX}/{n}", store)
 
 
+def group_store(group: dist.ProcessGroup | None = None) -> dist.Store:
+    """The store the default process group rendezvoused through, under a prefix naming
+    ``group``'s ranks: an RPC group over the ranks of ``group`` (a pipeline's stages) meets
+    there, on any host, and binds no port of its own."""
+    if not dist.is_initialized():
+        raise RendezvousError("group_store() needs an initialised default process group")
+    ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
+    return dist.PrefixStore(f"shardwise_rpc_group/{'_'.join(map(str, ranks))}",
+                            dist.distributed_c10d._get_default_store())
+
+
 def _store_address(init_method: str) -> tuple[str, int]:
     if init_method == "env://":
-        addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
-        if not addr or not port:
+        addr = os.environ.get("MASTER_ADDR")
+        if not addr:
             raise RendezvousError("init_method env:// needs MASTER_ADDR and MASTER_PORT in the "
-                                  "environment (torchrun sets them)")
-        return addr, int(port)
+                                  "environment (torchrun and `shardwise run` set them)")
+        return addr, int_var("MASTER_PORT", minimum=1, maximum=65535)
     url = urlparse(init_method)
     if url.scheme != "tcp" or not url.hostname or not url.port:
         raise RendezvousError(f"init_method must be env:// or tcp://host:port, got "
@@ -111,26 +123,29 @@ def _store_address(init_method: str) -> tuple[str, int]:
 
 
 def advertised_host(store_host: str | None) -> str:
-    """The address peers should dial: $SHARDWISE_RPC_ADDR, loopback for a loopback store, or
-    this host's resolved name."""
+    """The address this worker listens on and peers dial: $SHARDWISE_RPC_ADDR, loopback for a
+    loopback store, else the local address of the interface that reaches the store (the one
+    the group rendezvoused on; the listener binds there only, never to every interface)."""
     if os.environ.get("SHARDWISE_RPC_ADDR"):
         return os.environ["SHARDWISE_RPC_ADDR"]
     if store_host is not None:
         try:
-            if ipaddress.ip_address(socket.gethostbyname(store_host)).is_loopback:
+            ip = socket.gethostbyname(store_host)
+            if ipaddress.ip_address(ip).is_loopback:
                 return "127.0.0.1"
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+                probe.connect((ip, 9))  # (UDP: picks the route, sends nothing)
+                return probe.getsockname()[0]
         except OSError:
             pass
     return socket.gethostbyname(socket.gethostname())
 
 
-def share_token(store: dist.Store, rank: int, timeout: float) -> bytes:
-    """Rank 0 writes a fresh token for this group; every rank reads it (waits ``timeout`` s)."""
-    if rank == 0:
-        store.set("token/0", new_token())
-    else:
-        _wait_keys(store, ["token/0"], timeout, "publish the group token")
-    return bytes(store.get("token/0"))
+def store_host(store: dist.Store) -> str | None:
+    """The host of the TCPStore under ``store``'s prefixes, or None for another kind."""
+    while isinstance(store, dist.PrefixStore):
+        store = store.underlying_store
+    return getattr(store, "host", None) if isinstance(store, dist.TCPStore) else None
 
 
 def exchange(store: dist.Store, rank: int, world_size: int, record: dict,

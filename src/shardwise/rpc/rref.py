@@ -9,6 +9,7 @@ from typing import Any, Generic, TypeVar
 
 import torch
 
+from shardwise.rpc.callables import ForbiddenCallable, register
 from shardwise.rpc.current import get_agent
 from shardwise.rpc.functions import check_async_result
 from shardwise.rpc.messages import Kind
@@ -132,9 +133,17 @@ class _Proxy:
         return invoke
 
 
+_DUNDERS = frozenset({"__call__", "__getitem__", "__len__"})
+
+
+@register
 def invoke_method(method: str, rref: RRef, args: tuple, kwargs: dict) -> Any:
     """Runs on the owner: ``rref.local_value().method(*args, **kwargs)`` (a future returned by
-    an ``@async_execution`` method is answered when it completes, see functions.py)."""
+    an ``@async_execution`` method is answered when it completes, see functions.py). Special
+    names other than ``__call__`` / ``__getitem__`` / ``__len__`` are refused: a peer does not
+    reach ``__class__``, ``__setattr__`` or ``__reduce_ex__`` of the owner's objects."""
+    if not isinstance(method, str) or (method.startswith("__") and method not in _DUNDERS):
+        raise ForbiddenCallable(f"RRef proxy calls cannot name the special method {method!r}")
     target = getattr(rref.local_value(), method)
     result = target(*args, **kwargs)
     check_async_result(target, result)
@@ -149,6 +158,7 @@ def _scalar_value(rref: RRef) -> torch.Tensor:
     return value
 
 
+@register
 def backward_on_owner(rref: RRef, context_id: int, retain_graph: bool) -> None:
     """Runs on the owner: a distributed backward of ``context_id`` from the RRef's value."""
     from shardwise.rpc import autograd
@@ -156,6 +166,7 @@ def backward_on_owner(rref: RRef, context_id: int, retain_graph: bool) -> None:
     autograd.backward(context_id, [_scalar_value(rref)], retain_graph=retain_graph)
 
 
+@register
 def rebuild_rref(rref_id, owner: int, fork) -> RRef:
     agent = current_session().hooks
     if owner == agent.rank:

@@ -57,8 +57,9 @@ class RRefContext:
         self._idle = threading.Condition()
         self._queued = 0
         self._closed = False
-        threading.Thread(target=self._send_deletes, daemon=True,
-                         name="shardwise-rpc-rref-gc").start()
+        self._thread = threading.Thread(target=self._send_deletes, daemon=True,
+                                        name="shardwise-rpc-rref-gc")
+        self._thread.start()
 
     # ---------------------------------------------------------------- ids and entries
     def new_id(self) -> tuple[int, int]:
@@ -170,6 +171,8 @@ class RRefContext:
                 self._idle.wait(min(left, 0.05))
         return True
 
-    def close(self) -> None:
+    def close(self, join_timeout: float = 5.0) -> None:
         self._closed = True
         self._deletes.put(None)
+        if self._thread is not threading.current_thread():
+            self._thread.join(join_timeout)

@@ -23,7 +23,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from shardwise.rpc.callables import ForbiddenCallable, resolve_global
+from shardwise.rpc import pickle_scan
+from shardwise.rpc.callables import ForbiddenCallable, register, resolve_data, resolve_global
 
 
 class SerializationHooks(Protocol):
@@ -99,8 +100,10 @@ def cpu_buffer(t: torch.Tensor) -> tuple[pickle.PickleBuffer, str, tuple[int, ..
 
 
 def tensor_from_buffer(buf: Any, dtype: str, shape: tuple[int, ...]) -> torch.Tensor:
-    """Rebuild a tensor as a view of a received buffer (no copy)."""
+    """Rebuild a tensor as a view of a received buffer (no copy). The shape must fit the
+    buffer's bytes exactly: a peer cannot make this worker allocate memory it did not send."""
     torch_dtype = _torch_dtype(dtype)
+    _check_shape(shape, len(buf), torch_dtype)
     if len(buf) == 0:
         return torch.empty(shape, dtype=torch_dtype)
     if not isinstance(buf, np.ndarray):  # in-band buffer (only when pickled without callback)
@@ -113,10 +116,22 @@ def tensor_from_buffer(buf: Any, dtype: str, shape: tuple[int, ...]) -> torch.Te
     return torch.from_numpy(buf).view(torch_dtype).reshape(shape)
 
 
+def _check_shape(shape: Any, nbytes: int, dtype: torch.dtype) -> None:
+    if not isinstance(shape, tuple) or len(shape) > 64 \
+            or not all(type(d) is int and d >= 0 for d in shape):
+        raise pickle.UnpicklingError(f"bad tensor shape {shape!r:.80}")
+    numel = 1
+    for d in shape:
+        numel *= d
+    if numel * dtype.itemsize != nbytes:
+        raise pickle.UnpicklingError(f"tensor of shape {shape} and dtype {dtype} does not fit "
+                                     f"its {nbytes}-byte buffer")
+
+
 def _torch_dtype(name: str) -> torch.dtype:
     torch_dtype = _DTYPES.get(name)
     if torch_dtype is None:
-        torch_dtype = getattr(torch, name, None)
+        torch_dtype = vars(torch).get(name) if isinstance(name, str) else None
         if not isinstance(torch_dtype, torch.dtype):
             raise pickle.UnpicklingError(f"unknown tensor dtype {name!r}")
         _DTYPES[name] = torch_dtype
@@ -130,6 +145,7 @@ _DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in _NUMPY
 _DTYPE_NAMES = {dtype: name for name, dtype in _DTYPES.items()}
 
 
+@register
 def _rebuild_tensor(buf: Any, dtype: str, shape: tuple[int, ...], requires_grad: bool,
                     is_param: bool) -> torch.Tensor:
     t = tensor_from_buffer(buf, dtype, shape)
@@ -143,14 +159,13 @@ def _rebuild_tensor(buf: Any, dtype: str, shape: tuple[int, ...], requires_grad:
     return t
 
 
-_INTERNAL = {("shardwise.rpc.serialization", "_rebuild_tensor"): _rebuild_tensor}
-
-
 class _Unpickler(pickle.Unpickler):
+    """Resolves globals only through the allow-list ([Note: allow-list] in callables.py)."""
+
     def find_class(self, module: str, name: str) -> Any:
-        internal = _INTERNAL.get((module, name))
-        if internal is not None:
-            return internal
+        data = resolve_data(module, name)
+        if data is not None:
+            return data
         try:
             return resolve_global(module, name)
         except ForbiddenCallable as exc:
@@ -171,13 +186,9 @@ def dumps(obj: Any, session: Session) -> tuple[bytes, list[memoryview]]:
 
 def loads(payload: bytes | bytearray, buffers: list[np.ndarray], session: Session) -> Any:
     """Unpickle a payload whose out-of-band buffers arrived as uint8 arrays."""
+    pickle_scan.check(payload)  # [Note: pickle scan]
     outer, _current.session = _current.session, session
     try:
         return _Unpickler(io.BytesIO(payload), buffers=buffers).load()
     finally:
         _current.session = outer
-
-
-def register_internal(module: str, name: str, func: Any) -> None:
-    """Let the unpickler resolve one of shardwise.rpc's own rebuild functions directly."""
-    _INTERNAL[(module, name)] = func

@@ -19,6 +19,14 @@ where RPC latency and throughput are decided in Python.
 
 Connections that fail the handshake (auth.py) or send frames that do not parse are logged and
 closed; the acceptor keeps accepting and the other connections are unaffected.
+
+[Note: bounded acceptor] At most ``HANDSHAKE_SLOTS`` handshakes run at once, each on its own
+short-lived thread and each with one deadline for the whole exchange; a connection that arrives
+while every slot is taken is closed at once (a group member's ``connect`` retries until its
+connect timeout). Rejections are logged at most once per ``LOG_EVERY`` seconds, with a count of
+those not logged. ``close()`` shuts the listening socket down (which wakes the thread blocked
+in ``accept``), closes every connection and joins every thread it started, so nothing of the
+transport outlives it and the port refuses connections.
 """
 
 from __future__ import annotations
@@ -32,7 +40,15 @@ import time
 from collections.abc import Callable
 
 from shardwise.rpc.auth import AuthError, accept_handshake, connect_handshake
-from shardwise.rpc.wire import FrameError, FrameReader, PeerClosed, frame_parts, send_all, tune
+from shardwise.rpc.wire import (
+    DEFAULT_MAX_MESSAGE,
+    FrameError,
+    FrameReader,
+    PeerClosed,
+    frame_parts,
+    send_all,
+    tune,
+)
 
 log = logging.getLogger("shardwise.rpc")
 
@@ -46,8 +62,9 @@ class PeerUnavailable(ConnectionError):
 
 class Connection:
     def __init__(self, sock: socket.socket, peer: int, on_frame: FrameHandler,
-                 on_lost: LostHandler):
+                 on_lost: LostHandler, max_message: int = DEFAULT_MAX_MESSAGE):
         self.sock, self.peer = sock, peer
+        self.max_message = max_message
         self.send_lock = threading.Lock()  # held by the one thread writing to the socket
         self._queue: collections.deque[list] = collections.deque()  # frames' parts, in order
         self._on_frame, self._on_lost = on_frame, on_lost
@@ -86,7 +103,7 @@ class Connection:
                 return
 
     def _read_loop(self) -> None:
-        reader = FrameReader(self.sock)
+        reader = FrameReader(self.sock, max_message=self.max_message)
         while True:
             try:
                 for payload, buffers in reader.next_batch():
@@ -117,25 +134,59 @@ class Connection:
         with contextlib.suppress(OSError):
             self.sock.close()
 
+    def join(self, timeout: float) -> None:
+        """Wait for the reader thread to end (after ``close``), unless this is that thread."""
+        if self._reader is not threading.current_thread():
+            self._reader.join(timeout)
+
 
 _BATCH_PARTS = 256  # frames' parts gathered into one send_all
+HANDSHAKE_SLOTS = 16  # handshakes in progress at once ([Note: bounded acceptor])
+LOG_EVERY = 10.0  # seconds between two rejection warnings
+
+
+class RateLimitedLog:
+    """A warning at most every ``every`` seconds; the next one says how many were dropped."""
+
+    def __init__(self, every: float = LOG_EVERY):
+        self.every, self._last, self._dropped = every, -float("inf"), 0
+        self._lock = threading.Lock()
+
+    def warning(self, msg: str, *args) -> bool:
+        with self._lock:
+            now = time.monotonic()
+            if now - self._last < self.every:
+                self._dropped += 1
+                return False
+            dropped, self._dropped, self._last = self._dropped, 0, now
+        suffix = f" ({dropped} more rejections not logged)" if dropped else ""
+        log.warning(msg + suffix, *args)
+        return True
 
 
 class Transport:
     """The listening socket and the connections of one worker."""
 
     def __init__(self, rank: int, world_size: int, token: bytes, host: str,
-                 on_frame: FrameHandler, on_lost: LostHandler, handshake_timeout: float = 10.0):
+                 on_frame: FrameHandler, on_lost: LostHandler, handshake_timeout: float = 10.0,
+                 max_message: int = DEFAULT_MAX_MESSAGE,
+                 handshake_slots: int = HANDSHAKE_SLOTS):
         self.rank, self.world_size, self._token = rank, world_size, token
         self._on_frame, self._on_lost = on_frame, on_lost
         self._handshake_timeout = handshake_timeout
+        self.max_message = max_message
         self.conns: dict[int, Connection] = {}
         self._cv = threading.Condition()
         self._closing = False
+        self._slots = threading.BoundedSemaphore(handshake_slots)
+        self._slot_count = handshake_slots
+        self._handshakes: dict[threading.Thread, socket.socket] = {}
+        self._rejections = RateLimitedLog()
         self._listener = socket.create_server((host, 0), backlog=128)
         self.host, self.port = host, self._listener.getsockname()[1]
-        threading.Thread(target=self._accept_loop, daemon=True,
-                         name="shardwise-rpc-accept").start()
+        self._acceptor = threading.Thread(target=self._accept_loop, daemon=True,
+                                          name="shardwise-rpc-accept")
+        self._acceptor.start()
 
     def _accept_loop(self) -> None:
         while not self._closing:
@@ -143,25 +194,53 @@ class Transport:
                 sock, addr = self._listener.accept()
             except OSError:
                 return
-            threading.Thread(target=self._admit, args=(sock, addr), daemon=True,
-                             name="shardwise-rpc-handshake").start()
+            if self._closing or not self._slots.acquire(blocking=False):
+                self._rejections.warning("shardwise.rpc rank %d: refused a connection from %s: "
+                                         "%d handshakes already in progress", self.rank, addr,
+                                         self._slot_count)
+                sock.close()
+                continue
+            thread = threading.Thread(target=self._admit, args=(sock, addr), daemon=True,
+                                      name="shardwise-rpc-handshake")
+            with self._cv:
+                self._handshakes[thread] = sock
+            thread.start()
 
     def _admit(self, sock: socket.socket, addr) -> None:
         try:
-            sock.settimeout(self._handshake_timeout)
-            peer = accept_handshake(sock, self._token, self.world_size, self.rank)
+            deadline = time.monotonic() + self._handshake_timeout
+            peer = accept_handshake(sock, self._token, self.world_size, self.rank, deadline)
             sock.settimeout(None)
+            self._register(sock, peer)
         except (AuthError, OSError) as exc:
-            log.warning("shardwise.rpc rank %d: rejected connection from %s: %s",
-                        self.rank, addr, exc)
+            self._rejections.warning("shardwise.rpc rank %d: rejected connection from %s: %s",
+                                     self.rank, addr, exc)
             sock.close()
-            return
-        self._register(sock, peer)
+        finally:
+            with self._cv:
+                self._handshakes.pop(threading.current_thread(), None)
+            self._slots.release()
 
     def connect(self, peer: int, host: str, port: int, timeout: float) -> None:
-        sock = socket.create_connection((host, port), timeout=timeout)
+        """Connect and authenticate to ``peer``, retrying a refused or dropped attempt (the
+        acceptor's handshake slots may all be busy) until ``timeout`` seconds passed."""
+        deadline = time.monotonic() + timeout
+        pause = 0.01
+        while True:
+            try:
+                self._connect_once(peer, host, port, deadline)
+                return
+            except (PeerClosed, ConnectionError, TimeoutError) as exc:
+                if isinstance(exc, AuthError) or time.monotonic() + pause > deadline:
+                    raise
+            time.sleep(pause)
+            pause = min(pause * 2, 0.5)
+
+    def _connect_once(self, peer: int, host: str, port: int, deadline: float) -> None:
+        sock = socket.create_connection((host, port), timeout=max(deadline - time.monotonic(),
+                                                                  0.01))
         try:
-            connect_handshake(sock, self._token, self.rank)
+            connect_handshake(sock, self._token, self.rank, deadline)
         except BaseException:
             sock.close()
             raise
@@ -172,11 +251,13 @@ class Transport:
         tune(sock)
         with self._cv:
             if peer in self.conns or self._closing:
-                log.warning("shardwise.rpc rank %d: dropping a second connection from rank %d",
-                            self.rank, peer)
+                # the rank that joined first keeps its connection ([Note: bounded acceptor])
+                self._rejections.warning("shardwise.rpc rank %d: refused a second connection "
+                                         "claiming rank %d", self.rank, peer)
                 sock.close()
                 return
-            self.conns[peer] = Connection(sock, peer, self._on_frame, self._on_lost)
+            self.conns[peer] = Connection(sock, peer, self._on_frame, self._on_lost,
+                                          self.max_message)
             self._cv.notify_all()
 
     def wait_connected(self, peers: list[int], timeout: float) -> None:
@@ -196,11 +277,26 @@ class Transport:
             raise PeerUnavailable(f"no connection to rank {peer}")
         conn.send(payload, buffers)
 
-    def close(self) -> None:
+    def close(self, join_timeout: float = 10.0) -> None:
+        """Stop listening, close every connection, join every thread ([Note: bounded
+        acceptor])."""
         with self._cv:
             self._closing = True
             conns = list(self.conns.values())
+            handshakes = list(self._handshakes.items())
+        with contextlib.suppress(OSError):
+            self._listener.shutdown(socket.SHUT_RDWR)  # wakes accept()
         with contextlib.suppress(OSError):
             self._listener.close()
         for conn in conns:
             conn.close()
+        for _, sock in handshakes:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)  # ends the handshake now
+        if self._acceptor is not threading.current_thread():
+            self._acceptor.join(join_timeout)
+        for thread, _ in handshakes:
+            if thread is not threading.current_thread():
+                thread.join(join_timeout)
+        for conn in conns:
+            conn.join(join_timeout)

@@ -9,6 +9,13 @@ the tensor to the kernel); receiving reads small frames many at a time through o
 uninitialised memory that becomes the tensors. Headers are checked before anything is
 allocated: a frame with the wrong magic or absurd sizes is a :class:`FrameError` and the
 connection is dropped.
+
+[Note: bounded frames] A header only claims sizes; memory follows the bytes that arrive. The
+frame's total (payload and buffers) must be at most the agent's ``max_message_size`` (a
+FrameError before anything is allocated); the pickle payload is then received in pieces into a
+buffer that grows as they come, and a tensor buffer is reserved with ``np.empty`` (address space
+only: pages are committed as ``recv_into`` writes them, nothing is zeroed), so a header that
+claims gigabytes costs what the peer actually sends.
 """
 
 from __future__ import annotations
@@ -21,8 +28,8 @@ import numpy as np
 MAGIC = b"SWR1"
 _FIXED = struct.Struct("!4sIQ")
 MAX_BUFFERS = 1 << 16
-MAX_PAYLOAD = 1 << 32  # 4 GiB of pickle is not a message, it is an attack or a bug
-MAX_BUFFER = 1 << 40
+DEFAULT_MAX_MESSAGE = 1 << 36  # 64 GiB per frame, payload and tensors together
+_GROW = 1 << 20  # a large payload is received in pieces of this size
 _IOV_MAX = 512
 _JOIN = 16 << 10  # payloads up to this are sent in one piece with the header
 _BUFFER = 256 << 10  # a reader's receive buffer
@@ -98,8 +105,10 @@ class FrameReader:
     ``LARGE`` is read as before: its buffers go straight from the socket into fresh tensors.
     """
 
-    def __init__(self, sock: socket.socket, size: int = _BUFFER):
+    def __init__(self, sock: socket.socket, size: int = _BUFFER,
+                 max_message: int = DEFAULT_MAX_MESSAGE):
         self.sock = sock
+        self.max_message = max_message
         self._buf = bytearray(size)
         self._view = memoryview(self._buf)
         self._start = self._end = 0
@@ -124,12 +133,12 @@ class FrameReader:
         if have < _FIXED.size:
             return None if have == 0 else _FIXED.size + 1  # (any size above what is here)
         magic, nbufs, plen = _FIXED.unpack_from(self._buf, self._start)
-        _check_header(magic, nbufs, plen)
+        check_header(magic, nbufs, plen, self.max_message)
         head = _FIXED.size + 8 * nbufs
         if have < head:
             return head + plen + 1 if head <= LARGE else head + LARGE
         lengths = struct.unpack_from(f"!{nbufs}Q", self._buf, self._start + _FIXED.size)
-        _check_lengths(lengths)
+        check_lengths(plen, lengths, self.max_message)
         return head + plen + sum(lengths)
 
     def _take(self, size: int) -> tuple[bytes, list[np.ndarray]]:
@@ -167,7 +176,7 @@ class FrameReader:
         fixed = self._read_exact(_FIXED.size)
         _, nbufs, plen = _FIXED.unpack(fixed)
         lengths = struct.unpack(f"!{nbufs}Q", self._read_exact(8 * nbufs)) if nbufs else ()
-        payload = self._read_exact(plen)
+        payload = self._read_growing(plen)
         buffers = []
         for n in lengths:
             arr = np.empty(n, np.uint8)  # (numpy asks for huge pages: far fewer page faults)
@@ -180,6 +189,18 @@ class FrameReader:
         self._read_into(memoryview(out))
         return out
 
+    def _read_growing(self, n: int) -> bytearray:
+        """``n`` bytes into a buffer that grows as they arrive ([Note: bounded frames])."""
+        if n <= _GROW:
+            return self._read_exact(n)
+        out = bytearray()
+        while len(out) < n:
+            piece = min(n - len(out), max(_GROW, len(out)))  # (doubling: few reallocations)
+            at = len(out)
+            out.extend(bytes(piece))  # (zeroes only what the next recv fills)
+            self._read_into(memoryview(out)[at:])
+        return out
+
     def _read_into(self, target: memoryview) -> None:
         have = min(self._end - self._start, len(target))
         target[:have] = self._view[self._start:self._start + have]
@@ -188,16 +209,23 @@ class FrameReader:
             recv_into_all(self.sock, target[have:])
 
 
-def _check_header(magic: bytes, nbufs: int, plen: int) -> None:
+def check_header(magic: bytes, nbufs: int, plen: int,
+                 max_message: int = DEFAULT_MAX_MESSAGE) -> None:
+    """The fixed header is a frame's (shared by every channel that carries frames)."""
     if magic != MAGIC:
         raise FrameError(f"bad frame magic {bytes(magic)!r} (expected {MAGIC!r})")
-    if nbufs > MAX_BUFFERS or plen > MAX_PAYLOAD:
-        raise FrameError(f"frame header out of range: {nbufs} buffers, {plen} payload bytes")
+    if nbufs > MAX_BUFFERS or plen > max_message:
+        raise FrameError(f"frame header out of range: {nbufs} buffers, {plen} payload bytes "
+                         f"(max_message_size {max_message})")
 
 
-def _check_lengths(lengths: tuple[int, ...]) -> None:
-    if any(n > MAX_BUFFER for n in lengths):
-        raise FrameError(f"frame buffer length out of range: {max(lengths)} bytes")
+def check_lengths(plen: int, lengths: tuple[int, ...],
+                  max_message: int = DEFAULT_MAX_MESSAGE) -> None:
+    total = plen + sum(lengths)
+    if total > max_message:
+        raise FrameError(f"frame of {total} bytes is above max_message_size ({max_message}); "
+                         "raise TensorPipeRpcBackendOptions.max_message_size on the receiver "
+                         "to accept it")
 
 
 def recv_exact(sock: socket.socket, n: int, start: bool = False) -> bytearray:

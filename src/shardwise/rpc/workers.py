@@ -18,6 +18,7 @@ from __future__ import annotations
 import collections
 import logging
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -50,7 +51,10 @@ class WorkerPool:
         self._watch_cv = threading.Condition(self._lock)
         self._watching = False  # tasks were queued while threads were running
         self._closed = False
-        threading.Thread(target=self._watch, daemon=True, name=f"{name}-watchdog").start()
+        self._threads_started: list[threading.Thread] = []
+        self._watcher = threading.Thread(target=self._watch, daemon=True,
+                                         name=f"{name}-watchdog")
+        self._watcher.start()
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> None:
         """Run ``fn(*args)`` on a pool thread (exceptions are logged, never raised here)."""
@@ -75,8 +79,10 @@ class WorkerPool:
             worker = _Worker(self._lock)
             self._running.add(worker)
             self._threads += 1
-            threading.Thread(target=self._run, args=(worker,), daemon=True,
-                             name=f"{self._name}_{self._threads - 1}").start()
+            thread = threading.Thread(target=self._run, args=(worker,), daemon=True,
+                                      name=f"{self._name}_{self._threads - 1}")
+            self._threads_started.append(thread)
+            thread.start()
 
     def _run(self, worker: _Worker) -> None:
         while True:
@@ -127,3 +133,12 @@ class WorkerPool:
                 worker.cv.notify()
             self._idle.clear()
             self._watch_cv.notify()
+
+    def join(self, timeout: float) -> None:
+        """Wait up to ``timeout`` seconds in all for the pool's threads to end (after
+        ``shutdown``); a thread still running a task past that is left to finish it."""
+        deadline = time.monotonic() + timeout
+        me = threading.current_thread()
+        for thread in [self._watcher, *self._threads_started]:
+            if thread is not me:
+                thread.join(max(deadline - time.monotonic(), 0.0))

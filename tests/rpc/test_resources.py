@@ -1,0 +1,178 @@
+"""What a peer can cost a worker is bounded ([Note: bounded frames] in wire.py, [Note: bounded
+acceptor] in transport.py), and shutdown() leaves nothing of the agent behind."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+import struct
+import threading
+import time
+
+import pytest
+import torch
+
+import shardwise.rpc as rpc
+from shardwise.rpc.auth import HELLO_SIZE, connect_handshake, new_token
+from shardwise.rpc.transport import HANDSHAKE_SLOTS, RateLimitedLog, Transport
+from shardwise.rpc.wire import MAGIC, send_frame
+from tests.rpc import helpers
+from tests.rpc.scenarios import lines, run
+
+_FIXED = struct.Struct("!4sIQ")
+MB = 1 << 20
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+class _Server:
+    """A transport of rank 0 in a world of 2, recording frames and lost connections."""
+
+    def __init__(self, **kwargs):
+        self.token = new_token()
+        self.frames, self.lost = [], []
+        self.got = threading.Event()
+        self.gone = threading.Event()
+        self.t = Transport(0, 2, self.token, "127.0.0.1", self._frame, self._lost, **kwargs)
+
+    def _frame(self, peer, payload, buffers):
+        self.frames.append((peer, bytes(payload)))
+        self.got.set()
+
+    def _lost(self, peer, exc, clean):
+        self.lost.append((peer, type(exc).__name__))
+        self.gone.set()
+
+    def join_as(self, rank: int, token: bytes | None = None) -> socket.socket:
+        sock = socket.create_connection(("127.0.0.1", self.t.port), timeout=5)
+        connect_handshake(sock, token or self.token, rank)
+        return sock
+
+
+@pytest.fixture
+def server():
+    servers = []
+
+    def make(**kwargs):
+        servers.append(_Server(**kwargs))
+        return servers[-1]
+
+    yield make
+    for s in servers:
+        s.t.close()
+
+
+def _legit_latencies(n: int = 20) -> list[float]:
+    out = []
+    for _ in range(n):
+        start = time.perf_counter()
+        assert torch.equal(rpc.rpc_sync("worker1", helpers.identity, args=(torch.ones(4),)),
+                           torch.ones(4))
+        out.append(time.perf_counter() - start)
+    return out
+
+
+def test_header_claiming_4_gib_costs_only_what_arrives(server):
+    srv = server()
+    sock = srv.join_as(1)
+    before = _rss()
+    sock.sendall(_FIXED.pack(MAGIC, 0, 4 << 30) + b"\x00" * (8 * MB))  # 8 MB of the 4 GiB
+    time.sleep(0.5)
+    grown = _rss() - before
+    assert grown < 100 * MB, f"{grown / MB:.0f} MB for a 4 GiB header and 8 MB of payload"
+    assert srv.t.conns[1].closed is False  # still waiting for the rest
+    sock.close()
+    assert srv.gone.wait(5) and srv.lost == [(1, "PeerClosed")]
+
+
+def test_frame_above_max_message_size_drops_the_connection(server):
+    srv = server(max_message=1 << 30)
+    sock = srv.join_as(1)
+    before = _rss()
+    sock.sendall(_FIXED.pack(MAGIC, 0, 4 << 30))
+    assert srv.gone.wait(5) and srv.lost == [(1, "FrameError")]
+    assert _rss() - before < 100 * MB
+    sock.close()
+
+
+def test_slow_handshake_ends_at_its_deadline(server):
+    """One byte every 0.25 s: the whole handshake has 1 s, not 1 s per recv."""
+    srv = server(handshake_timeout=1.0)
+    sock = socket.create_connection(("127.0.0.1", srv.t.port), timeout=5)
+    sock.recv(HELLO_SIZE)
+    sent = 0
+    start = time.monotonic()
+    try:
+        for _ in range(40):  # 10 s of trickling if nothing stopped it
+            sock.send(b"S")
+            sent += 1
+            time.sleep(0.25)
+    except OSError:
+        pass  # reset by the acceptor
+    assert sent < 40, "the acceptor kept a trickling handshake open"
+    assert time.monotonic() - start < 8
+    sock.close()
+
+
+def test_second_connection_claiming_a_joined_rank_is_refused_not_the_first(server):
+    srv = server()
+    first = srv.join_as(1)
+    deadline = time.monotonic() + 5
+    while 1 not in srv.t.conns and time.monotonic() < deadline:
+        time.sleep(0.01)
+    second = srv.join_as(1)  # knows the secret, claims the same rank
+    second.settimeout(5)
+    assert second.recv(1) == b""  # closed by the acceptor
+    send_frame(first, b"still here", [])
+    assert srv.got.wait(5) and srv.frames == [(1, b"still here")]
+    assert srv.lost == []
+    first.close()
+    second.close()
+
+
+def test_rejections_are_rate_limited(caplog):
+    limited = RateLimitedLog(every=60)
+    with caplog.at_level(logging.WARNING, logger="shardwise.rpc"):
+        logged = [limited.warning("rejected %d", i) for i in range(1000)]
+    assert logged.count(True) == 1 and len(caplog.records) == 1
+
+
+def test_idle_connections_are_bounded_and_peers_still_served(rpc_world):
+    """3,000 connections that never speak: at most HANDSHAKE_SLOTS handshakes (threads) at a
+    time, the others closed at once; worker1 keeps answering its group and its memory stays
+    within 100 MB of where it started."""
+    threads0, fds0, rss0 = rpc.rpc_sync("worker1", helpers.resources)
+    host, port = rpc.rpc_sync("worker1", helpers.listener_address)
+    assert host == "127.0.0.1"  # bound to the rendezvous interface, not 0.0.0.0
+    idle = []
+    try:
+        for _ in range(3000):
+            with contextlib.suppress(OSError):
+                idle.append(socket.create_connection((host, port), timeout=5))
+        threads1, fds1, rss1 = rpc.rpc_sync("worker1", helpers.resources)
+        latencies = _legit_latencies()
+    finally:
+        for s in idle:
+            s.close()
+    print(f"legit rpc_sync under 3,000 idle connections: median "
+          f"{sorted(latencies)[len(latencies) // 2] * 1e3:.1f} ms, max "
+          f"{max(latencies) * 1e3:.1f} ms")
+    assert threads1 <= threads0 + HANDSHAKE_SLOTS + 2
+    assert fds1 <= fds0 + HANDSHAKE_SLOTS + 4
+    assert rss1 - rss0 < 100 * MB
+    assert max(latencies) < 2.0  # served, not queued behind the attack (a loose bound)
+
+
+def test_ten_init_shutdown_cycles_leave_nothing_behind(tmp_path):
+    ranks = run("cycles", 2, extra_env={"SCENARIO_DIR": str(tmp_path)})
+    for code, text in ranks:
+        assert code == 0, text
+        out = lines(text)
+        assert out["first"] == out["last"], text  # (threads, fds) after cycle 1 and 10
+        assert out["rpc port refused"] == "True", text
+    assert lines(ranks[0][1])["store refused"] == "True"
