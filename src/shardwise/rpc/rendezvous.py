@@ -34,6 +34,7 @@ from urllib.parse import urlparse
 
 import torch.distributed as dist
 
+from shardwise.distributed.env import flag_var, int_var
 from shardwise.rpc.auth import new_token
 
 PREFIX = "shardwise_rpc"
@@ -52,7 +53,7 @@ def make_store(init_method: str, rank: int, world_size: int, timeout: float) -> 
     shared = default_group_store(host, port)
     if shared is not None:
         return shared
-    agent_hosted = os.environ.get(AGENT_STORE_VAR, "").lower() in ("1", "true")
+    agent_hosted = flag_var(AGENT_STORE_VAR)
     try:
         return dist.TCPStore(host, port, world_size, is_master=rank == 0 and not agent_hosted,
                              timeout=timedelta(seconds=timeout), wait_for_workers=False,
@@ -102,7 +103,7 @@ def _store_address(init_method: str) -> tuple[str, int]:
         if not addr or not port:
             raise RendezvousError("init_method env:// needs MASTER_ADDR and MASTER_PORT in the "
                                   "environment (torchrun sets them)")
-        return addr, int(port)
+        return addr, int_var("MASTER_PORT", minimum=1, maximum=65535)
     url = urlparse(init_method)
     if url.scheme != "tcp" or not url.hostname or not url.port:
         raise RendezvousError(f"init_method must be env:// or tcp://host:port, got "
