@@ -96,6 +96,22 @@ def test_a_lost_node_stops_the_others_with_an_error_naming_it(lost, says):
     assert "restarting" not in err
 
 
+def test_a_running_nodes_launcher_is_not_replaced_and_a_signal_ends_every_node():
+    port = _free_port()
+    nodes = [_node(port, k, 2, "forever.py", "--max-restarts", "1") for k in (0, 1)]
+    _wait_for_pids(nodes[0], 2)
+    second = _node(port, 1, 2, "forever.py", "--max-restarts", "1")
+    _, err = second.communicate(timeout=60)
+    assert second.returncode == 2, err
+    assert "two launchers were started with --node-rank 1: the first is still running" in err
+    # a signal to one node's launcher ends the job on every node, restarts left or not
+    nodes[0].send_signal(signal.SIGTERM)
+    errs = [p.communicate(timeout=60)[1] for p in nodes]
+    assert [p.returncode for p in nodes] == [128 + signal.SIGTERM, 1], errs
+    assert "node 0's launcher received SIGTERM; this node's ranks were stopped" in errs[1]
+    assert "restarting" not in errs[0] + errs[1]
+
+
 # -- a lost node started again under --max-restarts --------------------------------------------
 
 TRAIN_TIMEOUT = "8"  # long enough for a launcher to start again under load

@@ -335,6 +335,11 @@ class _Job:
             with contextlib.suppress(*_STORE_ERRORS):
                 self.link.say_stopped(f"node {self.node_rank}'s launcher received {name}")
         self._stop(ranks)
+        if self.link is not None and self.node_rank == 0:  # keep the store up until the other
+            deadline = time.monotonic() + self.timeout  # nodes have read why the job stopped
+            with contextlib.suppress(*_STORE_ERRORS):
+                while not self.link.others_saw_stop() and time.monotonic() < deadline:
+                    time.sleep(POLL_SECONDS)
         return 128 + signum
 
     def _on_success(self, attempt: int) -> int:

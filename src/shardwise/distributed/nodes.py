@@ -84,6 +84,7 @@ class NodeLink:
         self.timeout = timeout
         self._beats = 0
         self._seen: dict[int, tuple[str, float]] = {}
+        self._stop_seen = False
 
     def join(self, attempt: int = 0) -> tuple[Layout, int]:
         """Announce this node and wait for all others; the global rank layout and the attempt
@@ -156,7 +157,15 @@ class NodeLink:
         self.store.set(_STOPPED, text)
 
     def stopped(self) -> str | None:
-        return self._value(_STOPPED) or None
+        """Why the job was stopped (by a signal to some node's launcher), once seen here."""
+        text = self._value(_STOPPED)
+        if text and not self._stop_seen:
+            self._stop_seen = True
+            self.store.add(f"{_STOPPED}/seen", 1)
+        return text or None
+
+    def others_saw_stop(self) -> bool:
+        return self.store.add(f"{_STOPPED}/seen", 0) >= self.nnodes - 1
 
     def _value(self, key: str) -> str:
         return self.store.get(key).decode(errors="replace") if self.store.check([key]) else ""
