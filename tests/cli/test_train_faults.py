@@ -154,14 +154,16 @@ def test_override_names_are_checked(capsys):
     assert "unknown name(s) colour" in capsys.readouterr().err
 
 
-def test_ddp_to_tp_resume_is_a_clear_error(tmp_path):
+@pytest.mark.parametrize("strategy", ["tp", "fsdp", "pipeline"])
+def test_a_resume_into_another_layout_is_a_clear_error(tmp_path, strategy):
+    # the ddp->tp shape RuntimeError, ddp->fsdp IndexError, ddp->pipeline KeyError
     cfg = dataclasses.replace(TINY, steps=2, checkpoint_dir=str(tmp_path))
     run_on_ranks(2, _train, cfg)
-    tp = dataclasses.replace(cfg, steps=4, resume=True, strategy="tp")
+    other = dataclasses.replace(cfg, steps=4, resume=True, strategy=strategy)
     with pytest.raises(ConfigError, match="strategy=ddp"):
-        validate(tp, 2)
-    with pytest.raises(RankFailure, match="cannot be loaded by strategy tp"):
-        run_on_ranks(2, _train, dataclasses.replace(tp, override=("strategy",)))
+        validate(other, 2)
+    with pytest.raises(RankFailure, match=f"cannot be loaded by strategy {strategy}"):
+        run_on_ranks(2, _train, dataclasses.replace(other, override=("strategy",)))
 
 
 @pytest.mark.parametrize("pointer", ["../other/step_000040", "/etc", "step_000002/../../x", ""])

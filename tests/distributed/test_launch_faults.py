@@ -9,6 +9,8 @@ import os
 import re
 from pathlib import Path
 
+import pytest
+
 from shardwise.distributed import launch
 from shardwise.distributed.launcher import python_command
 
@@ -94,3 +96,24 @@ def test_without_restarts_the_first_failure_ends_the_job():
     assert code == 1
     assert "attempt 1" not in out
     assert "RuntimeError: first attempt fails on purpose" in _report(err)
+
+
+def _gone(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:  # a zombie is gone too
+            return f.read().split(")")[-1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+@pytest.mark.parametrize(("rank", "how", "code", "says"), [
+    (0, "kill", 128 + 9, "rank 0 was killed by SIGKILL"),
+    (1, "exit3", 3, "rank 1 failed (exit code 3) without a Python exception"),
+    (0, "exit3", 3, "rank 0 failed (exit code 3) without a Python exception"),
+])
+def test_a_rank_that_dies_is_named_and_no_rank_is_left(rank, how, code, says):
+    got, out, err = _launch(2, "die_hard.py", str(rank), how)
+    assert got == code, err
+    assert _report(err).startswith(f"shardwise: {says}"), err
+    pids = [int(line.split()[-1]) for line in out.splitlines() if " pid " in line]
+    assert len(pids) == 2 and all(_gone(p) for p in pids), out
