@@ -118,10 +118,13 @@ class NodeLink:
         patience = 2 * self.timeout + 5  # the others need the timeout to declare it lost
         deadline = time.monotonic() + patience
         while not self._take(f"{_LOST}{k}"):
-            if self._value(f"{_BEAT}{k}") != beat or time.monotonic() > deadline:
+            if self._value(f"{_BEAT}{k}") != beat:
                 raise NodeError(f"two launchers were started with --node-rank {k}: the first "
-                                f"is still running (it was not declared lost within "
-                                f"{patience:g} s)")
+                                f"is still running")
+            if time.monotonic() > deadline:
+                raise NodeError(f"--node-rank {k} was claimed by an earlier launcher, and the "
+                                f"other nodes did not declare it lost within {patience:g} s (a "
+                                f"lost node rejoins only while the job has restarts left)")
             time.sleep(0.1)
         return int(self.store.get(_NEXT))
 
