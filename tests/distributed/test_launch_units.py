@@ -232,3 +232,23 @@ def test_no_environment_variable_is_converted_outside_env_py():
     found = [f"{path.relative_to(root)}:{n}" for path in sorted(root.rglob("*.py"))
              for n, line in enumerate(path.read_text().splitlines(), 1) if raw.search(line)]
     assert found == [], "convert through shardwise.distributed.env (int_var, seconds_var)"
+
+
+def test_watchdog_is_patient_with_a_rank_that_said_it_is_exiting():
+    # its script is done; the interpreter's teardown may outlast the timeout on a loaded machine
+    from shardwise.distributed.watchdog import EXIT_PATIENCE
+
+    dog = Watchdog([0, 1], timeout=5)
+    dog.observe(0, {"seq": 3, "beats": 0, "t": 0.0, "exiting": False}, 0.0)
+    dog.observe(1, {"seq": 3, "beats": 0, "t": 0.0, "exiting": False}, 0.0)
+    dog.observe(0, {"seq": 3, "beats": 0, "t": 1.0, "exiting": True}, 1.0)
+    dog.exited(1, 0, 1.0)
+    assert dog.verdict(1.0 + 5 * EXIT_PATIENCE - 1) is None
+    hang = dog.verdict(1.0 + 5 * EXIT_PATIENCE + 1)
+    assert hang.ranks == [0] and hang.reason == f"finished but did not exit within " \
+        f"{5 * EXIT_PATIENCE} s"
+    # a rank that did not say so is named after the timeout, as before
+    dog = Watchdog([0, 1], timeout=5)
+    dog.observe(0, {"seq": 3, "beats": 0, "t": 0.0, "exiting": False}, 0.0)
+    dog.exited(1, 0, 1.0)
+    assert dog.verdict(6.5).ranks == [0]
