@@ -154,13 +154,17 @@ def test_override_names_are_checked(capsys):
     assert "unknown name(s) colour" in capsys.readouterr().err
 
 
-def test_ddp_to_tp_resume_needs_override_and_then_continues_exactly(tmp_path):
+@pytest.mark.parametrize("strategy", ["tp", "fsdp"])
+def test_resume_into_another_strategy_needs_override_and_then_continues_exactly(tmp_path,
+                                                                               strategy):
+    # the ddp->tp shape RuntimeError and ddp->fsdp IndexError: now a named refusal
+    # without --override, and exact continuation with it (pipeline: test_resume_strategies)
     cfg = dataclasses.replace(TINY, steps=2, checkpoint_dir=str(tmp_path))
     run_on_ranks(2, _train, cfg)
-    tp = dataclasses.replace(cfg, steps=4, resume=True, strategy="tp")
+    other = dataclasses.replace(cfg, steps=4, resume=True, strategy=strategy)
     with pytest.raises(ConfigError, match="strategy=ddp"):
-        validate(tp, 2)
-    got = run_on_ranks(2, _train, dataclasses.replace(tp, override=("strategy",)))[0][0]
+        validate(other, 2)
+    got = run_on_ranks(2, _train, dataclasses.replace(other, override=("strategy",)))[0][0]
     expected = run_on_ranks(2, _train, dataclasses.replace(TINY, steps=4))[0][0]
     assert sorted(got) == [2, 3]
     for step in (2, 3):

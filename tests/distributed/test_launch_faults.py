@@ -1,7 +1,8 @@
 """The launcher under failures: the right rank is blamed, hangs are stopped and named, restarts.
 
 Every job here is a tiny script (tests/distributed/scripts) run in-process through ``launch``
-with short timeouts, so that each costs about the import of torch in two ranks.
+with short timeouts only where a timeout is the subject, so that each costs about the import of
+torch in two ranks.
 """
 
 import io
@@ -9,16 +10,21 @@ import os
 import re
 from pathlib import Path
 
+import pytest
+
 from shardwise.distributed import launch
 from shardwise.distributed.launcher import python_command
 
 SCRIPTS = Path(__file__).parent / "scripts"
-SHORT = 3.0  # seconds: SHARDWISE_TIMEOUT for the ranks and the watchdog's patience
+SHORT = 5.0  # seconds: the timeout a test is about (a collective's, or the watchdog's patience)
+LONG = 60.0  # for everything else: a loaded machine must not turn a slow start into a timeout
 
 
-def _launch(nproc, script, *args, timeout=SHORT, **kwargs):
+def _launch(nproc, script, *args, timeout=LONG, rank_timeout=None, **kwargs):
+    """``timeout``: the watchdog's; ``rank_timeout`` (default: the same): SHARDWISE_TIMEOUT for
+    the ranks' rendezvous and collectives."""
     out, err = io.StringIO(), io.StringIO()
-    env = {**os.environ, "SHARDWISE_TIMEOUT": str(timeout)}
+    env = {**os.environ, "SHARDWISE_TIMEOUT": str(rank_timeout or timeout)}
     code = launch(nproc, python_command(str(SCRIPTS / script), args), env=env, stdout=out,
                   stderr=err, timeout=timeout, grace_seconds=5, **kwargs)
     return code, out.getvalue(), err.getvalue()
@@ -47,7 +53,7 @@ def test_a_raising_rank_1_is_blamed_every_time():
 
 
 def test_a_rank_that_sleeps_before_a_collective_is_named():
-    code, _, err = _launch(2, "sleep_before_collective.py")
+    code, _, err = _launch(2, "sleep_before_collective.py", timeout=SHORT)
     report = _report(err)
     assert code == 1
     assert report.startswith("shardwise: rank(s) 1 never reached the collective that rank 0 "
@@ -56,7 +62,7 @@ def test_a_rank_that_sleeps_before_a_collective_is_named():
 
 
 def test_a_rank_left_hanging_after_the_others_exit_is_stopped_and_named():
-    code, out, err = _launch(2, "hang_after_others.py")
+    code, out, err = _launch(2, "hang_after_others.py", timeout=SHORT, rank_timeout=LONG)
     report = _report(err)
     assert code == 1
     assert "[rank0]: rank 0 done" in out
@@ -66,10 +72,10 @@ def test_a_rank_left_hanging_after_the_others_exit_is_stopped_and_named():
 
 
 def test_a_frozen_rank_is_named_by_its_missing_heartbeat():
-    code, _, err = _launch(2, "freeze_self.py")
+    code, _, err = _launch(2, "freeze_self.py", timeout=SHORT, rank_timeout=LONG)
     assert code == 1
     assert _report(err).startswith(
-        "shardwise: rank(s) 1 stopped making progress: no heartbeat for more than 3 s")
+        f"shardwise: rank(s) 1 stopped making progress: no heartbeat for more than {SHORT:g} s")
 
 
 def test_a_killed_rank_is_reported_killed_with_its_output_as_output():
@@ -94,3 +100,24 @@ def test_without_restarts_the_first_failure_ends_the_job():
     assert code == 1
     assert "attempt 1" not in out
     assert "RuntimeError: first attempt fails on purpose" in _report(err)
+
+
+def _gone(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:  # a zombie is gone too
+            return f.read().split(")")[-1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+@pytest.mark.parametrize(("rank", "how", "code", "says"), [
+    (0, "kill", 128 + 9, "rank 0 was killed by SIGKILL"),
+    (1, "exit3", 3, "rank 1 failed (exit code 3) without a Python exception"),
+    (0, "exit3", 3, "rank 0 failed (exit code 3) without a Python exception"),
+])
+def test_a_rank_that_dies_is_named_and_no_rank_is_left(rank, how, code, says):
+    got, out, err = _launch(2, "die_hard.py", str(rank), how)
+    assert got == code, err
+    assert _report(err).startswith(f"shardwise: {says}"), err
+    pids = [int(line.split()[-1]) for line in out.splitlines() if " pid " in line]
+    assert len(pids) == 2 and all(_gone(p) for p in pids), out

@@ -187,3 +187,68 @@ def test_a_rank_stopped_after_recording_its_failure_is_blamed_for_what_it_raised
     found = blame(exits)
     assert found.ranks == [1] and found.code == 1
     assert found.text.startswith("shardwise: rank 1 failed (it raised)")
+
+
+def _reads(name):
+    """Callables that read one environment variable each, through the library's own code."""
+    from shardwise.distributed import lifeline
+    from shardwise.distributed.preemption import GRACE_VAR, Preemption
+    from shardwise.distributed.topology import local_world_size_from_env
+    from shardwise.rpc import init_rpc
+    from shardwise.rpc.rendezvous import _store_address
+
+    return {
+        "SHARDWISE_TIMEOUT": default_timeout,
+        GRACE_VAR: Preemption,
+        "LOCAL_WORLD_SIZE": lambda: local_world_size_from_env(4),
+        "MASTER_PORT": lambda: _store_address("env://"),
+        "RANK": lambda: init_rpc("worker"),
+        "WORLD_SIZE": lambda: init_rpc("worker", rank=0),
+        lifeline.LAUNCHER_FD_VAR: lifeline.install,
+    }[name]
+
+
+@pytest.mark.parametrize("name", ["SHARDWISE_TIMEOUT", "SHARDWISE_GRACE_SECONDS",
+                                  "LOCAL_WORLD_SIZE", "MASTER_PORT", "RANK", "WORLD_SIZE",
+                                  "SHARDWISE_LAUNCHER_FD"])
+def test_every_variable_the_library_reads_is_validated_by_name(monkeypatch, name):
+    # a malformed value is an EnvError naming the variable, not a bare conversion error
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    for other in ("RANK", "WORLD_SIZE", "MASTER_PORT"):
+        monkeypatch.setenv(other, "1" if other != "RANK" else "0")
+    monkeypatch.setenv(name, "nan")
+    with pytest.raises(EnvError, match=f"environment variable {name} must be"):
+        _reads(name)()
+
+
+def test_no_environment_variable_is_converted_outside_env_py():
+    import re
+    from pathlib import Path
+
+    import shardwise
+
+    raw = re.compile(r"\b(int|float)\(\s*os\.(environ|getenv)")
+    root = Path(shardwise.__file__).parent
+    found = [f"{path.relative_to(root)}:{n}" for path in sorted(root.rglob("*.py"))
+             for n, line in enumerate(path.read_text().splitlines(), 1) if raw.search(line)]
+    assert found == [], "convert through shardwise.distributed.env (int_var, seconds_var)"
+
+
+def test_watchdog_is_patient_with_a_rank_that_said_it_is_exiting():
+    # its script is done; the interpreter's teardown may outlast the timeout on a loaded machine
+    from shardwise.distributed.watchdog import EXIT_PATIENCE
+
+    dog = Watchdog([0, 1], timeout=5)
+    dog.observe(0, {"seq": 3, "beats": 0, "t": 0.0, "exiting": False}, 0.0)
+    dog.observe(1, {"seq": 3, "beats": 0, "t": 0.0, "exiting": False}, 0.0)
+    dog.observe(0, {"seq": 3, "beats": 0, "t": 1.0, "exiting": True}, 1.0)
+    dog.exited(1, 0, 1.0)
+    assert dog.verdict(1.0 + 5 * EXIT_PATIENCE - 1) is None
+    hang = dog.verdict(1.0 + 5 * EXIT_PATIENCE + 1)
+    assert hang.ranks == [0] and hang.reason == f"finished but did not exit within " \
+        f"{5 * EXIT_PATIENCE} s"
+    # a rank that did not say so is named after the timeout, as before
+    dog = Watchdog([0, 1], timeout=5)
+    dog.observe(0, {"seq": 3, "beats": 0, "t": 0.0, "exiting": False}, 0.0)
+    dog.exited(1, 0, 1.0)
+    assert dog.verdict(6.5).ranks == [0]

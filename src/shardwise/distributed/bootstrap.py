@@ -15,6 +15,7 @@ arguments, as ``python`` would, after setting up what the launcher relies on:
 from __future__ import annotations
 
 import atexit
+import contextlib
 import faulthandler
 import os
 import runpy
@@ -125,6 +126,9 @@ def _start_heartbeat() -> progress.Heartbeat | None:
 def _stop_heartbeat(heartbeat: progress.Heartbeat) -> None:
     heartbeat.stop()
     heartbeat.join(timeout=5.0)
+    if not heartbeat.is_alive():  # a last record: the teardown that follows may be slow
+        with contextlib.suppress(RuntimeError, OSError):
+            heartbeat.publish(exiting=True)
 
 
 if __name__ == "__main__":

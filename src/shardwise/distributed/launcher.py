@@ -102,15 +102,14 @@ def launch(
     seconds = as_timedelta(timeout).total_seconds()
     job = _Job(list(argv), dict(os.environ if env is None else env), stdout or sys.stdout,
                stderr or sys.stderr, max_restarts, grace_seconds, seconds)
+    job.nproc, job.node_rank, job.nnodes = nproc, node_rank, nnodes
     if rdzv_endpoint is None:
         job.store = dist.TCPStore(LOCALHOST, 0, None, is_master=True, wait_for_workers=False)
         job.host, job.layout = LOCALHOST, Layout(0, nproc)
     else:
-        job.store = open_store(rdzv_endpoint, node_rank, nnodes, seconds)
+        job.endpoint = rdzv_endpoint
         job.host = rdzv_endpoint.rpartition(":")[0].strip("[]")
-        job.link = NodeLink(job.store, node_rank, nnodes, nproc, max_restarts, seconds)
-        job.layout = job.link.join()
-    job.nproc, job.node_rank, job.nnodes = nproc, node_rank, nnodes
+        job.first_attempt = job.connect(0)
     if nnodes == 1:  # one host: the ranks' RPC secret, private to them (rpc/secret.py)
         job.base_env.setdefault(RPC_SECRET_VAR, secrets.token_hex(32))
     with _SignalTrap() as trap:
@@ -175,30 +174,69 @@ class _Job:
     nnodes: int = 1
     trap: _SignalTrap | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
-    node_lost: bool = False  # a node (or the store) is gone: restarting cannot help
+    endpoint: str | None = None  # --rdzv-endpoint (several nodes)
+    first_attempt: int = 0  # later than 0 when this launcher replaces a lost node's
+    lost_nodes: list[int] = field(default_factory=list)  # nodes whose launcher went silent
+    store_lost: bool = False  # node 0, and the store with it, is gone
+    job_stopped: bool = False  # a launcher of the job was told to stop: no restart
+
+    def connect(self, attempt: int) -> int:
+        """Reach (node 0: host) the rendezvous store and join the other nodes; the attempt to
+        run first."""
+        self.store = open_store(self.endpoint, self.node_rank, self.nnodes, self.timeout)
+        self.link = NodeLink(self.store, self.node_rank, self.nnodes, self.nproc,
+                             self.max_restarts, self.timeout)
+        self.layout, first = self.link.join(attempt)
+        return first
 
     def run(self) -> int:
         workdir = Path(tempfile.mkdtemp(prefix="shardwise-launch-"))
         read_end, self._lifeline = os.pipe()
         os.set_inheritable(read_end, True)
         self._read_end = read_end
+        attempt = self.first_attempt
         try:
-            for attempt in range(self.max_restarts + 1):
+            while True:
                 code, final = self._attempt(attempt, workdir / f"attempt_{attempt}")
-                if code == 0 or final or self.node_lost or attempt == self.max_restarts:
+                if code == 0 or final or self.job_stopped or attempt >= self.max_restarts:
                     return code
-                self._say(f"shardwise: restarting every rank (restart {attempt + 1} of "
+                try:
+                    attempt = self._next_attempt(attempt)
+                except (NodeError, *_STORE_ERRORS) as exc:
+                    self._say(f"shardwise: node {self.node_rank}: cannot restart: {exc}")
+                    return code
+                self._say(f"shardwise: restarting every rank (restart {attempt} of "
                           f"{self.max_restarts}) with a fresh rendezvous")
-            return 1
         finally:
             os.close(read_end)
             os.close(self._lifeline)
             shutil.rmtree(workdir, ignore_errors=True)
 
+    def _next_attempt(self, attempt: int) -> int:
+        """The next attempt's number, after making way for lost nodes to rejoin it."""
+        following = attempt + 1
+        if self.store_lost:  # node 0's new launcher will host a new store at the endpoint
+            self._say(f"shardwise: node {self.node_rank}: waiting up to {self.timeout:g} s for "
+                      f"node 0 to be started again")
+            self.store_lost = False
+            return self.connect(following)
+        if self.lost_nodes:
+            self.link.mark_lost(self.lost_nodes, following)
+            self._say(f"shardwise: node {self.node_rank}: waiting up to {self.timeout:g} s for "
+                      f"node(s) {', '.join(map(str, self.lost_nodes))} to be started again")
+            self.lost_nodes = []
+        return following
+
     # -- one attempt -------------------------------------------------------------------------
 
     def _attempt(self, attempt: int, workdir: Path) -> tuple[int, bool]:
         """Run every local rank once; (exit status, whether restarting is ruled out)."""
+        if self.link is not None:
+            try:
+                self.link.wait_ready(attempt)
+            except (NodeError, *_STORE_ERRORS) as exc:
+                self._say(f"shardwise: node {self.node_rank}: {exc}")
+                return 1, True
         ranks = [self._start(attempt, local, workdir) for local in range(self.nproc)]
         exits: queue.Queue[tuple[int, int, float]] = queue.Queue()
         for i, rank in enumerate(ranks):
@@ -210,7 +248,7 @@ class _Job:
         except NodeError as exc:
             self._stop(ranks)
             self._say(f"shardwise: node {self.node_rank}: {exc}; this node's ranks were stopped.")
-            return 1, True
+            return 1, not self.store_lost
         finally:
             self._stop(ranks)
             for rank in ranks:
@@ -239,7 +277,7 @@ class _Job:
                 if remote is not None:
                     self._stop(ranks)
                     self._say(remote)
-                    return 1, False
+                    return 1, self.job_stopped
 
     def _drain(self, ranks, exits, watchdog, wait: float) -> None:
         try:
@@ -262,24 +300,30 @@ class _Job:
             try:
                 record = read_progress(self.store, attempt, rank.rank)
             except _STORE_ERRORS as exc:
-                raise NodeError(f"lost contact with the rendezvous store ({exc})") from exc
+                self.store_lost = True
+                raise NodeError(f"lost contact with node 0 (the host of the rendezvous "
+                                f"store) ({exc})") from exc
             rank.published = rank.published or record is not None
             watchdog.observe(rank.rank, record, now)
 
     def _remote_trouble(self, attempt: int, now: float) -> str | None:
         try:
             self.link.beat()
+            stopped = self.link.stopped()
             remote = self.link.remote_failure(attempt)
             lost = self.link.lost_nodes(now)
         except _STORE_ERRORS as exc:
-            self.node_lost = True
+            self.store_lost = True
             return (f"shardwise: node {self.node_rank} lost contact with node 0 (the host of the "
                     f"rendezvous store) ({exc}); this node's ranks were stopped.")
+        if stopped:
+            self.job_stopped = True
+            return f"shardwise: {stopped}; this node's ranks were stopped."
         if remote is not None:
             return (f"shardwise: node {remote[0]} failed; this node's ranks were stopped. "
                     f"Node {remote[0]} reported:\n{remote[1]}")
         if lost:
-            self.node_lost = True
+            self.lost_nodes = lost
             return (f"shardwise: node(s) {', '.join(map(str, lost))} lost: no word from their "
                     f"launcher for more than {self.timeout:g} s; this node's ranks were stopped.")
         return None
@@ -290,7 +334,15 @@ class _Job:
         name = signal.Signals(signum).name
         self._say(f"shardwise: received {name}; sending SIGTERM to every rank "
                   f"(grace period {self.grace:g} s)")
+        if self.link is not None:
+            with contextlib.suppress(*_STORE_ERRORS):
+                self.link.say_stopped(f"node {self.node_rank}'s launcher received {name}")
         self._stop(ranks)
+        if self.link is not None and self.node_rank == 0:  # keep the store up until the other
+            deadline = time.monotonic() + self.timeout  # nodes have read why the job stopped
+            with contextlib.suppress(*_STORE_ERRORS):
+                while not self.link.others_saw_stop() and time.monotonic() < deadline:
+                    time.sleep(POLL_SECONDS)
         return 128 + signum
 
     def _on_success(self, attempt: int) -> int:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import inspect
 import math
-import os
 from collections.abc import Mapping, Sequence
 from datetime import timedelta
 from typing import Any
@@ -23,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from shardwise.distributed.env import int_var
 from shardwise.distributed.init import init, pick_backend
 from shardwise.distributed.timeouts import as_timedelta
 from shardwise.distributed.topology import (
@@ -149,5 +149,5 @@ def _select_device(device_type: str) -> None:
     DeviceMesh does), so that NCCL groups are made on the right device."""
     if device_type != "cuda" or not torch.cuda.is_available() or torch.cuda.is_initialized():
         return
-    local_rank = int(os.environ.get("LOCAL_RANK", dist.get_rank()))
+    local_rank = int_var("LOCAL_RANK", default=dist.get_rank(), minimum=0)
     torch.cuda.set_device(local_rank % torch.cuda.device_count())

@@ -9,6 +9,16 @@ are numbered node by node. While the job runs, every launcher bumps ``shardwise/
 and watches the others': a node whose beat stops for the timeout is reported lost, by number. A
 node whose ranks failed writes its report under ``shardwise/attempt_<a>/failed/<k>`` so the others
 stop their own ranks and repeat the cause, instead of blaming their ranks' broken connections.
+
+Restarts with a lost node (``--max-restarts``): the surviving launchers write the attempt to run
+next (``shardwise/next_attempt``) and mark the node lost (``shardwise/node_lost/<k>``); a launcher
+started again for that node finds its node rank already claimed, waits for the mark, takes it
+(so that a third launcher for the node is again a duplicate) and joins that attempt. When node 0
+itself was lost, its store went with it: the other launchers connect to the store of node 0's new
+launcher and join again; every record carries the attempt its launcher is about to run and all
+take the largest, so node 0's new launcher (which knows nothing) continues the job's count. Each
+attempt starts when every node has said it is ready for it (``wait_ready``), so the survivors wait
+for the lost node to rejoin, within the timeout.
 """
 
 from __future__ import annotations
@@ -24,6 +34,9 @@ import torch.distributed as dist
 _NODE = "shardwise/nodes/"
 _CLAIM = "shardwise/node_claims/"
 _BEAT = "shardwise/node_beat/"
+_LOST = "shardwise/node_lost/"
+_NEXT = "shardwise/next_attempt"
+_STOPPED = "shardwise/job_stopped"
 _STORE_ERRORS = (RuntimeError, dist.DistError, OSError)
 
 
@@ -71,11 +84,15 @@ class NodeLink:
         self.timeout = timeout
         self._beats = 0
         self._seen: dict[int, tuple[str, float]] = {}
+        self._stop_seen = False
 
-    def join(self) -> Layout:
-        """Announce this node and wait for all others; the global rank layout."""
+    def join(self, attempt: int = 0) -> tuple[Layout, int]:
+        """Announce this node and wait for all others; the global rank layout and the attempt
+        to run first (``attempt``, or later when this launcher replaces a lost one or others
+        are further on)."""
         if self.store.add(f"{_CLAIM}{self.node_rank}", 1) > 1:
-            raise NodeError(f"two launchers were started with --node-rank {self.node_rank}")
+            attempt = max(attempt, self._take_lost_place())
+        self.mine["attempt"] = attempt
         self.store.set(f"{_NODE}{self.node_rank}", json.dumps(self.mine))
         deadline = time.monotonic() + self.timeout
         while True:
@@ -89,7 +106,72 @@ class NodeLink:
                                 f"{missing}")
             time.sleep(0.1)
         sizes = [records[k]["nproc"] for k in range(self.nnodes)]
-        return Layout(sum(sizes[: self.node_rank]), sum(sizes))
+        first = max(int(records[k].get("attempt", 0)) for k in range(self.nnodes))
+        return Layout(sum(sizes[: self.node_rank]), sum(sizes)), first
+
+    def _take_lost_place(self) -> int:
+        """This node rank was claimed before: join in place of a launcher the others declared
+        lost (the attempt they run next), or fail if that launcher is alive (its beat moves,
+        or no mark comes within the timeout)."""
+        k = self.node_rank
+        beat = self._value(f"{_BEAT}{k}")
+        patience = 2 * self.timeout + 5  # the others need the timeout to declare it lost
+        deadline = time.monotonic() + patience
+        while not self._take(f"{_LOST}{k}"):
+            if self._value(f"{_BEAT}{k}") != beat:
+                raise NodeError(f"two launchers were started with --node-rank {k}: the first "
+                                f"is still running")
+            if time.monotonic() > deadline:
+                raise NodeError(f"--node-rank {k} was claimed by an earlier launcher, and the "
+                                f"other nodes did not declare it lost within {patience:g} s (a "
+                                f"lost node rejoins only while the job has restarts left)")
+            time.sleep(0.1)
+        return int(self.store.get(_NEXT))
+
+    def _take(self, key: str) -> bool:
+        """Turn the mark at ``key`` from "1" to "0"; True for the one launcher that did."""
+        return self._value(key) == "1" and self.store.compare_set(key, "1", "0") == b"0"
+
+    def mark_lost(self, nodes: list[int], next_attempt: int) -> None:
+        """Declare ``nodes`` lost: a launcher started again for one of them joins
+        ``next_attempt``."""
+        self.store.set(_NEXT, str(next_attempt))
+        for k in nodes:
+            self.store.set(f"{_LOST}{k}", "1")
+
+    def wait_ready(self, attempt: int) -> None:
+        """Say this node is ready for ``attempt`` and wait (up to the timeout) until every node
+        is; the error names the nodes that did not come."""
+        self.store.set(f"shardwise/attempt_{attempt}/ready/{self.node_rank}", "1")
+        deadline = time.monotonic() + self.timeout
+        while True:
+            missing = [k for k in range(self.nnodes)
+                       if not self.store.check([f"shardwise/attempt_{attempt}/ready/{k}"])]
+            if not missing:
+                break
+            if time.monotonic() > deadline:
+                raise NodeError(f"node(s) {', '.join(map(str, missing))} did not join attempt "
+                                f"{attempt} within {self.timeout:g} s")
+            time.sleep(0.1)
+        self._seen.clear()  # judge every node's beat afresh: a rejoined one beats from 1
+
+    def say_stopped(self, text: str) -> None:
+        """This launcher was told to stop (a signal): the job ends, no node restarts."""
+        self.store.set(_STOPPED, text)
+
+    def stopped(self) -> str | None:
+        """Why the job was stopped (by a signal to some node's launcher), once seen here."""
+        text = self._value(_STOPPED)
+        if text and not self._stop_seen:
+            self._stop_seen = True
+            self.store.add(f"{_STOPPED}/seen", 1)
+        return text or None
+
+    def others_saw_stop(self) -> bool:
+        return self.store.add(f"{_STOPPED}/seen", 0) >= self.nnodes - 1
+
+    def _value(self, key: str) -> str:
+        return self.store.get(key).decode(errors="replace") if self.store.check([key]) else ""
 
     def _records(self) -> dict[int, dict]:
         records = {}
@@ -117,8 +199,7 @@ class NodeLink:
         for k in range(self.nnodes):
             if k == self.node_rank:
                 continue
-            key = f"{_BEAT}{k}"
-            value = self.store.get(key).decode() if self.store.check([key]) else ""
+            value = self._value(f"{_BEAT}{k}")
             last = self._seen.get(k)
             if last is None or last[0] != value:
                 self._seen[k] = (value, now)

@@ -56,7 +56,7 @@ def parse_record(raw: bytes | str | None) -> dict[str, Any] | None:
     try:
         record = json.loads(raw)
         return {"seq": int(record["seq"]), "beats": int(record["beats"]),
-                "t": float(record["t"])}
+                "t": float(record["t"]), "exiting": bool(record.get("exiting", False))}
     except (ValueError, KeyError, TypeError):
         return None
 
@@ -88,9 +88,11 @@ class Heartbeat(threading.Thread):
                 return  # the store (the launcher) is gone; the lifeline handles that
             self._stopped.wait(self.interval)
 
-    def publish(self) -> None:
+    def publish(self, exiting: bool = False) -> None:
+        """Write this rank's record; ``exiting``: its script is done and the interpreter is
+        tearing down (no more records: the launcher is patient with it, see watchdog.py)."""
         record = {"seq": collective_count(), "beats": _beats, "t": time.time(),
-                  "pid": os.getpid()}
+                  "pid": os.getpid(), "exiting": exiting}
         with self._lock:
             self.store.set(progress_key(self.attempt, self.rank), json.dumps(record))
 

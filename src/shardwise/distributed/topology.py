@@ -16,8 +16,9 @@ hybrid layout puts the sharding (or tensor-parallel) dimension last, with one ro
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Sequence
+
+from shardwise.distributed.env import int_var
 
 HSDP_DIM_NAMES = ("replicate", "shard")  # HSDP: replicate across nodes, shard within one
 TP_DIM_NAMES = ("dp", "tp")  # FSDP x TP: data parallel across nodes, tensor parallel within
@@ -125,16 +126,7 @@ def hybrid_mesh_shape(world_size: int, local_world_size: int) -> tuple[int, int]
 def local_world_size_from_env(world_size: int) -> int:
     """Ranks per node as torchrun sets it (``LOCAL_WORLD_SIZE``); ``world_size`` when unset
     (a single node)."""
-    raw = os.environ.get("LOCAL_WORLD_SIZE")
-    if raw is None:
-        return world_size
-    try:
-        value = int(raw)
-    except ValueError as exc:
-        raise RuntimeError(f"LOCAL_WORLD_SIZE must be an integer, got {raw!r}") from exc
-    if value < 1:
-        raise RuntimeError(f"LOCAL_WORLD_SIZE must be positive, got {value}")
-    return value
+    return int_var("LOCAL_WORLD_SIZE", default=world_size, minimum=1)
 
 
 def node_of(rank: int, local_world_size: int) -> int:

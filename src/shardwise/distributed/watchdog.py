@@ -10,6 +10,10 @@ names two kinds of hang, each after ``timeout`` seconds:
   collective count and step count unchanged) since then. A rank that never published records
   (a command not started through bootstrap.py) is judged from the first clean exit.
 
+A rank whose last record says it is exiting (its script is done; the interpreter's teardown,
+which can take seconds on a loaded machine, follows) gets ``EXIT_PATIENCE`` times the timeout
+before it is named, for not exiting.
+
 Pure bookkeeping, no processes: the launcher feeds it and acts on its verdict.
 """
 
@@ -17,6 +21,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
+
+EXIT_PATIENCE = 4  # times the timeout, for a rank that said it is exiting
 
 
 @dataclass(frozen=True)
@@ -61,11 +67,17 @@ class Watchdog:
     def verdict(self, now: float) -> Hang | None:
         """The hang to act on now, if any (no-heartbeat first: it is the more specific)."""
         live = {r: s for r, s in self._seen.items() if s.exit_code is None}
+        exiting = {r: s for r, s in live.items() if s.record and s.record.get("exiting")}
+        slow = [r for r, s in exiting.items() if now - s.beat_at > EXIT_PATIENCE * self.timeout]
+        live = {r: s for r, s in live.items() if r not in exiting}
         silent = [r for r, s in live.items()
                   if s.beat_at is not None and now - s.beat_at > self.timeout]
         if silent:
             return Hang(silent, f"stopped making progress: no heartbeat for more than "
                                 f"{self.timeout:g} s")
+        if slow:
+            return Hang(slow, f"finished but did not exit within "
+                              f"{EXIT_PATIENCE * self.timeout:g} s")
         if self._first_clean_exit is None:
             return None
         stuck = [r for r, s in live.items()

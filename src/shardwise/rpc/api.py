@@ -34,8 +34,7 @@ def init_rpc(name: str, backend: Any = None, rank: int = -1, world_size: int | N
     """
     if not isinstance(name, str) or not name:
         raise ValueError(f"worker name must be a non-empty string, got {name!r}")
-    if rank < 0 and "RANK" in os.environ:
-        rank = int_var("RANK", minimum=0)
+    rank = int_var("RANK", minimum=0) if rank < 0 and "RANK" in os.environ else rank
     if world_size is None and "WORLD_SIZE" in os.environ:
         world_size = int_var("WORLD_SIZE", minimum=1)
     if world_size is None or not 0 <= rank < world_size:
