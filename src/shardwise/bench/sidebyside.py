@@ -92,9 +92,10 @@ def _run_worker(worker: Callable, args: argparse.Namespace) -> None:
     import torch
 
     import shardwise.distributed as sd
+    from shardwise.distributed.env import int_var
     from shardwise.memory import peak_memory_bytes
 
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    torch.set_num_threads(int_var("OMP_NUM_THREADS", 1, minimum=1))
     group = sd.init()
     rank = torch.distributed.get_rank(group)
     times, extra = worker(args.worker, args, group)
