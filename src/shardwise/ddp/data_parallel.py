@@ -4,8 +4,8 @@ At wrap time rank 0's parameters and buffers are broadcast (one coalesced broadc
 so every replica starts equal. During backward, gradients are averaged across ranks by
 all-reduces on size-capped buckets, launched asynchronously from gradient hooks while backward is
 still running (see [Note: gradient buckets] in shardwise/distributed/grad_buckets.py), or by a
-registered communication hook (comm_hooks.py). Inside ``no_sync()`` no collective runs and
-gradients accumulate locally; the first backward outside it reduces the accumulated sum. Under
+registered communication hook (distributed/comm_hooks.py; ours in hooks.py). Inside
+``no_sync()`` no collective runs and gradients accumulate locally; the first backward outside it reduces the accumulated sum. Under
 distributed autograd (``shardwise.rpc.autograd``) the gradients of the context are reduced the
 same way (see [Note: reduction outside autograd's accumulation]). ``join()`` handles uneven
 inputs (join.py).
@@ -23,10 +23,10 @@ from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable
 from torch.distributed.device_mesh import DeviceMesh
 
-from shardwise.ddp.comm_hooks import CommHook, check_comm_hook, run_comm_hook
 from shardwise.ddp.join import DDPJoinHook, active_ranks, announce_reduction, common_rank
 from shardwise.distributed.agree import check_same_model
 from shardwise.distributed.collectives import broadcast_coalesced
+from shardwise.distributed.comm_hooks import CommHook, CommHookSlot
 from shardwise.distributed.grad_buckets import Bucket, GradBucketer, Waitable
 
 MIB = 1024 * 1024
@@ -81,8 +81,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         self.find_unused_parameters = find_unused_parameters
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self.static_graph = False
-        self._comm_hook: CommHook | None = None
-        self._comm_state: Any = None
+        self._comm_hooks = CommHookSlot("DistributedDataParallel")
         self._divide_by_initial_world_size = True
         self._join_work: dist.Work | None = None  # Join's notification, to count active ranks
         self._join_divisor: int | None = None
@@ -133,12 +132,9 @@ class DistributedDataParallel(nn.Module, Joinable):
     # ------------------------------------------------------------------ torch's extras
     def register_comm_hook(self, state: object, hook: CommHook) -> None:
         """Reduce every bucket with ``hook(state, bucket)`` instead of the built-in averaging
-        all-reduce (torch's contract; see comm_hooks.py). Only one hook may be registered."""
-        if self._comm_hook is not None:
-            raise RuntimeError("register_comm_hook can only be called once per "
-                               "DistributedDataParallel")
-        check_comm_hook(hook)
-        self._comm_hook, self._comm_state = hook, state
+        all-reduce (torch's contract; see distributed/comm_hooks.py; torch's hooks and ours in
+        ``shardwise.ddp.hooks`` both fit). Only one hook may be registered."""
+        self._comm_hooks.register(state, hook)
 
     def _set_static_graph(self) -> None:
         """Declare the graph static (see the class docstring); before the first backward."""
@@ -195,9 +191,8 @@ class DistributedDataParallel(nn.Module, Joinable):
         return self._join_divisor or self.world_size
 
     def _launch(self, bucket: Bucket) -> Waitable | None:
-        if self._comm_hook is not None:
-            return run_comm_hook(self._comm_hook, self._comm_state, bucket,
-                                 len(self.reducer.buckets))
+        if self._comm_hooks.hook is not None:
+            return self._comm_hooks.run(bucket, len(self.reducer.buckets))
         if self.world_size == 1:
             return None
         bucket.buffer.div_(self._divisor())

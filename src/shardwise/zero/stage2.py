@@ -34,7 +34,8 @@ import torch.distributed as dist
 from torch import nn
 
 from shardwise.distributed.collectives import broadcast_coalesced
-from shardwise.distributed.grad_buckets import Bucket, GradBucketer
+from shardwise.distributed.comm_hooks import CommHook, CommHookSlot
+from shardwise.distributed.grad_buckets import Bucket, GradBucketer, Waitable
 from shardwise.zero import collectives as zc
 from shardwise.zero.optimizer import ZeroRedundancyOptimizer
 
@@ -79,6 +80,7 @@ class ZeroDataParallel(nn.Module):
             max_in_flight=BUCKETS_IN_FLIGHT,
         )
         self._holds_reduced = False  # owned grads hold a reduced (averaged) sum
+        self._comm_hooks = CommHookSlot("ZeroDataParallel")
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         if torch.is_grad_enabled():
@@ -92,6 +94,13 @@ class ZeroDataParallel(nn.Module):
     def no_sync(self) -> AbstractContextManager[None]:
         """Skip gradient reduction inside the block; full gradients accumulate locally."""
         return self.reducer.paused()
+
+    def register_comm_hook(self, state: object, hook: CommHook) -> None:
+        """Reduce every bucket with ``hook(state, bucket)`` (torch's DDP contract: the hook's
+        future holds the bucket averaged over the group, e.g. ``fp16_compress_hook``) instead
+        of the sum-to-owner ``dist.reduce``; the owner keeps its part. A hook all-reduces, so it
+        moves as many bytes as DDP's reduction: worth it for compressing hooks only. Once."""
+        self._comm_hooks.register(state, hook)
 
     def owned_parameters(self) -> list[nn.Parameter]:
         """The trainable parameters whose gradients this rank keeps."""
@@ -116,7 +125,9 @@ class ZeroDataParallel(nn.Module):
     def _device(self) -> torch.device:
         return next(iter(self._owner)).device
 
-    def _launch(self, bucket: Bucket) -> dist.Work | None:
+    def _launch(self, bucket: Bucket) -> Waitable | None:
+        if self._comm_hooks.hook is not None:
+            return self._comm_hooks.run(bucket, len(self.reducer.buckets))
         if self.world_size == 1:
             return None
         return zc.reduce_to_owner(bucket.allocate(), self._owner[bucket.params[0]],
@@ -128,7 +139,7 @@ class ZeroDataParallel(nn.Module):
                 param.grad = None
             return
         buffer = bucket.allocate()
-        if self.world_size > 1:
+        if self.world_size > 1 and self._comm_hooks.hook is None:  # a hook averages itself
             buffer.div_(self.world_size)
         for i, param in enumerate(bucket.params):
             param.grad = bucket.slot(i)
