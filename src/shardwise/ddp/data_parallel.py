@@ -5,10 +5,10 @@ so every replica starts equal. During backward, gradients are averaged across ra
 all-reduces on size-capped buckets, launched asynchronously from gradient hooks while backward is
 still running (see [Note: gradient buckets] in shardwise/distributed/grad_buckets.py), or by a
 registered communication hook (distributed/comm_hooks.py; ours in hooks.py). Inside
-``no_sync()`` no collective runs and gradients accumulate locally; the first backward outside it reduces the accumulated sum. Under
-distributed autograd (``shardwise.rpc.autograd``) the gradients of the context are reduced the
-same way (see [Note: reduction outside autograd's accumulation]). ``join()`` handles uneven
-inputs (join.py).
+``no_sync()`` no collective runs and gradients accumulate locally; the first backward outside
+it reduces the accumulated sum. Under distributed autograd (``shardwise.rpc.autograd``) the
+gradients of the context are reduced the same way (see [Note: reduction outside autograd's
+accumulation]). ``join()`` handles uneven inputs (join.py).
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """Our communication hooks, with the names and contract of torch's ``ddp_comm_hooks``.
 
 Each is ``hook(state, bucket) -> Future[Tensor]`` (see shardwise/distributed/comm_hooks.py)
-and runs on our DDP, on ZeRO stage 2 (``ZeroDataParallel.register_comm_hook``) and on torch's DDP alike.
+and runs on our DDP, on ZeRO stage 2 (``ZeroDataParallel.register_comm_hook``) and on
+torch's DDP alike.
 
 - ``allreduce_hook(group, bucket)``: the averaging all-reduce DDP does without a hook.
 - ``fp16_compress_hook`` / ``bf16_compress_hook``: the bucket is cast to half precision,
