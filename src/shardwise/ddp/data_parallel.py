@@ -27,10 +27,7 @@ from shardwise.ddp.join import DDPJoinHook, active_ranks, announce_reduction, co
 from shardwise.distributed.agree import check_same_model
 from shardwise.distributed.collectives import broadcast_coalesced
 from shardwise.distributed.comm_hooks import CommHook, CommHookSlot
-from shardwise.distributed.grad_buckets import Bucket, GradBucketer, Waitable
-
-MIB = 1024 * 1024
-FIRST_BUCKET_MB = 1.0
+from shardwise.distributed.grad_buckets import Bucket, BucketSizes, GradBucketer, Waitable
 
 
 class DistributedDataParallel(nn.Module, Joinable):
@@ -88,12 +85,10 @@ class DistributedDataParallel(nn.Module, Joinable):
         self._sync_buffers_next = True  # torch's require_forward_param_sync
         if init_sync:
             broadcast_coalesced(_state_tensors(module), 0, self.process_group)
-        cap = int((25.0 if bucket_cap_mb is None else bucket_cap_mb) * MIB)
-        first_cap = min(cap, int(FIRST_BUCKET_MB * MIB))
         self.reducer = GradBucketer(
-            list(module.named_parameters()), cap, self._launch, self._finish,
-            allow_unused=find_unused_parameters, first_cap_bytes=first_cap,
-            unused_group=self.process_group, detached=True,
+            list(module.named_parameters()), BucketSizes.default(bucket_cap_mb), self._launch,
+            self._finish, allow_unused=find_unused_parameters, unused_group=self.process_group,
+            detached=True,
         )
         if static_graph:
             self._set_static_graph()
@@ -111,6 +106,9 @@ class DistributedDataParallel(nn.Module, Joinable):
         if joining:
             announce_reduction(self.process_group, will_reduce, self.device)
         self._sync_buffers_next = will_reduce
+        # average on the way into the buckets, unless a hook or join decides the divisor
+        plain = self.world_size > 1 and self._comm_hooks.hook is None and not joining
+        self.reducer.scale = 1.0 / self.world_size if plain else None
         if self.device_ids:
             device = torch.device("cuda", _index(self.device_ids[0]))
             inputs, kwargs = _to_device(inputs, device), _to_device(kwargs, device)
@@ -195,7 +193,8 @@ class DistributedDataParallel(nn.Module, Joinable):
             return self._comm_hooks.run(bucket, len(self.reducer.buckets))
         if self.world_size == 1:
             return None
-        bucket.buffer.div_(self._divisor())
+        if self.reducer.scale is None:  # not averaged on the way in (join decides the divisor)
+            bucket.buffer.div_(self._divisor())
         return dist.all_reduce(bucket.buffer, group=self.process_group, async_op=True)
 
     def _finish(self, bucket: Bucket) -> None:

@@ -35,12 +35,16 @@ from torch import nn
 
 from shardwise.distributed.collectives import broadcast_coalesced
 from shardwise.distributed.comm_hooks import CommHook, CommHookSlot
-from shardwise.distributed.grad_buckets import Bucket, GradBucketer, Waitable
+from shardwise.distributed.grad_buckets import (
+    Bucket,
+    BucketSizes,
+    GradBucketer,
+    ShardedGrads,
+    Waitable,
+)
 from shardwise.zero import collectives as zc
 from shardwise.zero.optimizer import ZeroRedundancyOptimizer
 
-MIB = 1024 * 1024
-FIRST_BUCKET_MB = 1.0
 BUCKETS_IN_FLIGHT = 2
 
 
@@ -71,13 +75,10 @@ class ZeroDataParallel(nn.Module):
         if init_sync:
             broadcast_coalesced([p.detach() for p in module.parameters()] + list(module.buffers()),
                                 0, self.process_group)
-        cap = int((25.0 if bucket_cap_mb is None else bucket_cap_mb) * MIB)
-        first_cap = min(cap, int(FIRST_BUCKET_MB * MIB))
         self.reducer = GradBucketer(
-            list(module.named_parameters()), cap, self._launch, self._finish,
-            allow_unused=find_unused_parameters, first_cap_bytes=first_cap,
-            key_fn=self._owner.__getitem__, release_grads=True, lazy_buffers=True,
-            max_in_flight=BUCKETS_IN_FLIGHT,
+            list(module.named_parameters()), BucketSizes.default(bucket_cap_mb), self._launch,
+            self._finish, allow_unused=find_unused_parameters,
+            sharded=ShardedGrads(self._owner.__getitem__, BUCKETS_IN_FLIGHT),
         )
         self._holds_reduced = False  # owned grads hold a reduced (averaged) sum
         self._comm_hooks = CommHookSlot("ZeroDataParallel")
