@@ -37,8 +37,14 @@ from shardwise.zero.partition import Weight, chunk_by_bytes, partition_params, r
 
 MIB = 1024 * 1024
 CHUNK_BYTES = 4 * MIB
+IN_PLACE_BYTES = MIB  # parameters at least this big are broadcast alone, in place
 CHUNKS_IN_FLIGHT = 4
 _MISSING = object()
+# optimizers whose update of a parameter depends on that parameter's gradient and state alone,
+# so that stepping the parameters part by part gives the same result as one step
+PER_PARAMETER = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad,
+                 torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam, torch.optim.RMSprop,
+                 torch.optim.Adadelta)
 
 
 class ZeroRedundancyOptimizer(Optimizer, Joinable):
@@ -228,6 +234,11 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
     def _step_and_sync(self, closure: Callable[[], float] | None, kwargs: dict[str, Any]
                        ) -> Any:
         self._push_hyperparameters()
+        if self._steps_by_part(closure, kwargs):
+            zc.step_and_broadcast(self._parts(), self._step_part, self.process_group,
+                                  CHUNKS_IN_FLIGHT)
+            self._pull_hyperparameters()
+            return None
         if closure is None:
             loss = self.optim.step(**kwargs)
         else:
@@ -235,6 +246,56 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self._pull_hyperparameters()
         self._sync_params()
         return loss
+
+    def _steps_by_part(self, closure: Any, kwargs: dict[str, Any]) -> bool:
+        """Whether the step can go part by part, each part broadcast while the next is
+        stepped: for the optimizers whose update of a parameter reads only that parameter's
+        gradient and state (the per-parameter ones in ``PER_PARAMETER``), without a closure,
+        when broadcasts are per part (not one flat buffer per owner)."""
+        return (closure is None and not kwargs and self.world_size > 1
+                and not self.parameters_as_bucket_view and self.optim is not None
+                and type(self.optim) in PER_PARAMETER)
+
+    def _parts(self) -> list[tuple[int, list[torch.Tensor]]]:
+        """Every owner's trainable parameters in parts: one per parameter of at least
+        ``IN_PLACE_BYTES`` (broadcast in place), the smaller ones in chunks; the owners' parts
+        interleaved (part 0 of every rank, then part 1...) so that all ranks step together.
+        Cached: the parameters change only with ``add_param_group``."""
+        if self._parts_cache is None:
+            per_rank = [self._owner_parts(rank) for rank in range(self.world_size)]
+            longest = max(len(parts) for parts in per_rank)
+            self._parts_cache = [(rank, parts[k]) for k in range(longest)
+                                 for rank, parts in enumerate(per_rank) if k < len(parts)]
+        return self._parts_cache
+
+    def _owner_parts(self, rank: int) -> list[list[torch.Tensor]]:
+        trained = [p for p in self.owned_params(rank) if p.requires_grad]
+        parts: list[list[torch.Tensor]] = []
+        for same in _by_dtype(trained):
+            big = [p for p in same if p.numel() * p.element_size() >= IN_PLACE_BYTES]
+            small = [p for p in same if p.numel() * p.element_size() < IN_PLACE_BYTES]
+            parts += [[p] for p in big]
+            runs = chunk_by_bytes([p.numel() * p.element_size() for p in small], CHUNK_BYTES)
+            parts += [[small[i] for i in run] for run in runs]
+        return parts
+
+    def _step_part(self, params: list[torch.Tensor]) -> None:
+        """Step the local optimizer on ``params`` only: its groups are narrowed to them for
+        the call (state is keyed by parameter, so it carries over). Which group each of them
+        is in is looked up once and cached, so a step's work is per part, not per part and
+        parameter."""
+        groups = self.optim.param_groups
+        layout = self._part_layouts.get(id(params))
+        if layout is None:
+            wanted = {id(p) for p in params}
+            layout = [(g, [p for p in group["params"] if id(p) in wanted])
+                      for g, group in enumerate(groups)]
+            layout = self._part_layouts[id(params)] = [(g, ps) for g, ps in layout if ps]
+        self.optim.param_groups = [{**groups[g], "params": ps} for g, ps in layout]
+        try:
+            self.optim.step()
+        finally:
+            self.optim.param_groups = groups
 
     # -- join (uneven inputs) ----------------------------------------------------------------
 
@@ -275,6 +336,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         """With ``parameters_as_bucket_view``: one flat buffer per owner and dtype, parameters
         re-pointed at slices of it (their values copied in)."""
         self._buffers = []
+        self._parts_cache: list[tuple[int, list[torch.Tensor]]] | None = None
+        self._part_layouts: dict[int, list[tuple[int, list[torch.Tensor]]]] = {}
         if not self.parameters_as_bucket_view or self.overlap_with_ddp:
             return  # with overlap, the parameters are views into DDP-bucket buffers
         for rank in range(self.world_size):
