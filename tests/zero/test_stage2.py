@@ -207,3 +207,37 @@ def _errors(ctx):
 
 def test_bad_input_errors():
     run_on_ranks(1, _errors)
+
+
+class _OpCounts(torch.utils._python_dispatch.TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.counts: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = str(func.overloadpacket)
+        self.counts[name] = self.counts.get(name, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+
+def _forward_checks(ctx, zero_grad_to_none: bool):
+    net = _deep_net()
+    opt = ZeroRedundancyOptimizer(net.parameters(), torch.optim.SGD, lr=0.1)
+    model = ZeroDataParallel(net, opt, bucket_cap_mb=1, broadcast_buffers=False)
+    x = torch.randn(4, 6)
+    model(x).sum().backward()
+    opt.step()
+    opt.zero_grad(set_to_none=zero_grad_to_none)
+    with _OpCounts() as ops:
+        model(x)
+    return ops.counts, len(model.owned_parameters())
+
+
+@pytest.mark.parametrize("to_none", (False, True))
+def test_cleared_gradient_check_costs_one_sync_not_one_per_parameter(to_none):
+    # issue 16 item 5: the check before forward used to run .any() and a sync per parameter
+    for counts, owned in run_on_ranks(2, _forward_checks, to_none):
+        assert owned >= 8, "the test needs many owned parameters"
+        syncs = counts.get("aten._local_scalar_dense", 0)
+        assert syncs == (0 if to_none else 1), counts
+        assert counts.get("aten.any", 0) <= 2, counts  # one per owned bucket (1 MiB cap)

@@ -27,6 +27,7 @@ from shardwise.ddp.join import DDPJoinHook, active_ranks, announce_reduction, co
 from shardwise.distributed.agree import check_same_model
 from shardwise.distributed.collectives import broadcast_coalesced
 from shardwise.distributed.comm_hooks import CommHook, CommHookSlot
+from shardwise.distributed.data_parallel import buffers_to_sync, resolve_group, sync_module_state
 from shardwise.distributed.grad_buckets import Bucket, BucketSizes, GradBucketer, Waitable
 
 
@@ -64,7 +65,7 @@ class DistributedDataParallel(nn.Module, Joinable):
     ):
         super().__init__()
         Joinable.__init__(self)
-        process_group = _group_of(process_group, device_mesh)
+        process_group = resolve_group(process_group, device_mesh, "DistributedDataParallel")
         _check_module(module, device_ids)
         check_same_model(module, process_group, what="DistributedDataParallel")
         self.module = module
@@ -84,7 +85,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         self._join_divisor: int | None = None
         self._sync_buffers_next = True  # torch's require_forward_param_sync
         if init_sync:
-            broadcast_coalesced(_state_tensors(module), 0, self.process_group)
+            sync_module_state(module, self.process_group)
         self.reducer = GradBucketer(
             list(module.named_parameters()), BucketSizes.default(bucket_cap_mb), self._launch,
             self._finish, allow_unused=find_unused_parameters, unused_group=self.process_group,
@@ -168,19 +169,16 @@ class DistributedDataParallel(nn.Module, Joinable):
     # ------------------------------------------------------------------ internals
     def _will_sync_buffers(self) -> bool:
         return (self._sync_buffers_next and self.broadcast_buffers and self.world_size > 1
-                and bool(self._buffers_to_sync()))
-
-    def _buffers_to_sync(self) -> list[torch.Tensor]:
-        return [b for b in self.module.buffers() if b.is_floating_point() or b.numel()]
+                and bool(buffers_to_sync(self.module)))
 
     def _broadcast_buffers(self, src: int) -> None:
-        broadcast_coalesced(self._buffers_to_sync(), src, self.process_group)
+        broadcast_coalesced(buffers_to_sync(self.module), src, self.process_group)
 
     def _broadcast_state(self, src: int) -> None:
         """Parameters (and buffers, if they are broadcast) from group rank ``src``."""
         tensors = [p.detach() for p in self.module.parameters()]
         if self.broadcast_buffers:
-            tensors += self._buffers_to_sync()
+            tensors += buffers_to_sync(self.module)
         broadcast_coalesced(tensors, src, self.process_group)
 
     def _divisor(self) -> int:
@@ -209,24 +207,6 @@ class DistributedDataParallel(nn.Module, Joinable):
                 param.grad = reduced.clone()
             else:
                 param.grad.copy_(reduced)
-
-
-def _state_tensors(module: nn.Module) -> list[torch.Tensor]:
-    return [p.detach() for p in module.parameters()] + list(module.buffers())
-
-
-def _group_of(group: dist.ProcessGroup | None, mesh: DeviceMesh | None
-              ) -> dist.ProcessGroup | None:
-    """torch's ``device_mesh=``: a 1D mesh whose group replicates the module."""
-    if mesh is None:
-        return group
-    if group is not None:
-        raise TypeError("DistributedDataParallel takes process_group= or device_mesh=, not both")
-    if mesh.ndim != 1:
-        raise ValueError(f"DistributedDataParallel needs a 1D device_mesh, got a {mesh.ndim}D "
-                         f"one of shape {tuple(mesh.shape)}; pass the data-parallel dimension, "
-                         "e.g. mesh['dp']")
-    return mesh.get_group()
 
 
 def _check_module(module: nn.Module, device_ids: list | None) -> None:

@@ -8,14 +8,13 @@ for the infinity norm). Every rank then scales its own shards by the same factor
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardwise.fsdp.collectives import all_reduce_now
+from shardwise.distributed.data_parallel import clip_by_total_norm, sharded_grad_norm
 from shardwise.fsdp.dtensor import local_tensor
 
 
@@ -28,17 +27,7 @@ def clip_grad_norm_(parameters: nn.Module | Iterable[torch.Tensor], max_norm: fl
     params = list(parameters.parameters() if isinstance(parameters, nn.Module) else parameters)
     grads = [local_tensor(p.grad) for p in params if p.grad is not None]
     group = process_group or dist.group.WORLD
-    norm_type = float(norm_type)
     device = grads[0].device if grads else torch.device("cpu")
-    if math.isinf(norm_type):
-        local = max((g.detach().abs().max() for g in grads if g.numel()),
-                    default=torch.zeros((), device=device)).float()
-        total = all_reduce_now(local.reshape(1).clone(), group, dist.ReduceOp.MAX)[0]
-    else:
-        local = sum((g.detach().float().abs().pow(norm_type).sum() for g in grads),
-                    torch.zeros((), device=device))
-        total = all_reduce_now(local.reshape(1), group)[0] ** (1.0 / norm_type)
-    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    for g in grads:
-        g.detach().mul_(coef.to(g.dtype))
+    total = sharded_grad_norm(grads, norm_type, group, device)
+    clip_by_total_norm(grads, max_norm, total)
     return total

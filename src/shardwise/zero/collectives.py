@@ -24,11 +24,7 @@ import torch
 import torch.distributed as dist
 
 from shardwise.distributed.collectives import flatten, unflatten_into
-
-
-def global_rank(group: dist.ProcessGroup, rank: int) -> int:
-    """The world rank of ``rank`` in ``group`` (what c10d's ``src``/``dst`` arguments want)."""
-    return dist.get_global_rank(group, rank)
+from shardwise.distributed.data_parallel import global_rank
 
 
 def broadcast_chunks(chunks: Sequence[tuple[int, Sequence[torch.Tensor]]],

@@ -29,13 +29,13 @@ from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from torch.optim import Optimizer
 
 from shardwise.distributed.agree import check_same_parameters
+from shardwise.distributed.data_parallel import MIB
 from shardwise.zero import collectives as zc
 from shardwise.zero import state_dicts
 from shardwise.zero.join import ZeroJoinHook
 from shardwise.zero.overlap import OverlapState
 from shardwise.zero.partition import Weight, chunk_by_bytes, partition_params, rank_loads
 
-MIB = 1024 * 1024
 CHUNK_BYTES = 4 * MIB
 IN_PLACE_BYTES = MIB  # parameters at least this big are broadcast alone, in place
 CHUNKS_IN_FLIGHT = 4

@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from shardwise.distributed.comm_hooks import CommHook, GradBucket
+from shardwise.distributed.data_parallel import global_rank
 
 if TYPE_CHECKING:
     from shardwise.ddp.data_parallel import DistributedDataParallel
@@ -79,7 +80,7 @@ class OverlapState:
         if self.owner[index] == self.rank:
             self.zero._step_bucket(self.buckets[index], reduced)
         if self.world > 1:
-            src = dist.get_global_rank(self.group, self.owner[index])
+            src = global_rank(self.group, self.owner[index])
             self.broadcasts.append(
                 dist.broadcast(self.flats[index], src=src, group=self.group, async_op=True))
 
