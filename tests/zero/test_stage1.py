@@ -6,6 +6,7 @@ import torch
 from shardwise import DistributedDataParallel, ZeroRedundancyOptimizer
 from shardwise.memory import state_bytes
 from tests.harness import WORLD_SIZES, assert_rel_close, rank_slice, run_on_ranks
+from tests.harness.ops import OpCounts
 from tests.zero.common import (
     assert_params_equal,
     global_batch,
@@ -147,17 +148,6 @@ class _BigNet(torch.nn.Module):
         return self.d(torch.tanh(self.c(torch.tanh(self.b(torch.tanh(self.a(x)))))))
 
 
-class _OpCounts(torch.utils._python_dispatch.TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.counts: dict[str, int] = {}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = str(func.overloadpacket)
-        self.counts[name] = self.counts.get(name, 0) + 1
-        return func(*args, **(kwargs or {}))
-
-
 def _big_train(ctx):
     torch.manual_seed(0)
     reference = _BigNet()
@@ -173,7 +163,7 @@ def _big_train(ctx):
         for p in net.parameters():  # average by hand: only the optimizer is under test
             torch.distributed.all_reduce(p.grad, group=ctx.group)
             p.grad /= ctx.world_size
-        with _OpCounts() as ops:
+        with OpCounts() as ops:
             opt.step()
         counts.append(ops.counts)
         opt.zero_grad()

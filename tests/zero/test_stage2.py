@@ -8,6 +8,7 @@ import torch
 from shardwise import ZeroDataParallel, ZeroRedundancyOptimizer
 from shardwise.memory import state_bytes
 from tests.harness import WORLD_SIZES, assert_rel_close, rank_slice, run_on_ranks
+from tests.harness.ops import OpCounts
 from tests.zero.common import (
     RTOL,
     assert_params_equal,
@@ -209,17 +210,6 @@ def test_bad_input_errors():
     run_on_ranks(1, _errors)
 
 
-class _OpCounts(torch.utils._python_dispatch.TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.counts: dict[str, int] = {}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = str(func.overloadpacket)
-        self.counts[name] = self.counts.get(name, 0) + 1
-        return func(*args, **(kwargs or {}))
-
-
 def _forward_checks(ctx, zero_grad_to_none: bool):
     net = _deep_net()
     opt = ZeroRedundancyOptimizer(net.parameters(), torch.optim.SGD, lr=0.1)
@@ -228,7 +218,7 @@ def _forward_checks(ctx, zero_grad_to_none: bool):
     model(x).sum().backward()
     opt.step()
     opt.zero_grad(set_to_none=zero_grad_to_none)
-    with _OpCounts() as ops:
+    with OpCounts() as ops:
         model(x)
     return ops.counts, len(model.owned_parameters())
 

@@ -84,6 +84,14 @@ class OverlapState:
             self.broadcasts.append(
                 dist.broadcast(self.flats[index], src=src, group=self.group, async_op=True))
 
+    def warming_up(self, bucket: GradBucket) -> bool:
+        """True during the warm-up passes (the last bucket of one ends it)."""
+        if self.stepping():
+            return False
+        if bucket.is_last():
+            self.end_iteration()
+        return True
+
     def end_iteration(self) -> None:
         """After the last bucket: the broadcasts land, the next pass starts clean."""
         for work in self.broadcasts:
@@ -102,9 +110,7 @@ def hook_with_zero_step(hook: CommHook, ddp: DistributedDataParallel,
 
     def hook_and_step(state: Any, bucket: GradBucket) -> torch.futures.Future:
         future = hook(state, bucket)
-        if not overlap.stepping():
-            if bucket.is_last():
-                overlap.end_iteration()
+        if overlap.warming_up(bucket):
             return future
         overlap.pending[bucket.index()] = (future, bucket)
         if bucket.is_last():
@@ -125,9 +131,7 @@ def hook_with_zero_step_interleaved(hook: CommHook, ddp: DistributedDataParallel
 
     def hook_and_step(state: Any, bucket: GradBucket) -> torch.futures.Future:
         future = hook(state, bucket)
-        if not overlap.stepping():
-            if bucket.is_last():
-                overlap.end_iteration()
+        if overlap.warming_up(bucket):
             return future
         index = bucket.index()
         overlap.pending[index] = (future, bucket)
