@@ -2,23 +2,31 @@
 
 Same model (the demo GPT at `shardwise train`'s defaults unless told otherwise), same data
 (the stdlib corpus, each rank its slice of a global batch), same world size, same AdamW.
+Besides plain DDP: torch's ``powerSGD_hook`` (rank 1, from step 2) on both DDPs, and
+``bf16_compress_hook`` on ours (torch's DDP refuses it without CUDA and NCCL). ``local-adamw``
+has no wrapper and no communication (each rank's world-size-1 step); rows of ours are then
+also compared with that step plus the communication they left exposed (the physical limit).
 
     python benchmarks/bench_ddp.py --nproc 2 --rounds 3 --steps 20
+    python benchmarks/bench_ddp.py --n-layer 4 --d-model 512 --n-head 8 --seq-len 64 \
+        --batch-size 8 --only torch-ddp,shardwise-ddp,local-adamw   # bench_zero's model
 """
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
 import sidebyside
-from gpt_steps import batch_stream, timed_steps
+from gpt_steps import batch_stream, exposed_comm_probe, timed_steps
 from shardwise import DistributedDataParallel
 from shardwise.cli.train_args import TrainConfig
 from shardwise.memory import state_bytes
 from shardwise.models import GPT, GPTConfig
 
-IMPLS = ["torch-ddp", "shardwise-ddp"]
+IMPLS = ["torch-ddp", "shardwise-ddp", "torch-ddp-powersgd", "shardwise-ddp-powersgd",
+         "shardwise-ddp-bf16", "local-adamw"]
 
 
 def _model_args(parser) -> None:
@@ -36,19 +44,31 @@ def worker(impl: str, args, group: dist.ProcessGroup):
                     seq_len=args.seq_len)
     torch.manual_seed(0)
     model = GPT(cfg)
-    if impl == "torch-ddp":
-        wrapped = torch.nn.parallel.DistributedDataParallel(
-            model, process_group=group, bucket_cap_mb=args.bucket_cap_mb)
-    else:
-        wrapped = DistributedDataParallel(model, process_group=group,
-                                          bucket_cap_mb=args.bucket_cap_mb)
+    wrapped = _wrap(impl, model, args, group)
     opt = torch.optim.AdamW(wrapped.parameters(), lr=1e-3)
     stream = batch_stream(cfg.seq_len, args.batch_size, group)
-    times = timed_steps(wrapped, opt, stream, args, group)
+    exposed = exposed_comm_probe(wrapped, args.warmup)
+    times = timed_steps(wrapped, opt, stream, args, group, after_step=exposed.record)
     nbytes = state_bytes(model, opt)
     return times, {"params_M": round(sum(p.numel() for p in model.parameters()) / 1e6, 2),
-                   "state_MiB": round(nbytes.total / 2**20, 1)}
+                   "state_MiB": round(nbytes.total / 2**20, 1), **exposed.summary()}
+
+
+def _wrap(impl: str, model: torch.nn.Module, args, group) -> torch.nn.Module:
+    if impl == "local-adamw":
+        return model
+    cls = (torch.nn.parallel.DistributedDataParallel if impl.startswith("torch")
+           else DistributedDataParallel)
+    wrapped = cls(model, process_group=group, bucket_cap_mb=args.bucket_cap_mb)
+    if impl.endswith("-powersgd"):
+        state = powerSGD_hook.PowerSGDState(process_group=group, matrix_approximation_rank=1,
+                                            start_powerSGD_iter=2)
+        wrapped.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+    elif impl.endswith("-bf16"):
+        wrapped.register_comm_hook(group, default_hooks.bf16_compress_hook)
+    return wrapped
 
 
 if __name__ == "__main__":
-    sidebyside.main(worker, IMPLS, baseline="torch-ddp", extra=_model_args)
+    sidebyside.main(worker, IMPLS, baseline="torch-ddp", extra=_model_args,
+                    limit_of="local-adamw")

@@ -43,13 +43,20 @@ def parse(extra: Callable[[argparse.ArgumentParser], None] | None = None) -> arg
 
 
 def main(worker: Callable, impls: Sequence[str], baseline: str,
-         extra: Callable[[argparse.ArgumentParser], None] | None = None) -> dict:
+         extra: Callable[[argparse.ArgumentParser], None] | None = None,
+         limit_of: str | None = None) -> dict:
+    """``limit_of``: an implementation without communication (each rank's world-size-1 step);
+    rows reporting ``exposed_comm_ms`` are then also compared with that step plus their
+    exposed communication, the physical limit of overlapping communication with backward."""
     args = parse(extra)
     if args.worker:
         _run_worker(worker, args)
         return {}
     chosen = args.only.split(",") if args.only else list(impls)
-    return _run_parent(args, chosen, baseline)
+    summary = _run_parent(args, chosen, baseline)
+    if limit_of in summary:
+        print(format_limits(summary, limit_of))
+    return summary
 
 
 def _run_worker(worker: Callable, args: argparse.Namespace) -> None:
@@ -106,6 +113,20 @@ def summarise(records: dict[str, list[dict]], baseline: str, nproc: int) -> dict
     for impl in summary:
         summary[impl]["ratio"] = summary[impl]["median_step_s"] / base if base else None
     return summary
+
+
+def format_limits(summary: dict, local: str) -> str:
+    """Each row with an ``exposed_comm_ms`` against ``local``'s step + that communication."""
+    base = summary[local]["median_step_s"] * 1000
+    lines = [f"physical limit = {local} step ({base:.1f} ms) + the row's exposed communication"]
+    for impl, s in summary.items():
+        exposed = s["extra"].get("exposed_comm_ms")
+        if exposed is None:
+            continue
+        limit = base + exposed
+        step = s["median_step_s"] * 1000
+        lines.append(f"{impl:<28}limit {limit:>9.1f} ms   step/limit {step / limit:.3f}")
+    return "\n".join(lines)
 
 
 def format_table(summary: dict, args: argparse.Namespace) -> str:

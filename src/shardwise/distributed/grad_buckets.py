@@ -61,6 +61,7 @@ backward, one model must not be in two backward passes at once.
 from __future__ import annotations
 
 import itertools
+import time
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
@@ -274,6 +275,9 @@ class GradBucketer:
         self.enabled = True
         self.static = False
         self.reductions = 0  # completed reductions (backward passes that synchronised)
+        # seconds the last backward spent at its end launching, waiting for and finishing the
+        # buckets: the communication that did not overlap backward's compute (benchmarks)
+        self.last_finalize_s = 0.0
         self.serial = next(_serials)
         self._in_backward = False
         self._paused_used: set[nn.Parameter] = set()  # got a gradient inside paused()
@@ -434,10 +438,12 @@ class GradBucketer:
             bucket.release()
 
     def _finalize(self) -> None:
+        start = time.perf_counter()
         self._in_backward = False
         if self.static and self._expected is None:
             self._copy_fired()
         self._guarded(lambda: self._complete(self.finish_fn, from_grad_attr=True))
+        self.last_finalize_s = time.perf_counter() - start
 
     def _copy_fired(self) -> None:
         """The first static reduction: copy every gradient that arrived, learn the counts."""
