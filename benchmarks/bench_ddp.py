@@ -2,8 +2,11 @@
 
 Same model (the demo GPT at `shardwise train`'s defaults unless told otherwise), same data
 (the stdlib corpus, each rank its slice of a global batch), same world size, same AdamW.
-Besides plain DDP: torch's ``powerSGD_hook`` (rank 1, from step 2) on both DDPs, and
-``bf16_compress_hook`` on ours (torch's DDP refuses it without CUDA and NCCL). ``local-adamw``
+Besides plain DDP: PowerSGD (rank 1, from step 2) on both DDPs, with our
+``shardwise.ddp.hooks.powerSGD_hook``: torch's own hook, on torch's DDP as on ours, issues its
+second all-reduce from a callback and on gloo with several buckets the ranks' collectives
+mismatch (gloo aborts; see [Note: PowerSGD's second all-reduce]); and ``bf16_compress_hook``
+on ours (torch's DDP refuses it without CUDA and NCCL). ``local-adamw``
 has no wrapper and no communication (each rank's world-size-1 step); rows of ours are then
 also compared with that step plus the communication they left exposed (the physical limit).
 
@@ -16,12 +19,13 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 import sidebyside
 from gpt_steps import batch_stream, exposed_comm_probe, timed_steps
 from shardwise import DistributedDataParallel
 from shardwise.cli.train_args import TrainConfig
+from shardwise.ddp import hooks
 from shardwise.memory import state_bytes
 from shardwise.models import GPT, GPTConfig
 
@@ -61,9 +65,9 @@ def _wrap(impl: str, model: torch.nn.Module, args, group) -> torch.nn.Module:
            else DistributedDataParallel)
     wrapped = cls(model, process_group=group, bucket_cap_mb=args.bucket_cap_mb)
     if impl.endswith("-powersgd"):
-        state = powerSGD_hook.PowerSGDState(process_group=group, matrix_approximation_rank=1,
-                                            start_powerSGD_iter=2)
-        wrapped.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+        state = hooks.PowerSGDState(process_group=group, matrix_approximation_rank=1,
+                                    start_powerSGD_iter=2)
+        wrapped.register_comm_hook(state, hooks.powerSGD_hook)
     elif impl.endswith("-bf16"):
         wrapped.register_comm_hook(group, default_hooks.bf16_compress_hook)
     return wrapped

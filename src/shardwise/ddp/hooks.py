@@ -13,6 +13,17 @@ torch's DDP alike.
   uncompressed, together with the P's. Error feedback adds what the approximation dropped to
   the next step's gradient; warm start reuses last step's Q. The first
   ``start_powerSGD_iter`` steps use the plain all-reduce.
+
+[Note: PowerSGD's second all-reduce]
+A bucket's Q all-reduce can only start once its P all-reduce has finished. torch's hook starts
+it from the P all-reduce's completion callback, on a communication thread; with several buckets
+in flight the ranks may then issue their collectives in different orders, which gloo reports as
+a size mismatch (torch's own DDP and powerSGD_hook fail so on CPU with more than one bucket).
+Ours issues every collective from the thread that calls the hook: when the hook runs for bucket
+``k`` it first takes the earlier buckets' Q stage (waiting for their P all-reduce, usually done
+by then, as backward computed in between), and the last bucket drains everything. The order
+(P0, P1, Q0, P2, Q1, ...) is the same on every rank; what runs on completion callbacks is local
+arithmetic only.
 """
 
 import math
@@ -94,6 +105,7 @@ class PowerSGDState:
         self.warm_start = warm_start
         self.iter = 0
         self.error_dict: dict[int, torch.Tensor] = {}
+        self.pending: list[Any] = []  # buckets whose Q stage has not started (see the Note)
         self.q_memory_dict: dict[int, list[torch.Tensor]] = {}
         self._generator = torch.Generator().manual_seed(random_seed)
 
@@ -160,9 +172,18 @@ def powerSGD_hook(state: PowerSGDState, bucket: Bucket) -> Result:  # noqa: N802
         state.count(bucket)
         return buffer
 
-    fut = dist.all_reduce(first, group=group, async_op=True).get_future()
-    fut.then(lambda f: _settle(result, f, after_ps))
+    p_work = dist.all_reduce(first, group=group, async_op=True)
+    _start_q_stages(state)  # earlier buckets' Q all-reduces, in bucket order
+    state.pending.append(lambda: _settle(result, p_work.get_future(), after_ps))
+    if bucket.is_last():
+        _start_q_stages(state)
     return result
+
+
+def _start_q_stages(state: PowerSGDState) -> None:
+    """Run the pending buckets' second stage, oldest first, on this thread (see the Note)."""
+    while state.pending:
+        state.pending.pop(0)()
 
 
 def _settle(result: Future, done: Future, step: Any, *args: Any) -> None:
