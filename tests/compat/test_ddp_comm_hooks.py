@@ -10,6 +10,7 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from shardwise import DistributedDataParallel
+from shardwise.ddp import hooks as our_hooks
 from tests.compat.common import assert_states_close, ddp_class, state_of
 from tests.harness import WORLD_SIZES, rank_slice, run_on_ranks
 
@@ -35,11 +36,13 @@ def _batch(step: int):
     return torch.randn(GLOBAL_BATCH, 6, generator=gen), torch.randn(GLOBAL_BATCH, 3, generator=gen)
 
 
-def _train(ctx, impl: str, hook_name: str):
-    """Records every step's gradients; a 1 KiB bucket cap gives several buckets."""
+def _train(ctx, impl: str, hook_name: str, lib: str = "torch"):
+    """Records every step's gradients; a 1 KiB bucket cap gives several buckets. ``lib``:
+    torch's hooks or ours (shardwise.ddp.hooks)."""
     torch.manual_seed(0)
     model = ddp_class(impl)(_Net(), bucket_cap_mb=0.001)
-    model.register_comm_hook(None, getattr(default_hooks, hook_name))
+    model.register_comm_hook(None, getattr(default_hooks if lib == "torch" else our_hooks,
+                                           hook_name))
     opt = torch.optim.SGD(model.parameters(), lr=0.2)
     grads = []
     for step in range(STEPS):
@@ -92,6 +95,17 @@ def test_bf16_hook_matches_reference(world_size):
     reference = _reference()
     for rank in range(world_size):
         _check(ours[rank], reference, TOLERANCE["bf16_compress_hook"], f"rank {rank}")
+
+
+@pytest.mark.parametrize("hook", tuple(TOLERANCE))
+@pytest.mark.parametrize("world_size", (2, 4))
+def test_our_hooks_match_reference_on_both_ddps(world_size, hook):
+    reference = _reference()
+    for impl in ("ours", "torch") if hook != "bf16_compress_hook" else ("ours",):
+        result = run_on_ranks(world_size, _train, impl, hook, "ours")
+        for rank in range(world_size):
+            _check(result[rank], reference, TOLERANCE[hook],
+                   f"shardwise.ddp.hooks.{hook} on {impl}'s DDP, rank {rank}")
 
 
 def _bucket_view_hook(state, bucket):
@@ -156,7 +170,7 @@ def _errors(ctx):
         except (TypeError, RuntimeError) as exc:
             out[name] = str(exc)
         # the failed reduction is forgotten: the same model trains on with a good hook
-        model._comm_hook = None
+        model._comm_hooks.hook = None
         model.register_comm_hook(None, default_hooks.allreduce_hook)
         F.mse_loss(model(x), y).backward()
     for bad in (3, lambda bucket: None):

@@ -35,3 +35,22 @@ def test_every_parameter_lands_in_exactly_one_bucket():
 def test_cap_must_be_positive():
     with pytest.raises(ValueError, match="bucket cap must be positive"):
         plan_buckets([4], ["f"], cap_bytes=0)
+
+
+def test_tail_parameters_get_small_buckets():
+    # registration order 0..5; the first 12 bytes (parameters 0-2) come last in backward
+    sizes = [4, 4, 4, 4, 4, 4]
+    assert plan_buckets(sizes, ["f"] * 6, cap_bytes=100, tail_bytes=12, tail_cap_bytes=4) == [
+        [5, 4, 3], [2], [1], [0]
+    ]
+    # the first bucket's small cap still applies; a bucket never spans the tail's border
+    assert plan_buckets(sizes, ["f"] * 6, cap_bytes=100, first_cap_bytes=4, tail_bytes=8,
+                        tail_cap_bytes=8) == [[5], [4, 3, 2], [1, 0]]
+
+
+def test_default_sizes_follow_the_cap():
+    from shardwise.distributed.grad_buckets import MIB, BucketSizes
+
+    assert BucketSizes.default() == BucketSizes(25 * MIB, MIB, 25 * MIB, 2 * MIB)
+    small = BucketSizes.default(0.5)
+    assert small.cap == small.first_cap == small.tail_cap == MIB // 2

@@ -22,8 +22,12 @@ def _errors(ctx):
     with pytest.raises(ValueError, match=r"one device type, found \['cpu', 'meta'\]"):
         opt.add_param_group({"params": [on_meta]})
     assert len(opt.param_groups) == 1  # the rejected group was not added
-    with pytest.raises(ValueError, match="overlap_with_ddp=True is not supported.*ZeroDataPar"):
-        ZeroRedundancyOptimizer(net.parameters(), torch.optim.SGD, overlap_with_ddp=True, lr=0.1)
+    unattached = ZeroRedundancyOptimizer(net.parameters(), torch.optim.SGD,
+                                         overlap_with_ddp=True, lr=0.1)
+    for call in (unattached.step, lambda: unattached.consolidate_state_dict(0)):
+        with pytest.raises(RuntimeError, match=r"not attached to a DistributedDataParallel.*"
+                                               r"hook_with_zero_step"):
+            call()
     with pytest.raises(ValueError, match=r"to=3 is not a rank of this group"):
         ZeroRedundancyOptimizer(net.parameters(), torch.optim.SGD,
                                 lr=0.1).consolidate_state_dict(to=3)

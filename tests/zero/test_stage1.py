@@ -5,7 +5,8 @@ import torch
 
 from shardwise import DistributedDataParallel, ZeroRedundancyOptimizer
 from shardwise.memory import state_bytes
-from tests.harness import WORLD_SIZES, rank_slice, run_on_ranks
+from tests.harness import WORLD_SIZES, assert_rel_close, rank_slice, run_on_ranks
+from tests.harness.ops import OpCounts
 from tests.zero.common import (
     assert_params_equal,
     global_batch,
@@ -131,3 +132,56 @@ def _closure_step(ctx):
 def test_step_with_closure_returns_the_loss():
     losses = run_on_ranks(2, _closure_step)
     assert all(isinstance(v, float) for v in losses)
+
+
+class _BigNet(torch.nn.Module):
+    """Two weights of at least 1 MiB (broadcast in place) and small ones (coalesced)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(6, 600)
+        self.b = torch.nn.Linear(600, 512)
+        self.c = torch.nn.Linear(512, 512)
+        self.d = torch.nn.Linear(512, 3)
+
+    def forward(self, x):
+        return self.d(torch.tanh(self.c(torch.tanh(self.b(torch.tanh(self.a(x)))))))
+
+
+def _big_train(ctx):
+    torch.manual_seed(0)
+    reference = _BigNet()
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    torch.manual_seed(0)
+    net = _BigNet()
+    opt = ZeroRedundancyOptimizer(net.parameters(), torch.optim.SGD, lr=0.1, momentum=0.9)
+    counts = []
+    for step in range(3):
+        x, y = global_batch(step)
+        xr, yr = rank_slice(x, ctx.rank, ctx.world_size), rank_slice(y, ctx.rank, ctx.world_size)
+        loss_fn(net(xr[0]), yr[0]).backward()
+        for p in net.parameters():  # average by hand: only the optimizer is under test
+            torch.distributed.all_reduce(p.grad, group=ctx.group)
+            p.grad /= ctx.world_size
+        with OpCounts() as ops:
+            opt.step()
+        counts.append(ops.counts)
+        opt.zero_grad()
+        loss_fn(reference(x[0]), y[0]).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        for (name, p), q in zip(net.named_parameters(), reference.parameters()):
+            assert_rel_close(p, q, 1e-6, f"step {step}: {name}")
+    parts = opt._parts()
+    mine_coalesced = sum(1 for src, ts in parts if src == ctx.rank and len(ts) > 1)
+    return counts, len(parts), mine_coalesced, sum(1 for _, ts in parts if len(ts) == 1)
+
+
+@pytest.mark.parametrize("world_size", (2, 4))
+def test_step_broadcasts_each_part_once_big_parameters_in_place(world_size):
+    for rank, (counts, n_parts, mine_coalesced, alone) in enumerate(
+            run_on_ranks(world_size, _big_train)):
+        assert alone >= 2, "the two weights of >= 1 MiB are parts of their own"
+        for step in counts:  # per step: one broadcast per part, no more; a flattening copy
+            assert step.get("c10d.broadcast_", 0) == n_parts, (rank, step)  # per own chunk
+            assert step.get("aten.cat", 0) == mine_coalesced, (rank, step)

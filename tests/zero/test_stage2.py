@@ -8,6 +8,7 @@ import torch
 from shardwise import ZeroDataParallel, ZeroRedundancyOptimizer
 from shardwise.memory import state_bytes
 from tests.harness import WORLD_SIZES, assert_rel_close, rank_slice, run_on_ranks
+from tests.harness.ops import OpCounts
 from tests.zero.common import (
     RTOL,
     assert_params_equal,
@@ -43,7 +44,18 @@ def _check_grads(net, reference, model, step):
             assert p.grad is None, f"step {step}: {name} is not owned but kept its gradient"
 
 
-def _train(ctx, opt_name, steps, micro, clip):
+def _hook(name: str | None):
+    """``"torch.fp16_compress_hook"`` or ``"ours.allreduce_hook"``... -> the hook."""
+    if name is None:
+        return None
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    from shardwise.ddp import hooks
+    lib, hook = name.split(".")
+    return getattr(default_hooks if lib == "torch" else hooks, hook)
+
+
+def _train(ctx, opt_name, steps, micro, clip, hook=None):
     cls, kwargs = optimizer_kwargs(opt_name)
     reference = make_net()
     ref_opt = cls(param_groups(reference), **kwargs)
@@ -51,6 +63,8 @@ def _train(ctx, opt_name, steps, micro, clip):
     net = make_net(seed=ctx.rank)  # replicas start different: the wrap syncs them
     opt = ZeroRedundancyOptimizer(param_groups(net), optimizer_class=cls, **kwargs)
     model = ZeroDataParallel(net, opt, bucket_cap_mb=BUCKET_MB)
+    if hook is not None:
+        model.register_comm_hook(None, _hook(hook))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
     for step in range(steps):
         x, y = global_batch(step, micro)
@@ -74,6 +88,37 @@ def _train(ctx, opt_name, steps, micro, clip):
 @pytest.mark.parametrize("opt_name", ("adamw", "sgd"))
 def test_ten_steps_equal_single_process(world_size, opt_name):
     run_on_ranks(world_size, _train, opt_name, 10, 1, None)
+
+
+@pytest.mark.parametrize("hook", ("torch.allreduce_hook", "ours.allreduce_hook"))
+@pytest.mark.parametrize("world_size", (2, 4))
+def test_allreduce_comm_hook_equals_single_process(world_size, hook):
+    run_on_ranks(world_size, _train, "adamw", 10, 2, None, hook)
+
+
+def _fp16_grads(ctx, hook):
+    net = make_net()
+    opt = ZeroRedundancyOptimizer(param_groups(net), optimizer_class=torch.optim.SGD, lr=0.1)
+    model = ZeroDataParallel(net, opt, bucket_cap_mb=BUCKET_MB)
+    model.register_comm_hook(None, _hook(hook))
+    x, y = global_batch(0, 1)
+    _backward(model, x, y, ctx, 1)
+    reference = make_net()
+    loss_fn(reference(x[0]), y[0]).backward()
+    owned = {id(p) for p in model.owned_parameters()}
+    for (name, p), (_, q) in zip(net.named_parameters(), reference.named_parameters()):
+        if not p.requires_grad:
+            continue
+        if id(p) in owned:  # fp16 keeps 11 significant bits: one rounding of each part and sum
+            assert_rel_close(p.grad, q.grad, 2e-3, f"{hook}: gradient of {name}")
+        else:
+            assert p.grad is None, f"{name} is not owned but kept its gradient"
+
+
+@pytest.mark.parametrize("hook", ("torch.fp16_compress_hook", "ours.fp16_compress_hook"))
+@pytest.mark.parametrize("world_size", (2, 4))
+def test_fp16_comm_hook_gives_owned_gradients_within_tolerance(world_size, hook):
+    run_on_ranks(world_size, _fp16_grads, hook)
 
 
 @pytest.mark.parametrize("world_size", (2, 4))
@@ -163,3 +208,26 @@ def _errors(ctx):
 
 def test_bad_input_errors():
     run_on_ranks(1, _errors)
+
+
+def _forward_checks(ctx, zero_grad_to_none: bool):
+    net = _deep_net()
+    opt = ZeroRedundancyOptimizer(net.parameters(), torch.optim.SGD, lr=0.1)
+    model = ZeroDataParallel(net, opt, bucket_cap_mb=1, broadcast_buffers=False)
+    x = torch.randn(4, 6)
+    model(x).sum().backward()
+    opt.step()
+    opt.zero_grad(set_to_none=zero_grad_to_none)
+    with OpCounts() as ops:
+        model(x)
+    return ops.counts, len(model.owned_parameters())
+
+
+@pytest.mark.parametrize("to_none", (False, True))
+def test_cleared_gradient_check_costs_one_sync_not_one_per_parameter(to_none):
+    # issue 16 item 5: the check before forward used to run .any() and a sync per parameter
+    for counts, owned in run_on_ranks(2, _forward_checks, to_none):
+        assert owned >= 8, "the test needs many owned parameters"
+        syncs = counts.get("aten._local_scalar_dense", 0)
+        assert syncs == (0 if to_none else 1), counts
+        assert counts.get("aten.any", 0) <= 2, counts  # one per owned bucket (1 MiB cap)

@@ -24,6 +24,29 @@ def batch_stream(seq_len: int, global_batch: int, group: dist.ProcessGroup) -> B
     return BatchStream(windows, global_batch, dist.get_rank(group), dist.get_world_size(group))
 
 
+class _ExposedComm:
+    """Per timed step, the seconds our bucketer spent at the end of backward waiting for and
+    finishing its reductions (``GradBucketer.last_finalize_s``): the communication that did not
+    overlap backward's compute. Nothing for wrappers without our bucketer (torch's)."""
+
+    def __init__(self, wrapped: torch.nn.Module, warmup: int):
+        self.reducer = getattr(wrapped, "reducer", None)
+        self.warmup, self.seconds = warmup, []
+
+    def record(self, step: int) -> None:
+        if step >= self.warmup and hasattr(self.reducer, "last_finalize_s"):
+            self.seconds.append(self.reducer.last_finalize_s)
+
+    def summary(self) -> dict:
+        if not self.seconds:
+            return {}
+        return {"exposed_comm_ms": round(1000 * sorted(self.seconds)[len(self.seconds) // 2], 1)}
+
+
+def exposed_comm_probe(wrapped: torch.nn.Module, warmup: int) -> _ExposedComm:
+    return _ExposedComm(wrapped, warmup)
+
+
 def timed_steps(wrapped: torch.nn.Module, opt: torch.optim.Optimizer, stream: BatchStream,
                 args, group: dist.ProcessGroup,
                 after_step: Callable[[int], None] | None = None) -> list[float]:

@@ -4,11 +4,11 @@ At wrap time rank 0's parameters and buffers are broadcast (one coalesced broadc
 so every replica starts equal. During backward, gradients are averaged across ranks by
 all-reduces on size-capped buckets, launched asynchronously from gradient hooks while backward is
 still running (see [Note: gradient buckets] in shardwise/distributed/grad_buckets.py), or by a
-registered communication hook (comm_hooks.py). Inside ``no_sync()`` no collective runs and
-gradients accumulate locally; the first backward outside it reduces the accumulated sum. Under
-distributed autograd (``shardwise.rpc.autograd``) the gradients of the context are reduced the
-same way (see [Note: reduction outside autograd's accumulation]). ``join()`` handles uneven
-inputs (join.py).
+registered communication hook (distributed/comm_hooks.py; ours in hooks.py). Inside
+``no_sync()`` no collective runs and gradients accumulate locally; the first backward outside
+it reduces the accumulated sum. Under distributed autograd (``shardwise.rpc.autograd``) the
+gradients of the context are reduced the same way (see [Note: reduction outside autograd's
+accumulation]). ``join()`` handles uneven inputs (join.py).
 """
 
 from __future__ import annotations
@@ -23,14 +23,12 @@ from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable
 from torch.distributed.device_mesh import DeviceMesh
 
-from shardwise.ddp.comm_hooks import CommHook, check_comm_hook, run_comm_hook
 from shardwise.ddp.join import DDPJoinHook, active_ranks, announce_reduction, common_rank
 from shardwise.distributed.agree import check_same_model
 from shardwise.distributed.collectives import broadcast_coalesced
-from shardwise.distributed.grad_buckets import Bucket, GradBucketer, Waitable
-
-MIB = 1024 * 1024
-FIRST_BUCKET_MB = 1.0
+from shardwise.distributed.comm_hooks import CommHook, CommHookSlot
+from shardwise.distributed.data_parallel import buffers_to_sync, resolve_group, sync_module_state
+from shardwise.distributed.grad_buckets import Bucket, BucketSizes, GradBucketer, Waitable
 
 
 class DistributedDataParallel(nn.Module, Joinable):
@@ -67,7 +65,7 @@ class DistributedDataParallel(nn.Module, Joinable):
     ):
         super().__init__()
         Joinable.__init__(self)
-        process_group = _group_of(process_group, device_mesh)
+        process_group = resolve_group(process_group, device_mesh, "DistributedDataParallel")
         _check_module(module, device_ids)
         check_same_model(module, process_group, what="DistributedDataParallel")
         self.module = module
@@ -81,20 +79,17 @@ class DistributedDataParallel(nn.Module, Joinable):
         self.find_unused_parameters = find_unused_parameters
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self.static_graph = False
-        self._comm_hook: CommHook | None = None
-        self._comm_state: Any = None
+        self._comm_hooks = CommHookSlot("DistributedDataParallel")
         self._divide_by_initial_world_size = True
         self._join_work: dist.Work | None = None  # Join's notification, to count active ranks
         self._join_divisor: int | None = None
         self._sync_buffers_next = True  # torch's require_forward_param_sync
         if init_sync:
-            broadcast_coalesced(_state_tensors(module), 0, self.process_group)
-        cap = int((25.0 if bucket_cap_mb is None else bucket_cap_mb) * MIB)
-        first_cap = min(cap, int(FIRST_BUCKET_MB * MIB))
+            sync_module_state(module, self.process_group)
         self.reducer = GradBucketer(
-            list(module.named_parameters()), cap, self._launch, self._finish,
-            allow_unused=find_unused_parameters, first_cap_bytes=first_cap,
-            unused_group=self.process_group, detached=True,
+            list(module.named_parameters()), BucketSizes.default(bucket_cap_mb), self._launch,
+            self._finish, allow_unused=find_unused_parameters, unused_group=self.process_group,
+            detached=True,
         )
         if static_graph:
             self._set_static_graph()
@@ -112,6 +107,9 @@ class DistributedDataParallel(nn.Module, Joinable):
         if joining:
             announce_reduction(self.process_group, will_reduce, self.device)
         self._sync_buffers_next = will_reduce
+        # average on the way into the buckets, unless a hook or join decides the divisor
+        plain = self.world_size > 1 and self._comm_hooks.hook is None and not joining
+        self.reducer.scale = 1.0 / self.world_size if plain else None
         if self.device_ids:
             device = torch.device("cuda", _index(self.device_ids[0]))
             inputs, kwargs = _to_device(inputs, device), _to_device(kwargs, device)
@@ -133,12 +131,9 @@ class DistributedDataParallel(nn.Module, Joinable):
     # ------------------------------------------------------------------ torch's extras
     def register_comm_hook(self, state: object, hook: CommHook) -> None:
         """Reduce every bucket with ``hook(state, bucket)`` instead of the built-in averaging
-        all-reduce (torch's contract; see comm_hooks.py). Only one hook may be registered."""
-        if self._comm_hook is not None:
-            raise RuntimeError("register_comm_hook can only be called once per "
-                               "DistributedDataParallel")
-        check_comm_hook(hook)
-        self._comm_hook, self._comm_state = hook, state
+        all-reduce (torch's contract; see distributed/comm_hooks.py; torch's hooks and ours in
+        ``shardwise.ddp.hooks`` both fit). Only one hook may be registered."""
+        self._comm_hooks.register(state, hook)
 
     def _set_static_graph(self) -> None:
         """Declare the graph static (see the class docstring); before the first backward."""
@@ -174,19 +169,16 @@ class DistributedDataParallel(nn.Module, Joinable):
     # ------------------------------------------------------------------ internals
     def _will_sync_buffers(self) -> bool:
         return (self._sync_buffers_next and self.broadcast_buffers and self.world_size > 1
-                and bool(self._buffers_to_sync()))
-
-    def _buffers_to_sync(self) -> list[torch.Tensor]:
-        return [b for b in self.module.buffers() if b.is_floating_point() or b.numel()]
+                and bool(buffers_to_sync(self.module)))
 
     def _broadcast_buffers(self, src: int) -> None:
-        broadcast_coalesced(self._buffers_to_sync(), src, self.process_group)
+        broadcast_coalesced(buffers_to_sync(self.module), src, self.process_group)
 
     def _broadcast_state(self, src: int) -> None:
         """Parameters (and buffers, if they are broadcast) from group rank ``src``."""
         tensors = [p.detach() for p in self.module.parameters()]
         if self.broadcast_buffers:
-            tensors += self._buffers_to_sync()
+            tensors += buffers_to_sync(self.module)
         broadcast_coalesced(tensors, src, self.process_group)
 
     def _divisor(self) -> int:
@@ -195,12 +187,12 @@ class DistributedDataParallel(nn.Module, Joinable):
         return self._join_divisor or self.world_size
 
     def _launch(self, bucket: Bucket) -> Waitable | None:
-        if self._comm_hook is not None:
-            return run_comm_hook(self._comm_hook, self._comm_state, bucket,
-                                 len(self.reducer.buckets))
+        if self._comm_hooks.hook is not None:
+            return self._comm_hooks.run(bucket, len(self.reducer.buckets))
         if self.world_size == 1:
             return None
-        bucket.buffer.div_(self._divisor())
+        if self.reducer.scale is None:  # not averaged on the way in (join decides the divisor)
+            bucket.buffer.div_(self._divisor())
         return dist.all_reduce(bucket.buffer, group=self.process_group, async_op=True)
 
     def _finish(self, bucket: Bucket) -> None:
@@ -215,24 +207,6 @@ class DistributedDataParallel(nn.Module, Joinable):
                 param.grad = reduced.clone()
             else:
                 param.grad.copy_(reduced)
-
-
-def _state_tensors(module: nn.Module) -> list[torch.Tensor]:
-    return [p.detach() for p in module.parameters()] + list(module.buffers())
-
-
-def _group_of(group: dist.ProcessGroup | None, mesh: DeviceMesh | None
-              ) -> dist.ProcessGroup | None:
-    """torch's ``device_mesh=``: a 1D mesh whose group replicates the module."""
-    if mesh is None:
-        return group
-    if group is not None:
-        raise TypeError("DistributedDataParallel takes process_group= or device_mesh=, not both")
-    if mesh.ndim != 1:
-        raise ValueError(f"DistributedDataParallel needs a 1D device_mesh, got a {mesh.ndim}D "
-                         f"one of shape {tuple(mesh.shape)}; pass the data-parallel dimension, "
-                         "e.g. mesh['dp']")
-    return mesh.get_group()
 
 
 def _check_module(module: nn.Module, device_ids: list | None) -> None:

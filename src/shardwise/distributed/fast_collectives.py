@@ -31,6 +31,8 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
+from shardwise.distributed.data_parallel import global_rank
+
 Impl = Literal["auto", "fast", "plain"]
 
 
@@ -83,7 +85,8 @@ def all_gather_flat(out: torch.Tensor, shard: torch.Tensor,
     rank = dist.get_rank(group)
     out[rank * n : (rank + 1) * n].copy_(shard)
     works = [
-        dist.broadcast(out[r * n : (r + 1) * n], src=_global(group, r), group=group, async_op=True)
+        dist.broadcast(out[r * n : (r + 1) * n], src=global_rank(group, r), group=group,
+                       async_op=True)
         for r in range(world)
     ]
     return _result(Pending(works), async_op)
@@ -121,8 +124,9 @@ def reduce_scatter_flat(shard_out: torch.Tensor, full: torch.Tensor,
     ops = []
     for r in range(world):
         if r != rank:
-            ops.append(dist.P2POp(dist.isend, full[r * n : (r + 1) * n], _global(group, r), group))
-            ops.append(dist.P2POp(dist.irecv, pieces[r], _global(group, r), group))
+            peer = global_rank(group, r)
+            ops.append(dist.P2POp(dist.isend, full[r * n : (r + 1) * n], peer, group))
+            ops.append(dist.P2POp(dist.irecv, pieces[r], peer, group))
     works = dist.batch_isend_irecv(ops)
 
     def finish() -> None:
@@ -195,8 +199,7 @@ def _result(pending: Pending, async_op: bool) -> Pending | None:
     return None
 
 
-def _global(group: dist.ProcessGroup | None, group_rank: int) -> int:
-    return group_rank if group is None else dist.get_global_rank(group, group_rank)
+
 
 
 # torch 2.13 renamed the flat collectives; older releases (>= 2.4) have only the old names

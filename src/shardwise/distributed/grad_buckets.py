@@ -14,12 +14,22 @@ remaining buckets are launched, all are waited on, and a caller-supplied ``finis
 reduced bucket. A parameter that got no gradient is an error naming it, unless unused parameters
 are allowed, in which case it contributes zeros.
 
-Options for sharded gradients (ZeRO stage 2; DDP uses none of them): ``key_fn`` keeps
-parameters with different keys (their owning rank) in different buckets, so one collective
-delivers a bucket to its owner; ``release_grads`` drops ``param.grad`` once it is copied into its
-bucket; ``lazy_buffers`` allocates a bucket's buffer when its first gradient arrives and drops it
-after ``finish``; ``max_in_flight`` waits on and finishes the oldest launched bucket as soon as
-more than that many are in flight, so reduced buckets are freed during backward, not at its end.
+Sizes (:class:`BucketSizes`, the defaults of every wrapper that buckets): ``cap`` bytes per
+bucket; a smaller first bucket so that the first collective starts early (torch's rule); and a
+tail of small buckets: the parameters whose gradients come last in backward (the first
+``tail_bytes`` in registration order) go in buckets of at most ``tail_cap`` bytes, so that what
+is left to reduce when backward ends, the communication nothing overlaps, is one small bucket
+rather than a full one.
+
+``scale``: when set, every gradient is multiplied by it as it is copied into its bucket (one
+pass: DDP's averaging by the world size, with no separate division of the bucket).
+
+Sharded gradients (ZeRO stage 2; DDP leaves it ``None``) are one policy value,
+:class:`ShardedGrads`: ``owner_of`` keeps parameters of different owning ranks in different
+buckets, so one collective delivers a bucket to its owner; ``param.grad`` is dropped once
+copied into its bucket; a bucket's buffer exists from its first gradient until ``finish``; and
+once more than ``max_in_flight`` buckets are in flight the oldest is waited on and finished, so
+reduced buckets are freed during backward, not at its end.
 
 Options for torch's DDP semantics (DDP uses them; ZeRO stage 2 does not): ``unused_group``
 makes "no gradient" a global question, as in torch: each rank marks which parameters got a
@@ -51,6 +61,7 @@ backward, one model must not be in two backward passes at once.
 from __future__ import annotations
 
 import itertools
+import time
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
@@ -135,28 +146,73 @@ class Bucket:
         return ghost
 
 
+MIB = 1024 * 1024
+
+
+@dataclass(frozen=True)
+class BucketSizes:
+    """How big gradient buckets are, in bytes (see [Note: gradient buckets])."""
+
+    cap: int
+    first_cap: int | None = None
+    tail_bytes: int = 0
+    tail_cap: int | None = None
+
+    @classmethod
+    def default(cls, bucket_cap_mb: float | None = None) -> BucketSizes:
+        """The wrappers' defaults: ``bucket_cap_mb`` (default 25) per bucket, the first at most
+        1 MiB (torch's), and the last 25 MiB of parameters in buckets of at most 2 MiB."""
+        cap = int((DEFAULT_CAP_MB if bucket_cap_mb is None else bucket_cap_mb) * MIB)
+        return cls(cap, min(cap, int(FIRST_CAP_MB * MIB)), int(DEFAULT_CAP_MB * MIB),
+                   min(cap, int(TAIL_CAP_MB * MIB)))
+
+
+DEFAULT_CAP_MB = 25.0
+FIRST_CAP_MB = 1.0
+TAIL_CAP_MB = 2.0
+
+
 def plan_buckets(sizes: Sequence[int], keys: Sequence[object], cap_bytes: int,
-                 first_cap_bytes: int | None = None) -> list[list[int]]:
+                 first_cap_bytes: int | None = None, tail_bytes: int = 0,
+                 tail_cap_bytes: int | None = None) -> list[list[int]]:
     """Group parameter indices into buckets, walking the parameters in reverse order.
 
     ``sizes`` are bytes, ``keys`` (dtype, device) must match within a bucket. A bucket is closed
     when adding the next parameter would pass its cap (the first bucket may have a smaller cap,
-    so the first collective starts early). A parameter larger than the cap gets a bucket alone.
+    so the first collective starts early; the parameters in the first ``tail_bytes`` of
+    registration order, whose gradients come last, have ``tail_cap_bytes``, so that the last
+    collective is small). A parameter larger than the cap gets a bucket alone.
     """
     if cap_bytes <= 0:
         raise ValueError(f"bucket cap must be positive, got {cap_bytes} bytes")
+    before = list(itertools.accumulate(sizes, initial=0))
     buckets: list[list[int]] = []
-    open_by_key: dict[object, tuple[list[int], int, int]] = {}  # key -> (bucket, bytes, cap)
+    # key -> (bucket, bytes, cap, in the tail)
+    open_by_key: dict[object, tuple[list[int], int, int, bool]] = {}
     for i in reversed(range(len(sizes))):
-        current, used, cap = open_by_key.get(keys[i], ([], 0, 0))
-        if current and used + sizes[i] > cap:
+        tail = bool(tail_cap_bytes) and before[i] < tail_bytes
+        current, used, cap, opened_in_tail = open_by_key.get(keys[i], ([], 0, 0, tail))
+        if current and (used + sizes[i] > cap or tail != opened_in_tail):
             current, used = [], 0
         if not current:
-            cap = first_cap_bytes if (first_cap_bytes and not buckets) else cap_bytes
+            cap = cap_bytes
+            if first_cap_bytes and not buckets:
+                cap = first_cap_bytes
+            elif tail:
+                cap = tail_cap_bytes  # type: ignore[assignment]
             buckets.append(current)
         current.append(i)
-        open_by_key[keys[i]] = (current, used + sizes[i], cap)
+        open_by_key[keys[i]] = (current, used + sizes[i], cap, tail)
     return buckets
+
+
+@dataclass(frozen=True)
+class ShardedGrads:
+    """The policy for gradients kept by one owner per bucket (ZeRO stage 2; see the module
+    docstring): ``owner_of(param)`` is the owning rank."""
+
+    owner_of: Callable[[nn.Parameter], int]
+    max_in_flight: int = 2
 
 
 Launch = Callable[[Bucket], "Waitable | None"]
@@ -199,39 +255,42 @@ def reduce_detached_gradients(grads: Mapping[torch.Tensor, torch.Tensor]
 class GradBucketer:
     """Owns the buckets and hooks for a list of parameters; see [Note: gradient buckets]."""
 
-    def __init__(self, named_params: Sequence[tuple[str, nn.Parameter]], cap_bytes: int,
+    def __init__(self, named_params: Sequence[tuple[str, nn.Parameter]], sizes: BucketSizes,
                  launch: Launch, finish: Finish, *, allow_unused: bool = False,
-                 first_cap_bytes: int | None = None, pad_to_multiple: int = 1,
-                 key_fn: Callable[[nn.Parameter], object] | None = None,
-                 release_grads: bool = False, lazy_buffers: bool = False,
-                 max_in_flight: int | None = None,
+                 sharded: ShardedGrads | None = None,
                  unused_group: dist.ProcessGroup | None = None, detached: bool = False):
         named = [(n, p) for n, p in named_params if p.requires_grad]
         self.launch_fn, self.finish_fn, self.allow_unused = launch, finish, allow_unused
-        self.release_grads, self.lazy_buffers = release_grads, lazy_buffers
+        self.release_grads = self.lazy_buffers = sharded is not None
+        max_in_flight = sharded.max_in_flight if sharded is not None else None
         if max_in_flight is not None and max_in_flight < 1:
             raise ValueError(f"max_in_flight must be at least 1, got {max_in_flight}")
         if max_in_flight is not None and unused_group is not None:
             raise ValueError("unused_group needs every bucket finished after the used-map "
-                             "all-reduce; it cannot be combined with max_in_flight")
+                             "all-reduce; it cannot be combined with sharded gradients")
         self.max_in_flight = max_in_flight
+        self.scale: float | None = None  # multiply gradients by it on their way into buckets
         self.unused_group = unused_group
         self._group_size = dist.get_world_size(unused_group) if unused_group is not None else 1
         self.enabled = True
         self.static = False
         self.reductions = 0  # completed reductions (backward passes that synchronised)
+        # seconds the last backward spent at its end launching, waiting for and finishing the
+        # buckets: the communication that did not overlap backward's compute (benchmarks)
+        self.last_finalize_s = 0.0
         self.serial = next(_serials)
         self._in_backward = False
         self._paused_used: set[nn.Parameter] = set()  # got a gradient inside paused()
         self._fired: dict[nn.Parameter, int] = {}  # static graph: hook firings this reduction
         self._expected: dict[nn.Parameter, int] | None = None  # static graph: learned firings
         self._static_unused: list[frozenset[int]] | None = None  # static graph: per bucket
+        key_fn = sharded.owner_of if sharded is not None else None
         keys = [(p.dtype, p.device, key_fn(p) if key_fn else None) for _, p in named]
-        plan = plan_buckets([p.numel() * p.element_size() for _, p in named], keys, cap_bytes,
-                            first_cap_bytes)
-        self.buckets = [self._make_bucket(k, [named[i] for i in idx], pad_to_multiple)
+        plan = plan_buckets([p.numel() * p.element_size() for _, p in named], keys, sizes.cap,
+                            sizes.first_cap, sizes.tail_bytes, sizes.tail_cap)
+        self.buckets = [self._make_bucket(k, [named[i] for i in idx])
                         for k, idx in enumerate(plan)]
-        if not lazy_buffers:
+        if not self.lazy_buffers:
             for bucket in self.buckets:
                 bucket.allocate()
         self._where: dict[nn.Parameter, tuple[Bucket, int]] = {}
@@ -245,12 +304,11 @@ class GradBucketer:
         self._next_launch = 0
 
     @staticmethod
-    def _make_bucket(index: int, named: list[tuple[str, nn.Parameter]], pad: int) -> Bucket:
+    def _make_bucket(index: int, named: list[tuple[str, nn.Parameter]]) -> Bucket:
         offsets, total = [], 0
         for _, p in named:
             offsets.append(total)
             total += p.numel()
-        total += (-total) % pad
         return Bucket(index, [p for _, p in named], [n for n, _ in named], offsets, None,
                       total, [False] * len(named))
 
@@ -316,13 +374,20 @@ class GradBucketer:
         bucket.allocate()
         slot = bucket.slot(i)
         if bucket.ready[i] and self.release_grads:
-            slot.add_(param.grad)  # the first part was released after its copy
+            slot.add_(param.grad, alpha=self.scale or 1)  # the first part was released
         else:
-            slot.copy_(param.grad)  # a second firing: .grad holds the accumulated sum
+            self._copy_in(slot, param.grad)  # a second firing: .grad holds the accumulated sum
         if self.release_grads:
             param.grad = None
         bucket.mark_ready(i)
         self._guarded(self._launch_in_order)
+
+    def _copy_in(self, slot: torch.Tensor, grad: torch.Tensor) -> None:
+        """``slot = grad * scale`` in one pass (a plain copy without a scale)."""
+        if self.scale is None:
+            slot.copy_(grad)
+        else:
+            torch.mul(grad, self.scale, out=slot)
 
     def _guarded(self, step: Callable[[], None]) -> None:
         """Run ``step``; if it raises (a failed collective, a bad hook result), forget this
@@ -373,17 +438,19 @@ class GradBucketer:
             bucket.release()
 
     def _finalize(self) -> None:
+        start = time.perf_counter()
         self._in_backward = False
         if self.static and self._expected is None:
             self._copy_fired()
         self._guarded(lambda: self._complete(self.finish_fn, from_grad_attr=True))
+        self.last_finalize_s = time.perf_counter() - start
 
     def _copy_fired(self) -> None:
         """The first static reduction: copy every gradient that arrived, learn the counts."""
         for param in self._fired:
             bucket, i = self._where[param]
             bucket.allocate()
-            bucket.slot(i).copy_(param.grad)
+            self._copy_in(bucket.slot(i), param.grad)
             if self.release_grads:
                 param.grad = None
             bucket.mark_ready(i)
@@ -448,7 +515,7 @@ class GradBucketer:
             bucket.allocate()
             slot = bucket.slot(i)
             grad = param.grad if from_grad_attr else None
-            slot.copy_(grad) if grad is not None else slot.zero_()
+            self._copy_in(slot, grad) if grad is not None else slot.zero_()
             if self.release_grads and from_grad_attr:
                 param.grad = None
             bucket.mark_ready(i)
@@ -483,7 +550,7 @@ class GradBucketer:
         for param, grad in grads.items():
             bucket, i = self._where[param]
             bucket.allocate()
-            bucket.slot(i).copy_(grad)
+            self._copy_in(bucket.slot(i), grad)
             bucket.mark_ready(i)
         out: dict[nn.Parameter, torch.Tensor] = {}
 

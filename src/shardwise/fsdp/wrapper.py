@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from shardwise.distributed.agree import check_same_model
-from shardwise.distributed.collectives import broadcast_coalesced
+from shardwise.distributed.data_parallel import sync_module_state
 from shardwise.fsdp import fsdp1_args as args
 from shardwise.fsdp import optim_state_dict as osd_mod
 from shardwise.fsdp.clip_grad import clip_grad_norm_
@@ -97,8 +97,7 @@ class FullyShardedDataParallel(nn.Module):
                                else device_id)
         check_same_model(module, layout.sync_group, what="FullyShardedDataParallel")
         if sync_module_states:
-            broadcast_coalesced([p.detach() for p in module.parameters()]
-                                + list(module.buffers()), 0, layout.sync_group)
+            sync_module_state(module, layout.sync_group)
         options = dict(reshard_after_forward=reshard_after_forward,
                        mixed_precision=args.as_mixed_precision(mixed_precision),
                        cpu_offload=args.as_cpu_offload(cpu_offload),

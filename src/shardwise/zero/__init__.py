@@ -3,7 +3,9 @@ data-parallel ranks. See partition.py for who owns what, optimizer.py for stage 
 stage 2, collectives.py for the communication."""
 
 from shardwise.zero.optimizer import ZeroRedundancyOptimizer
+from shardwise.zero.overlap import hook_with_zero_step, hook_with_zero_step_interleaved
 from shardwise.zero.partition import partition_params
 from shardwise.zero.stage2 import ZeroDataParallel
 
-__all__ = ["ZeroDataParallel", "ZeroRedundancyOptimizer", "partition_params"]
+__all__ = ["ZeroDataParallel", "ZeroRedundancyOptimizer", "hook_with_zero_step",
+           "hook_with_zero_step_interleaved", "partition_params"]

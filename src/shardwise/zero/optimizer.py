@@ -7,7 +7,9 @@ only their state. ``step()`` updates the owned parameters locally, then every ra
 its updated parameters to the others as flat buffers (see collectives.py): one broadcast per
 owner and dtype with ``parameters_as_bucket_view=True`` (parameters are views into persistent
 per-owner buffers, nothing is copied), or per chunk of at most 4 MiB otherwise (temporary
-buffers, at most four chunks in flight, so at most 16 MiB extra).
+buffers, at most four chunks in flight, so at most 16 MiB extra). With
+``overlap_with_ddp=True`` the step runs inside DDP's backward instead, bucket by bucket (see
+[Note: ZeRO step inside DDP's backward] in overlap.py).
 
 Checkpoints: ``consolidate_state_dict(to)`` gathers every rank's state on rank ``to``, keyed by
 global parameter index exactly like a plain optimizer's state dict, so ``load_state_dict`` can
@@ -17,6 +19,7 @@ re-partition it at any world size (or load it into a plain optimizer).
 from __future__ import annotations
 
 import copy
+import warnings
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -26,15 +29,22 @@ from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from torch.optim import Optimizer
 
 from shardwise.distributed.agree import check_same_parameters
+from shardwise.distributed.data_parallel import MIB
 from shardwise.zero import collectives as zc
 from shardwise.zero import state_dicts
 from shardwise.zero.join import ZeroJoinHook
+from shardwise.zero.overlap import OverlapState
 from shardwise.zero.partition import Weight, chunk_by_bytes, partition_params, rank_loads
 
-MIB = 1024 * 1024
 CHUNK_BYTES = 4 * MIB
+IN_PLACE_BYTES = MIB  # parameters at least this big are broadcast alone, in place
 CHUNKS_IN_FLIGHT = 4
 _MISSING = object()
+# optimizers whose update of a parameter depends on that parameter's gradient and state alone,
+# so that stepping the parameters part by part gives the same result as one step
+PER_PARAMETER = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad,
+                 torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam, torch.optim.RMSprop,
+                 torch.optim.Adadelta)
 
 
 class ZeroRedundancyOptimizer(Optimizer, Joinable):
@@ -44,7 +54,11 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
     ``params``: tensors or param-group dicts, as for any optimizer. ``**defaults`` go to
     ``optimizer_class`` (e.g. ``lr=1e-3``). ``parameters_as_bucket_view=True`` makes the
     parameters views into one flat buffer per owning rank and dtype, which are broadcast in
-    place after each step. ``overlap_with_ddp`` is not supported (an error says what to use).
+    place after each step. ``overlap_with_ddp=True``: ownership follows the buckets of the
+    DistributedDataParallel model this optimizer is attached to with
+    ``shardwise.zero.hook_with_zero_step`` (or ``..._interleaved``), which step it during
+    backward; ``step()`` then does nothing (it warns once), and the optimizer cannot be used
+    before it is attached (see overlap.py).
     """
 
     def __init__(self, params: Iterable[Any], optimizer_class: type[Optimizer],
@@ -52,16 +66,11 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                  parameters_as_bucket_view: bool = False, overlap_with_ddp: bool = False,
                  **defaults: Any):
         _check_optimizer_class(optimizer_class)
-        if overlap_with_ddp:
-            raise ValueError(
-                "overlap_with_ddp=True is not supported by shardwise.ZeroRedundancyOptimizer. "
-                "To reduce gradients during backward and keep only this rank's share of them, "
-                "wrap the model in shardwise.ZeroDataParallel(model, optimizer) (ZeRO stage 2)."
-            )
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("ZeroRedundancyOptimizer needs an initialized process group: call "
                                "shardwise.distributed.init() (or init_process_group) first")
         self._initialized = False
+        self._warned_step = False
         Optimizer.__init__(self, params, defaults)
         Joinable.__init__(self)
         _check_params([p for g in self.param_groups for p in g["params"]])
@@ -72,14 +81,81 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         check_same_parameters([p for g in self.param_groups for p in g["params"]],
                               self.process_group, what="ZeroRedundancyOptimizer")
         self.parameters_as_bucket_view = parameters_as_bucket_view
-        self._partition = partition_params(self._group_sizes(), self.world_size)
-        self.optim = optimizer_class(self._local_groups(), **defaults)
-        self.state = self.optim.state  # type: ignore[assignment]  # this rank's part
-        self._fill_missing_hyperparameters()
+        self.overlap_with_ddp = overlap_with_ddp
+        self._overlap: OverlapState | None = None  # set when attached to a DDP model
+        self._local_defaults = defaults
         self._buffers: list[tuple[int, torch.Tensor]] = []  # (owner, 1D flat) for bucket view
         self._consolidated: dict[str, Any] | None = None
+        if overlap_with_ddp:
+            self._defer_partition()
+        else:
+            self._partition = partition_params(self._group_sizes(), self.world_size)
+            self._make_local_optimizer()
         self._initialized = True
         self._build_buffers()
+
+    def _make_local_optimizer(self) -> None:
+        self.optim = self.optimizer_class(self._local_groups(), **self._local_defaults)
+        self.state = self.optim.state  # type: ignore[assignment]  # this rank's part
+        self._fill_missing_hyperparameters()
+
+    # -- overlap_with_ddp --------------------------------------------------------------------
+
+    def _defer_partition(self) -> None:
+        """Before attachment nobody owns anything (the buckets decide, see overlap.py)."""
+        if len(self.param_groups) != 1:
+            raise ValueError("overlap_with_ddp=True supports a single parameter group, got "
+                             f"{len(self.param_groups)}")
+        self._partition = [[[]] for _ in range(self.world_size)]
+        self.optim = None  # type: ignore[assignment]
+        self.state = {}  # type: ignore[assignment]
+
+    def _attach_overlap(self, overlap: OverlapState) -> None:
+        """Take ownership from ``overlap``'s buckets and build the local optimizer over this
+        rank's buckets (called by hook_with_zero_step)."""
+        if self._overlap is not None:
+            raise RuntimeError("this ZeroRedundancyOptimizer is already attached to a "
+                               "DistributedDataParallel model")
+        params = self.param_groups[0]["params"]
+        index = {id(p): i for i, p in enumerate(params)}
+        bucketed = [p for b in overlap.buckets for p in b.params]
+        missing = [i for i, p in enumerate(params) if p.requires_grad and id(p) not in
+                   {id(q) for q in bucketed}]
+        foreign = [p for p in bucketed if id(p) not in index]
+        if missing or foreign:
+            raise ValueError(f"overlap_with_ddp: the optimizer's trainable parameters must be "
+                             f"the DDP model's; {len(missing)} of the optimizer's are not in the "
+                             f"model, {len(foreign)} of the model's not in the optimizer")
+        self._partition = [[sorted(index[id(p)] for p in overlap.owned_params(r))]
+                           for r in range(self.world_size)]
+        if self._partition[self.rank][0]:
+            self._make_local_optimizer()
+        self._overlap = overlap
+
+    def _check_attached(self, what: str) -> None:
+        if self.overlap_with_ddp and self._overlap is None:
+            raise RuntimeError(
+                f"ZeroRedundancyOptimizer(overlap_with_ddp=True).{what}: the optimizer is not "
+                "attached to a DistributedDataParallel model, so no rank owns any parameter. "
+                "Attach it: ddp.register_comm_hook(None, hook_with_zero_step(allreduce_hook, "
+                "ddp, optimizer)) (shardwise.zero), then train; the step runs in backward.")
+
+    def _step_bucket(self, bucket: Any, reduced: torch.Tensor) -> None:
+        """Step this rank's local optimizer on one bucket's parameters with its reduced
+        gradients (views of ``reduced``); the other parameters and their ``.grad`` are left
+        alone, and optimizer state is keyed by parameter, so one optimizer serves all buckets."""
+        self._push_hyperparameters()  # a scheduler may have changed lr since the last bucket
+        saved = [p.grad for p in bucket.params]
+        for p, offset in zip(bucket.params, bucket.offsets):
+            p.grad = reduced[offset : offset + p.numel()].view_as(p)
+        groups = self.optim.param_groups
+        self.optim.param_groups = [{**groups[0], "params": list(bucket.params)}]
+        try:
+            self.optim.step()
+        finally:
+            self.optim.param_groups = groups
+            for p, grad in zip(bucket.params, saved):
+                p.grad = grad
 
     # -- partition ---------------------------------------------------------------------------
 
@@ -122,6 +198,9 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         super().add_param_group(param_group)
         if not self._initialized:
             return
+        if self.overlap_with_ddp:
+            raise RuntimeError("overlap_with_ddp=True supports a single parameter group; "
+                               "add_param_group is not available")
         sizes = self._group_sizes()
         loads = rank_loads(self._partition, sizes[:-1])
         new = partition_params(sizes[-1:], self.world_size, loads)
@@ -141,12 +220,25 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         the local optimizer's ``step`` (without ``closure`` when none is given, as some
         optimizers' ``step`` takes none). Inside ``torch.distributed.algorithms.join.Join``, a
         rank that has run out of inputs issues the same collectives (see join.py)."""
+        if self.overlap_with_ddp:
+            self._check_attached("step()")
+            if not self._warned_step:
+                warnings.warn("ZeroRedundancyOptimizer(overlap_with_ddp=True).step() does "
+                              "nothing: the step runs during DDP's backward; leave it out of "
+                              "the training loop", stacklevel=2)
+                self._warned_step = True
+            return None
         Join.notify_join_context(self)
         return self._step_and_sync(closure, kwargs)
 
     def _step_and_sync(self, closure: Callable[[], float] | None, kwargs: dict[str, Any]
                        ) -> Any:
         self._push_hyperparameters()
+        if self._steps_by_part(closure, kwargs):
+            zc.step_and_broadcast(self._parts(), self._step_part, self.process_group,
+                                  CHUNKS_IN_FLIGHT)
+            self._pull_hyperparameters()
+            return None
         if closure is None:
             loss = self.optim.step(**kwargs)
         else:
@@ -154,6 +246,56 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self._pull_hyperparameters()
         self._sync_params()
         return loss
+
+    def _steps_by_part(self, closure: Any, kwargs: dict[str, Any]) -> bool:
+        """Whether the step can go part by part, each part broadcast while the next is
+        stepped: for the optimizers whose update of a parameter reads only that parameter's
+        gradient and state (the per-parameter ones in ``PER_PARAMETER``), without a closure,
+        when broadcasts are per part (not one flat buffer per owner)."""
+        return (closure is None and not kwargs and self.world_size > 1
+                and not self.parameters_as_bucket_view and self.optim is not None
+                and type(self.optim) in PER_PARAMETER)
+
+    def _parts(self) -> list[tuple[int, list[torch.Tensor]]]:
+        """Every owner's trainable parameters in parts: one per parameter of at least
+        ``IN_PLACE_BYTES`` (broadcast in place), the smaller ones in chunks; the owners' parts
+        interleaved (part 0 of every rank, then part 1...) so that all ranks step together.
+        Cached: the parameters change only with ``add_param_group``."""
+        if self._parts_cache is None:
+            per_rank = [self._owner_parts(rank) for rank in range(self.world_size)]
+            longest = max(len(parts) for parts in per_rank)
+            self._parts_cache = [(rank, parts[k]) for k in range(longest)
+                                 for rank, parts in enumerate(per_rank) if k < len(parts)]
+        return self._parts_cache
+
+    def _owner_parts(self, rank: int) -> list[list[torch.Tensor]]:
+        trained = [p for p in self.owned_params(rank) if p.requires_grad]
+        parts: list[list[torch.Tensor]] = []
+        for same in _by_dtype(trained):
+            big = [p for p in same if p.numel() * p.element_size() >= IN_PLACE_BYTES]
+            small = [p for p in same if p.numel() * p.element_size() < IN_PLACE_BYTES]
+            parts += [[p] for p in big]
+            runs = chunk_by_bytes([p.numel() * p.element_size() for p in small], CHUNK_BYTES)
+            parts += [[small[i] for i in run] for run in runs]
+        return parts
+
+    def _step_part(self, params: list[torch.Tensor]) -> None:
+        """Step the local optimizer on ``params`` only: its groups are narrowed to them for
+        the call (state is keyed by parameter, so it carries over). Which group each of them
+        is in is looked up once and cached, so a step's work is per part, not per part and
+        parameter."""
+        groups = self.optim.param_groups
+        layout = self._part_layouts.get(id(params))
+        if layout is None:
+            wanted = {id(p) for p in params}
+            layout = [(g, [p for p in group["params"] if id(p) in wanted])
+                      for g, group in enumerate(groups)]
+            layout = self._part_layouts[id(params)] = [(g, ps) for g, ps in layout if ps]
+        self.optim.param_groups = [{**groups[g], "params": ps} for g, ps in layout]
+        try:
+            self.optim.step()
+        finally:
+            self.optim.param_groups = groups
 
     # -- join (uneven inputs) ----------------------------------------------------------------
 
@@ -194,8 +336,10 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         """With ``parameters_as_bucket_view``: one flat buffer per owner and dtype, parameters
         re-pointed at slices of it (their values copied in)."""
         self._buffers = []
-        if not self.parameters_as_bucket_view:
-            return
+        self._parts_cache: list[tuple[int, list[torch.Tensor]]] | None = None
+        self._part_layouts: dict[int, list[tuple[int, list[torch.Tensor]]]] = {}
+        if not self.parameters_as_bucket_view or self.overlap_with_ddp:
+            return  # with overlap, the parameters are views into DDP-bucket buffers
         for rank in range(self.world_size):
             for same in _by_dtype(self.owned_params(rank)):
                 flat = torch.cat([p.detach().reshape(-1) for p in same])  # 1D, owner's params
@@ -209,11 +353,15 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
 
     def _push_hyperparameters(self) -> None:
         """Copy every group's hyper-parameters (lr set by a scheduler...) to the local one."""
+        if self.optim is None:
+            return
         for group, local in zip(self.param_groups, self.optim.param_groups):
             local.update(_hyper(group))
 
     def _pull_hyperparameters(self) -> None:
         """Copy back what the local optimizer's step changed or added in its groups."""
+        if self.optim is None:
+            return
         for group, local in zip(self.param_groups, self.optim.param_groups):
             for key, value in local.items():
                 if key != "params" and group.get(key, _MISSING) is not value:
@@ -235,9 +383,11 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         parameter index like a plain optimizer's."""
         if not 0 <= to < self.world_size:
             raise ValueError(f"to={to} is not a rank of this group (world size {self.world_size})")
+        self._check_attached("consolidate_state_dict()")
         self._push_hyperparameters()
-        mine = state_dicts.to_global(self.optim.state_dict(), self._partition[self.rank],
-                                     [len(g["params"]) for g in self.param_groups])
+        mine = {} if self.optim is None else state_dicts.to_global(
+            self.optim.state_dict(), self._partition[self.rank],
+            [len(g["params"]) for g in self.param_groups])
         gathered = zc.gather_to(mine, to, self.process_group)
         self._consolidated = None
         if gathered is not None:
@@ -256,10 +406,13 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a whole-optimizer state dict (from ``consolidate_state_dict`` at any world size,
         or from a plain optimizer over the same parameters); each rank keeps its partition."""
+        self._check_attached("load_state_dict()")
         params = [g["params"] for g in self.param_groups]
         state_dicts.check_fits(state_dict, params)
         for group, saved in zip(self.param_groups, state_dict["param_groups"]):
             group.update(_hyper(saved))
+        if self.optim is None:  # owns no bucket (overlap_with_ddp)
+            return
         local = state_dicts.to_local(state_dict, self._partition[self.rank], params)
         self.optim.load_state_dict(local)
         self.state = self.optim.state  # type: ignore[assignment]

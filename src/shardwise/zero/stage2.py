@@ -25,7 +25,6 @@ collective), as DDP does; the next backward outside it reduces the sums.
 
 from __future__ import annotations
 
-import math
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -33,13 +32,23 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardwise.distributed.collectives import broadcast_coalesced
-from shardwise.distributed.grad_buckets import Bucket, GradBucketer
+from shardwise.distributed.comm_hooks import CommHook, CommHookSlot
+from shardwise.distributed.data_parallel import (
+    broadcast_buffers,
+    clip_by_total_norm,
+    sharded_grad_norm,
+    sync_module_state,
+)
+from shardwise.distributed.grad_buckets import (
+    Bucket,
+    BucketSizes,
+    GradBucketer,
+    ShardedGrads,
+    Waitable,
+)
 from shardwise.zero import collectives as zc
 from shardwise.zero.optimizer import ZeroRedundancyOptimizer
 
-MIB = 1024 * 1024
-FIRST_BUCKET_MB = 1.0
 BUCKETS_IN_FLIGHT = 2
 
 
@@ -68,30 +77,33 @@ class ZeroDataParallel(nn.Module):
         self._owner = optimizer.owners()
         _check_coverage(module, self._owner)
         if init_sync:
-            broadcast_coalesced([p.detach() for p in module.parameters()] + list(module.buffers()),
-                                0, self.process_group)
-        cap = int((25.0 if bucket_cap_mb is None else bucket_cap_mb) * MIB)
-        first_cap = min(cap, int(FIRST_BUCKET_MB * MIB))
+            sync_module_state(module, self.process_group)
         self.reducer = GradBucketer(
-            list(module.named_parameters()), cap, self._launch, self._finish,
-            allow_unused=find_unused_parameters, first_cap_bytes=first_cap,
-            key_fn=self._owner.__getitem__, release_grads=True, lazy_buffers=True,
-            max_in_flight=BUCKETS_IN_FLIGHT,
+            list(module.named_parameters()), BucketSizes.default(bucket_cap_mb), self._launch,
+            self._finish, allow_unused=find_unused_parameters,
+            sharded=ShardedGrads(self._owner.__getitem__, BUCKETS_IN_FLIGHT),
         )
         self._holds_reduced = False  # owned grads hold a reduced (averaged) sum
+        self._reduced: list[tuple[torch.Tensor, list[nn.Parameter]]] = []  # buffer, its params
+        self._comm_hooks = CommHookSlot("ZeroDataParallel")
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         if torch.is_grad_enabled():
             self._check_grads_cleared()
         if self.broadcast_buffers and self.world_size > 1:
-            buffers = list(self.module.buffers())
-            if buffers:
-                broadcast_coalesced(buffers, 0, self.process_group)
+            broadcast_buffers(self.module, self.process_group)
         return self.module(*inputs, **kwargs)
 
     def no_sync(self) -> AbstractContextManager[None]:
         """Skip gradient reduction inside the block; full gradients accumulate locally."""
         return self.reducer.paused()
+
+    def register_comm_hook(self, state: object, hook: CommHook) -> None:
+        """Reduce every bucket with ``hook(state, bucket)`` (torch's DDP contract: the hook's
+        future holds the bucket averaged over the group, e.g. ``fp16_compress_hook``) instead
+        of the sum-to-owner ``dist.reduce``; the owner keeps its part. A hook all-reduces, so it
+        moves as many bytes as DDP's reduction: worth it for compressing hooks only. Once."""
+        self._comm_hooks.register(state, hook)
 
     def owned_parameters(self) -> list[nn.Parameter]:
         """The trainable parameters whose gradients this rank keeps."""
@@ -104,19 +116,19 @@ class ZeroDataParallel(nn.Module):
         the unsharded gradients. Each rank computes the norm of its owned gradients and one
         all-reduce (sum of p-th powers, or max for inf) combines them; returns the total norm."""
         grads = [p.grad for p in self.owned_parameters() if p.grad is not None]
-        total = _global_norm(grads, float(norm_type), self.process_group, self._device())
+        total = sharded_grad_norm(grads, norm_type, self.process_group, self._device())
         if error_if_nonfinite and not torch.isfinite(total):
             raise RuntimeError(f"the total norm of order {norm_type} of the gradients is "
                                f"non-finite ({total.item()}), so it cannot be clipped")
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for g in grads:
-            g.mul_(coef.to(g.dtype))
+        clip_by_total_norm(grads, max_norm, total)
         return total
 
     def _device(self) -> torch.device:
         return next(iter(self._owner)).device
 
-    def _launch(self, bucket: Bucket) -> dist.Work | None:
+    def _launch(self, bucket: Bucket) -> Waitable | None:
+        if self._comm_hooks.hook is not None:
+            return self._comm_hooks.run(bucket, len(self.reducer.buckets))
         if self.world_size == 1:
             return None
         return zc.reduce_to_owner(bucket.allocate(), self._owner[bucket.params[0]],
@@ -128,39 +140,30 @@ class ZeroDataParallel(nn.Module):
                 param.grad = None
             return
         buffer = bucket.allocate()
-        if self.world_size > 1:
+        if self.world_size > 1 and self._comm_hooks.hook is None:  # a hook averages itself
             buffer.div_(self.world_size)
         for i, param in enumerate(bucket.params):
             param.grad = bucket.slot(i)
+        self._reduced.append((buffer, bucket.params))
         self._holds_reduced = True
 
     def _check_grads_cleared(self) -> None:
         """Reduced gradients must be cleared before the next backward: a rank's reduced sum
-        would otherwise enter the next reduction as if it were its own local gradient."""
+        would otherwise enter the next reduction as if it were its own local gradient. Cleared
+        means ``.grad`` set to ``None`` or zeroed; the zero test runs on the few reduced bucket
+        buffers (the owned gradients are views into them), with one device sync in all, not
+        one per parameter."""
         if not self._holds_reduced:
             return
-        if any(p.grad is not None and bool(p.grad.any()) for p in self.owned_parameters()):
+        buffers = [buf for buf, params in self._reduced if any(p.grad is not None for p in params)]
+        if buffers and bool(torch.stack([buf.any() for buf in buffers]).any()):
             raise RuntimeError(
                 "ZeroDataParallel: the gradients reduced by the last backward are still set. "
                 "Call optimizer.zero_grad() after optimizer.step(); to accumulate gradients "
                 "over micro-batches, run all but the last inside model.no_sync()."
             )
         self._holds_reduced = False
-
-
-def _global_norm(grads: list[torch.Tensor], norm_type: float, group: dist.ProcessGroup,
-                 device: torch.device) -> torch.Tensor:
-    if math.isinf(norm_type):
-        local = max((g.detach().abs().max().float() for g in grads),
-                    default=torch.zeros((), device=device))
-        total = local.reshape(1).clone()
-        zc.all_reduce_max(total, group)
-        return total[0]
-    powers = [torch.linalg.vector_norm(g.detach(), norm_type).float() ** norm_type
-              for g in grads]
-    total = torch.stack(powers).sum().reshape(1) if powers else torch.zeros(1, device=device)
-    zc.all_reduce_sum(total, group)
-    return total[0] ** (1.0 / norm_type)
+        self._reduced.clear()
 
 
 def _check_args(module: Any, optimizer: Any, stage: int) -> None:

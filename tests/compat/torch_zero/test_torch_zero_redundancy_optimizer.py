@@ -33,10 +33,11 @@
 #     fp32 norms trains with ZeRO; torch refuses it only because its buckets are single-dtype
 #     (its own test says so: "should be removed once support for ... varying parameter types is
 #     added"). Sparse parameters are refused with ValueError, as torch does.
-#  5. test_ddp_zero_overlap: also skipped with a reason, because shardwise does not implement
-#     `overlap_with_ddp=True` (ZeroRedundancyOptimizer refuses it with a ValueError that points
-#     to shardwise.ZeroDataParallel, our ZeRO stage 2, which reduces gradients to their owners
-#     during backward). Its GPU skips are kept.
+#  5. test_ddp_zero_overlap: skipped with a reason: it attaches our optimizer to torch's DDP
+#     with torch's hook_with_zero_step, which reads torch's ZeRO internals (and refuses gloo).
+#     shardwise implements overlap_with_ddp with its own DDP and shardwise.zero's
+#     hook_with_zero_step(_interleaved): tests/zero/test_overlap.py runs this test's program
+#     (warm-up included) against a one-process reference. Its GPU skips are kept.
 #  6. Kept as in torch: the skips of test_zero_join_gpu (an accelerator backend),
 #     test_zero_model_parallel (4 GPUs) and test_ddp_zero_overlap (GPUs).
 #  7. The suite-time switch below the imports (`_full_suite`): see its comment for which tests
@@ -1411,8 +1412,8 @@ class TestZeroRedundancyOptimizerDistributed(TestZeroRedundancyOptimizer):
     # NOTE: The test is skipped if using Windows since functional optimizers
     # are not currently supported.
     @unittest.skip(  # shardwise (change 5)
-        "shardwise.ZeroRedundancyOptimizer does not implement overlap_with_ddp=True; "
-        "shardwise.ZeroDataParallel (ZeRO stage 2) reduces gradients during backward instead"
+        "torch's hook_with_zero_step needs torch's ZeRO internals; shardwise's overlap_with_ddp "
+        "attaches to shardwise's DDP via shardwise.zero.hook_with_zero_step (tests/zero)"
     )
     @skip_if_win32()
     @requires_accelerator_dist_backend()

@@ -1,6 +1,9 @@
 """Communication hooks with torch's contract: ``hook(state, bucket) -> Future[Tensor]``.
 
-A registered hook replaces DDP's own averaging all-reduce for every bucket. It gets a
+Shared by DDP and ZeRO stage 2 (both fill gradient buckets, grad_buckets.py), each holding one
+:class:`CommHookSlot`. A registered hook replaces the wrapper's own reduction of every bucket
+(DDP: the averaging all-reduce; ZeRO stage 2: the reduce to the bucket's owner, so a hook costs
+stage 2 an all-reduce's traffic, of which the owner keeps its part). It gets a
 :class:`GradBucket` (torch's ``dist.GradBucket`` interface: ``index()``, ``buffer()``,
 ``gradients()``, ``parameters()``, ``is_last()``, ``set_buffer()``) whose flat buffer holds
 this rank's summed gradients, not yet divided by the world size (dividing is the hook's job, as
@@ -97,6 +100,27 @@ def run_comm_hook(hook: CommHook, state: Any, bucket: Bucket, n_buckets: int) ->
         raise TypeError(f"communication hook {name} must return a torch.futures.Future of the "
                         f"reduced bucket, got {type(future).__name__}")
     return HookWork(future, bucket, name)
+
+
+class CommHookSlot:
+    """At most one registered hook and its state, for one wrapper."""
+
+    def __init__(self, owner: str):
+        self.owner = owner
+        self.hook: CommHook | None = None
+        self.state: Any = None
+
+    def register(self, state: Any, hook: CommHook) -> None:
+        """Check and keep ``hook``; a second registration is an error, as in torch."""
+        if self.hook is not None:
+            raise RuntimeError(f"register_comm_hook can only be called once per {self.owner}; "
+                               f"{getattr(self.hook, '__qualname__', self.hook)} is registered")
+        check_comm_hook(hook)
+        self.hook, self.state = hook, state
+
+    def run(self, bucket: Bucket, n_buckets: int) -> HookWork:
+        assert self.hook is not None, "no communication hook registered"
+        return run_comm_hook(self.hook, self.state, bucket, n_buckets)
 
 
 def check_comm_hook(hook: Any) -> None:

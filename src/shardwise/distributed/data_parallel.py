@@ -1,0 +1,99 @@
+"""The data-parallel core that DDP, ZeRO and FSDP share (each used by all of them, written once).
+
+- ``sync_module_state``: at wrap time rank 0's parameters and buffers reach every rank (one
+  coalesced broadcast per dtype), so replicas start equal.
+- ``buffers_to_sync`` / ``broadcast_buffers``: the buffer policy, torch DDP's rule: with
+  ``broadcast_buffers=True`` every buffer of the module (every non-empty one: an empty buffer
+  carries nothing) is broadcast from rank 0 before each forward that will reduce gradients.
+- ``sharded_grad_norm`` and ``clip_by_total_norm``: the global gradient norm when each rank holds
+  a disjoint part of the gradients (ZeRO stage 2's owned gradients, FSDP's shards): one
+  all-reduce of the local sums of ``|g|^p`` (of the local max for the infinity norm), then every
+  rank scales its own part by the same factor, as ``torch.nn.utils.clip_grad_norm_`` would
+  scale the whole gradients.
+- ``global_rank``: a group rank translated to the world rank that c10d's ``src``/``dst`` want.
+- ``resolve_group``: torch's compatibility spellings of "the data-parallel group"
+  (``process_group=`` or a 1D ``device_mesh=``; ``None`` is the world).
+- Gradient bucket sizes (``BucketSizes``, ``MIB``) live with the buckets, in grad_buckets.py.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from shardwise.distributed.collectives import broadcast_coalesced
+from shardwise.distributed.grad_buckets import MIB
+
+__all__ = ["MIB", "broadcast_buffers", "buffers_to_sync", "clip_by_total_norm", "global_rank",
+           "resolve_group", "sharded_grad_norm", "sync_module_state"]
+
+
+def global_rank(group: dist.ProcessGroup | None, rank: int) -> int:
+    """The world rank of ``rank`` in ``group`` (``None``: the world, unchanged)."""
+    return rank if group is None else dist.get_global_rank(group, rank)
+
+
+def sync_module_state(module: nn.Module, group: dist.ProcessGroup | None,
+                      src: int = 0) -> None:
+    """Make every rank's parameters and buffers equal to group rank ``src``'s (collective)."""
+    tensors = [p.detach() for p in module.parameters()] + list(module.buffers())
+    broadcast_coalesced(tensors, src, group)
+
+
+def buffers_to_sync(module: nn.Module) -> list[torch.Tensor]:
+    """The buffers a data-parallel wrapper broadcasts before forward (torch's rule: all)."""
+    return [b for b in module.buffers() if b.numel()]
+
+
+def broadcast_buffers(module: nn.Module, group: dist.ProcessGroup | None, src: int = 0) -> None:
+    """Every rank's buffers become group rank ``src``'s (one broadcast per dtype)."""
+    buffers = buffers_to_sync(module)
+    if buffers:
+        broadcast_coalesced(buffers, src, group)
+
+
+def sharded_grad_norm(grads: Sequence[torch.Tensor], norm_type: float,
+                      group: dist.ProcessGroup | None, device: torch.device) -> torch.Tensor:
+    """The ``norm_type`` norm of all ranks' ``grads`` together, each rank passing a disjoint
+    part (collective: one all-reduce). A 0-dim float32 tensor, the same on every rank."""
+    norm_type = float(norm_type)
+    grads = [g.detach() for g in grads if g.numel()]
+    if math.isinf(norm_type):
+        local = torch.stack([g.abs().max().float() for g in grads]).max() if grads else \
+            torch.zeros((), device=device)
+        total = local.reshape(1).clone()
+        dist.all_reduce(total, op=dist.ReduceOp.MAX, group=group)
+        return total[0]
+    norms = [torch.linalg.vector_norm(g, norm_type, dtype=torch.float32) for g in grads]
+    local = torch.stack(norms).pow(norm_type).sum() if norms else \
+        torch.zeros((), device=device)
+    total = local.reshape(1).clone()
+    dist.all_reduce(total, group=group)
+    return total[0] ** (1.0 / norm_type)
+
+
+def clip_by_total_norm(grads: Sequence[torch.Tensor], max_norm: float,
+                       total: torch.Tensor) -> None:
+    """Scale ``grads`` in place so that a total norm ``total`` becomes at most ``max_norm``."""
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for g in grads:
+        g.detach().mul_(coef.to(g.dtype))
+
+
+def resolve_group(process_group: dist.ProcessGroup | None, device_mesh: object | None,
+                  owner: str) -> dist.ProcessGroup | None:
+    """torch's ``process_group=`` or ``device_mesh=`` (a 1D mesh) as one process group."""
+    if device_mesh is None:
+        return process_group
+    if process_group is not None:
+        raise TypeError(f"{owner} takes process_group= or device_mesh=, not both")
+    ndim = getattr(device_mesh, "ndim", None)
+    if ndim != 1:
+        shape = tuple(getattr(device_mesh, "shape", ()))
+        raise ValueError(f"{owner} needs a 1D device_mesh, got a {ndim}D one of shape {shape}; "
+                         "pass the data-parallel dimension, e.g. mesh['dp']")
+    return device_mesh.get_group()  # type: ignore[attr-defined]
