@@ -31,6 +31,7 @@ import threading
 import time
 from collections.abc import Callable
 
+from shardwise.rpc import shm_channel
 from shardwise.rpc.auth import AuthError, accept_handshake, connect_handshake
 from shardwise.rpc.wire import FrameError, FrameReader, PeerClosed, frame_parts, send_all, tune
 
@@ -129,7 +130,8 @@ class Transport:
         self.rank, self.world_size, self._token = rank, world_size, token
         self._on_frame, self._on_lost = on_frame, on_lost
         self._handshake_timeout = handshake_timeout
-        self.conns: dict[int, Connection] = {}
+        self.channel = shm_channel.channel_mode()  # tcp, shm, or auto ([Note: shm channel])
+        self.conns: dict[int, Connection | shm_channel.ShmConnection] = {}
         self._cv = threading.Condition()
         self._closing = False
         self._listener = socket.create_server((host, 0), backlog=128)
@@ -156,7 +158,11 @@ class Transport:
                         self.rank, addr, exc)
             sock.close()
             return
-        self._register(sock, peer)
+        try:
+            self._register(sock, peer, acceptor=True)
+        except OSError as exc:
+            log.warning("shardwise.rpc rank %d: no channel to rank %d: %s", self.rank, peer, exc)
+            sock.close()
 
     def connect(self, peer: int, host: str, port: int, timeout: float) -> None:
         sock = socket.create_connection((host, port), timeout=timeout)
@@ -166,17 +172,27 @@ class Transport:
             sock.close()
             raise
         sock.settimeout(None)
-        self._register(sock, peer)
+        try:
+            self._register(sock, peer, acceptor=False)
+        except BaseException:
+            sock.close()
+            raise
 
-    def _register(self, sock: socket.socket, peer: int) -> None:
+    def _register(self, sock: socket.socket, peer: int, acceptor: bool) -> None:
         tune(sock)
+        # the authenticated socket becomes a channel: shared memory with a peer on this host
+        link = shm_channel.negotiate(sock, self.channel, acceptor, self._handshake_timeout)
         with self._cv:
             if peer in self.conns or self._closing:
                 log.warning("shardwise.rpc rank %d: dropping a second connection from rank %d",
                             self.rank, peer)
+                if link is not None:
+                    link.close()
                 sock.close()
                 return
-            self.conns[peer] = Connection(sock, peer, self._on_frame, self._on_lost)
+            self.conns[peer] = Connection(sock, peer, self._on_frame, self._on_lost) \
+                if link is None else shm_channel.ShmConnection(sock, peer, link, self._on_frame,
+                                                                self._on_lost)
             self._cv.notify_all()
 
     def wait_connected(self, peers: list[int], timeout: float) -> None:
