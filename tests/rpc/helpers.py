@@ -279,3 +279,8 @@ def local_backward_of_owned(x):
     leaf = x.detach().requires_grad_()
     rpc.RRef((leaf * leaf).sum()).backward()
     return leaf.grad
+
+
+def channel_kinds() -> list[str]:
+    """The class of each of this worker's connections (TCP or shared memory)."""
+    return [type(c).__name__ for c in get_agent().transport.conns.values()]

@@ -32,6 +32,7 @@ import contextlib
 import hashlib
 import itertools
 import logging
+import mmap
 import os
 import secrets
 import socket
@@ -44,6 +45,7 @@ from collections.abc import Callable
 import numpy as np
 
 from shardwise.rpc import shm_ring
+from shardwise.rpc.shm_pool import PoolError, PoolReader, PoolWriter, pool_bytes
 from shardwise.rpc.shm_ring import Ring, SegmentError
 from shardwise.rpc.wire import (
     _FIXED,
@@ -60,10 +62,14 @@ log = logging.getLogger("shardwise.rpc")
 ENV = "SHARDWISE_RPC_CHANNEL"
 MODES = ("auto", "tcp", "shm")
 RING_BYTES = 4 << 20  # per direction
-SEGMENT_MIN = 256 << 10  # buffers this large travel in a segment of their own
-MAX_RING = 1 << 30
+SEGMENT_MIN = 256 << 10  # buffers this large go through the pool or a segment of their own
+POOL_BYTES = int(float(os.environ.get("SHARDWISE_RPC_SHM_POOL_MB", "160")) * (1 << 20)) \
+    // 4096 * 4096  # per direction; 0: a segment per large buffer
+MAX_RING, MAX_POOL = 1 << 30, 1 << 40
+NO_SLOT = 0xFFFFFFFF  # descriptor of a buffer in a segment of its own
+_DESCRIPTOR = struct.Struct("!IIQ")  # pool slot (or NO_SLOT), 0, offset in the pool
 SPIN_US = float(os.environ.get("SHARDWISE_RPC_SHM_SPIN_US", "0"))
-_HELLO = struct.Struct("!4sB16sI16sQQ")  # magic, mode, boot id, uid, nonce, ring, segment min
+_HELLO = struct.Struct("!4sB16sI16sQQQ")  # magic, mode, boot, uid, nonce, ring, seg min, pool
 _HELLO_MAGIC = b"SWC1"
 _DATA, _SPACE = b"D", b"S"  # doorbell bytes: "your incoming ring has data" / "has space"
 _SPACE_POLL = 0.005  # a writer waiting for space re-checks this often (seconds)
@@ -92,39 +98,66 @@ def boot_id() -> bytes:
 
 # ---------------------------------------------------------------------- negotiation
 class ShmLink:
-    """The two mapped rings of one connection and the names of its segments."""
+    """The two mapped segments of one connection (ring and pool per direction) and the
+    names of its segments."""
 
     def __init__(self, conn_id: str, me: str, peer: str):
         self.prefix = f"{shm_ring.PREFIX}{conn_id}-"
         self.me, self.peer = me, peer
         self.tx: Ring | None = None
         self.rx: Ring | None = None
+        self.tx_pool: PoolWriter | None = None
+        self.rx_pool: PoolReader | None = None
+        self._maps: list[mmap.mmap] = []
+        self._views: list[memoryview] = []
 
     def ring_name(self, side: str) -> str:
         return f"{self.prefix}{side}-ring"
 
-    def create_tx(self, capacity: int) -> None:
-        name = self.ring_name(self.me)
-        fd = shm_ring.create_file(name)
+    def create_tx(self, sizes: tuple[int, int]) -> None:
+        capacity, pool = sizes
+        size = Ring.segment_size(capacity) + pool_bytes(pool)
+        fd = shm_ring.create_file(self.ring_name(self.me))
         try:
-            os.ftruncate(fd, Ring.segment_size(capacity))
-            import mmap
-
-            mm = mmap.mmap(fd, Ring.segment_size(capacity), flags=mmap.MAP_SHARED,
+            os.ftruncate(fd, size)  # (pages are allocated as they are first written)
+            mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED,
                            prot=mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
             os.close(fd)
-        self.tx = Ring(mm, capacity, init=True)
+        ring_view, pool_view = self._views_of(mm, capacity)
+        self.tx = Ring(ring_view, capacity, init=True)
+        self.tx_pool = PoolWriter(pool_view, pool)
 
-    def map_rx(self, capacity: int) -> None:
-        mm = shm_ring.open_mapped(self.ring_name(self.peer), Ring.segment_size(capacity))
-        self.rx = Ring(mm, capacity, init=False)
+    def map_rx(self, sizes: tuple[int, int]) -> None:
+        capacity, pool = sizes
+        mm = shm_ring.open_mapped(self.ring_name(self.peer),
+                                  Ring.segment_size(capacity) + pool_bytes(pool),
+                                  populate=False)
+        ring_view, pool_view = self._views_of(mm, capacity)
+        self.rx = Ring(ring_view, capacity, init=False)
+        self.rx_pool = PoolReader(pool_view, pool)
+
+    def _views_of(self, mm: mmap.mmap, capacity: int) -> tuple[memoryview, memoryview]:
+        self._maps.append(mm)
+        whole = memoryview(mm)
+        ring_view = whole[:Ring.segment_size(capacity)]
+        pool_view = whole[Ring.segment_size(capacity):]
+        self._views += [whole, ring_view, pool_view]
+        return ring_view, pool_view
 
     def close(self) -> None:
-        for ring in (self.tx, self.rx):
-            if ring is not None:
-                ring.close()
-        self.tx = self.rx = None
+        """Unmap what no received tensor still uses (those keep their mapping) and unlink
+        every segment of the connection that still has a name."""
+        for part in (self.tx, self.rx, self.tx_pool):
+            if part is not None:
+                part.close()
+        self.tx = self.rx = self.tx_pool = self.rx_pool = None
+        for view in self._views:
+            view.release()
+        for mm in self._maps:
+            with contextlib.suppress(BufferError):  # arrays over the peer's pool still live
+                mm.close()
+        self._views, self._maps = [], []
         shm_ring.remove_all(self.prefix)
 
 
@@ -147,9 +180,9 @@ def negotiate(sock: socket.socket, mode: str, acceptor: bool, timeout: float) ->
 def _negotiate(sock: socket.socket, mode: str, acceptor: bool) -> ShmLink | None:
     nonce = secrets.token_bytes(16)
     sock.sendall(_HELLO.pack(_HELLO_MAGIC, MODES.index(mode), boot_id(), os.geteuid(), nonce,
-                             RING_BYTES, SEGMENT_MIN))
-    magic, peer_mode, peer_boot, peer_uid, peer_nonce, peer_ring, peer_seg = _HELLO.unpack(
-        recv_exact(sock, _HELLO.size))
+                             RING_BYTES, SEGMENT_MIN, POOL_BYTES))
+    magic, peer_mode, peer_boot, peer_uid, peer_nonce, peer_ring, peer_seg, peer_pool = \
+        _HELLO.unpack(recv_exact(sock, _HELLO.size))
     if magic != _HELLO_MAGIC or peer_mode >= len(MODES):
         raise ChannelError(f"bad channel hello from the peer (magic {bytes(magic)!r})")
     modes = {mode, MODES[peer_mode]}
@@ -157,12 +190,12 @@ def _negotiate(sock: socket.socket, mode: str, acceptor: bool) -> ShmLink | None
         if "shm" in modes:
             raise ChannelError("one end asked for the shm RPC channel, the other for tcp")
         return None
-    reason = _shm_impossible(peer_boot, peer_uid, peer_ring, peer_seg)
+    reason = _shm_impossible(peer_boot, peer_uid, peer_ring, peer_seg, peer_pool)
     if reason is None:
         first, second = (nonce, peer_nonce) if acceptor else (peer_nonce, nonce)
         conn_id = hashlib.sha256(b"shardwise-rpc-shm" + first + second).hexdigest()[:24]
         link = ShmLink(conn_id, *("ac" if acceptor else "ca"))
-        reason = _map_rings(sock, link, peer_ring)
+        reason = _map_rings(sock, link, (peer_ring, peer_pool))
         if reason is None:
             return link
     if "shm" in modes:
@@ -171,24 +204,25 @@ def _negotiate(sock: socket.socket, mode: str, acceptor: bool) -> ShmLink | None
     return None
 
 
-def _shm_impossible(peer_boot: bytes, peer_uid: int, peer_ring: int, peer_seg: int):
+def _shm_impossible(peer_boot: bytes, peer_uid: int, peer_ring: int, peer_seg: int,
+                    peer_pool: int):
     if peer_boot != boot_id() or peer_boot == bytes(16):
         return "the peer runs on another host"
     if peer_uid != os.geteuid():
         return f"the peer runs as user {peer_uid}, this worker as {os.geteuid()}"
     if peer_seg != SEGMENT_MIN or not 4096 <= peer_ring <= MAX_RING \
-            or peer_ring & (peer_ring - 1):
+            or peer_ring & (peer_ring - 1) or peer_pool % 4096 or peer_pool > MAX_POOL:
         return "the peer's shared-memory parameters differ (another shardwise version?)"
     return None
 
 
-def _map_rings(sock: socket.socket, link: ShmLink, peer_ring: int) -> str | None:
-    """Create our ring, map the peer's; both ends report each step. None when both worked."""
+def _map_rings(sock: socket.socket, link: ShmLink, peer_sizes: tuple[int, int]) -> str | None:
+    """Create our segment, map the peer's; both ends report each step. None when both worked."""
     try:
-        error = _attempt(link.create_tx, RING_BYTES)
+        error = _attempt(link.create_tx, (RING_BYTES, POOL_BYTES))
         peer_error = _exchange_status(sock, error)
         if error is None and peer_error is None:
-            error = _attempt(link.map_rx, peer_ring)
+            error = _attempt(link.map_rx, peer_sizes)
             peer_error = _exchange_status(sock, error)
         if error is None and peer_error is None:
             shm_ring.unlink(link.ring_name(link.me))  # both mapped it (the peer unlinked too)
@@ -200,7 +234,7 @@ def _map_rings(sock: socket.socket, link: ShmLink, peer_ring: int) -> str | None
     return error or f"the peer could not set up shared memory ({peer_error})"
 
 
-def _attempt(step: Callable[[int], None], arg: int) -> str | None:
+def _attempt(step: Callable[[tuple[int, int]], None], arg: tuple[int, int]) -> str | None:
     try:
         step(arg)
     except Exception as exc:  # noqa: BLE001 - reported to the peer, then TCP or an error
@@ -228,7 +262,8 @@ class ShmConnection:
     def __init__(self, sock: socket.socket, peer: int, link: ShmLink, on_frame: FrameHandler,
                  on_lost: LostHandler):
         self.sock, self.peer, self.link = sock, peer, link
-        self.tx, self.rx = link.tx, link.rx
+        self.tx, self.rx, self.tx_pool, self.rx_pool = link.tx, link.rx, link.tx_pool, \
+            link.rx_pool
         self._on_frame, self._on_lost = on_frame, on_lost
         self.send_lock = threading.Lock()
         self._queue: collections.deque = collections.deque()
@@ -260,26 +295,37 @@ class ShmConnection:
             raise ShmClosed(f"connection to rank {self.peer} closed while sending")
 
     def _prepare(self, payload: bytes, buffers: list[memoryview]) -> tuple[list, list[str]]:
-        """The frame's ring parts and its large buffers, written into temporary segments."""
+        """The frame's ring parts, its large buffers copied into the pool or, where the pool
+        has no room, written into temporary segments."""
         views = [b if b.format == "B" and b.ndim == 1 else b.cast("B") for b in buffers]
         head = _FIXED.pack(MAGIC, len(views), len(payload))
         if views:
             head += struct.pack(f"!{len(views)}Q", *[len(v) for v in views])
-        parts: list = [head + payload if len(payload) <= 4096 else head]
-        if len(payload) > 4096:
-            parts.append(memoryview(payload))
+        parts: list = []
         temps: list[str] = []
         try:
             for view in views:
                 if len(view) >= SEGMENT_MIN:
-                    temps.append(self._write_segment(view))
+                    head += self._hand_over(view, temps)
                 elif len(view):
                     parts.append(view)
         except BaseException:
             for name in temps:
                 shm_ring.unlink(name)
             raise
-        return parts, temps
+        if len(payload) <= 4096:
+            return [head + payload, *parts], temps
+        return [head, memoryview(payload), *parts], temps
+
+    def _hand_over(self, view: memoryview, temps: list[str]) -> bytes:
+        """Put a large buffer where the reader will find it; returns its descriptor."""
+        lent = self.tx_pool.alloc(len(view))
+        if lent is None:
+            temps.append(self._write_segment(view))
+            return _DESCRIPTOR.pack(NO_SLOT, 0, 0)
+        slot, offset = lent
+        self.tx_pool.write(offset, view)
+        return _DESCRIPTOR.pack(slot, 0, offset)
 
     def _write_segment(self, view: memoryview) -> str:
         name = f"{self.link.prefix}{self.link.me}-t{next(self._temp)}"
@@ -370,8 +416,17 @@ class ShmConnection:
         _check_header(magic, nbufs, plen)
         lengths = struct.unpack(f"!{nbufs}Q", self._read(8 * nbufs)) if nbufs else ()
         _check_lengths(lengths)
+        large = sum(n >= SEGMENT_MIN for n in lengths)
+        places = self._read(_DESCRIPTOR.size * large) if large else b""
         payload = self._read(plen)
-        buffers = [self._segment(n) if n >= SEGMENT_MIN else self._array(n) for n in lengths]
+        buffers, at = [], 0
+        for n in lengths:
+            if n < SEGMENT_MIN:
+                buffers.append(self._array(n))
+                continue
+            slot, _, offset = _DESCRIPTOR.unpack_from(places, at)
+            at += _DESCRIPTOR.size
+            buffers.append(self._segment(n) if slot == NO_SLOT else self._lent(slot, offset, n))
         if self.rx.release(self._consumed):
             self._ring_bell(_SPACE)
         return payload, buffers
@@ -396,6 +451,12 @@ class ShmConnection:
         except SegmentError as exc:
             raise FrameError(f"frame buffer of {n} bytes: {exc}") from exc
         return np.frombuffer(mm, np.uint8)  # the array owns the mapping now
+
+    def _lent(self, slot: int, offset: int, n: int) -> np.ndarray:
+        try:
+            return self.rx_pool.take(slot, offset, n)
+        except PoolError as exc:
+            raise FrameError(f"frame buffer of {n} bytes: {exc}") from exc
 
     def _read_into(self, target: memoryview, start: bool = False) -> None:
         ring, done, total = self.rx, 0, len(target)

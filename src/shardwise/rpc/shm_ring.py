@@ -117,13 +117,13 @@ def leftover(prefix: str = PREFIX) -> list[str]:
 class Ring:
     """One direction's ring on a mapped segment; ``capacity`` is a power of two."""
 
-    def __init__(self, mm: mmap.mmap, capacity: int, init: bool):
-        if capacity & (capacity - 1) or len(mm) != _HEADER + capacity:
-            raise SegmentError(f"ring of {len(mm)} bytes does not hold {capacity} bytes")
-        self.mm, self.capacity, self._mask = mm, capacity, capacity - 1
-        self._view = memoryview(mm)
-        self.words = self._view[:_HEADER].cast("Q")
-        self.data = self._view[_HEADER:]
+    def __init__(self, view: memoryview, capacity: int, init: bool):
+        if capacity & (capacity - 1) or len(view) < _HEADER + capacity:
+            raise SegmentError(f"a segment of {len(view)} bytes does not hold a ring of "
+                               f"{capacity} bytes")
+        self.capacity, self._mask = capacity, capacity - 1
+        self.words = view[:_HEADER].cast("Q")
+        self.data = view[_HEADER:_HEADER + capacity]
         if init:
             self.words[_WRITE] = self.words[_READ] = 0
             self.words[_SLEEPING] = self.words[_WAITING] = 0
@@ -209,8 +209,6 @@ class Ring:
         self.words[_SLEEPING] = 0
 
     def close(self) -> None:
-        """Release the views and unmap (call only once no thread uses the ring)."""
-        for view in (self.words, self.data, self._view):
-            view.release()
-        with contextlib.suppress(BufferError):  # a view still exported: it keeps the mapping
-            self.mm.close()
+        """Release the views (call only once no thread uses the ring)."""
+        self.words.release()
+        self.data.release()

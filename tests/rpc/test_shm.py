@@ -1,0 +1,162 @@
+"""The shared-memory channel: chosen between workers on one host, tensors of every shape
+intact, nothing left in /dev/shm after a clean shutdown or a killed peer."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import threading
+
+import pytest
+import torch
+
+import shardwise.rpc as rpc
+from shardwise.rpc import shm_channel, shm_ring, transport
+from shardwise.rpc.current import get_agent
+from tests.rpc import helpers
+from tests.rpc.conftest import ROOT
+
+
+@pytest.fixture
+def shm_world(rpc_world, rpc_channel):
+    if rpc_channel != "shm":
+        pytest.skip("shared-memory channel tests (run under the shm channel)")
+    return rpc_world
+
+
+def test_the_forced_channel_is_the_one_in_use(rpc_world, rpc_channel):
+    kind = shm_channel.ShmConnection if rpc_channel == "shm" else transport.Connection
+    assert all(type(c) is kind for c in get_agent().transport.conns.values())
+    # and between the other two workers as well
+    assert rpc.rpc_sync("worker1", helpers.channel_kinds) == [kind.__name__] * 2
+
+
+def test_256_mb_tensor_over_shm_is_received_in_a_segment_mapping(shm_world):
+    big = torch.empty(64 << 20, dtype=torch.float32)  # 256 MiB
+    big[::4096] = torch.arange(big[::4096].numel(), dtype=torch.float32)
+    got = rpc.rpc_sync("worker1", helpers.identity, args=(big,))
+    assert got.shape == big.shape and torch.equal(got, big)
+    got.add_(1)  # the received tensor's memory is ours to write
+    assert torch.equal(got[::4096], big[::4096] + 1)
+    del got, big
+
+
+def test_noncontiguous_zero_dim_and_odd_tensors_over_shm(shm_world):
+    cases = [torch.arange(600_000, dtype=torch.float64).reshape(600, 1000).t()[::3],  # >256 KB
+             torch.arange(24.0).reshape(4, 6).t(),  # small, non-contiguous
+             torch.tensor(3.25), torch.tensor(7, dtype=torch.int64),  # 0-dim
+             torch.empty(0, 5), torch.ones(3, dtype=torch.bfloat16),
+             torch.randn(70_000).to(torch.complex64)[1:]]  # offset view over a segment size
+    got = rpc.rpc_sync("worker1", helpers.identity, args=(cases,))
+    for want, have in zip(cases, got):
+        assert have.dtype == want.dtype and have.shape == want.shape
+        assert torch.equal(have, want)
+
+
+def test_frames_through_a_ring_smaller_than_them_arrive_in_order(shm_world):
+    # 3 MB payloads of pickled Python objects (not tensor buffers) stream through the 4 MB
+    # ring from several threads at once: flow control in both directions.
+    blobs = [bytes([i]) * (3 << 20) for i in range(6)]
+    errors: list[BaseException] = []
+
+    def caller(i: int) -> None:
+        try:
+            assert rpc.rpc_sync(f"worker{1 + i % 2}", helpers.identity, args=(blobs[i],)) \
+                == blobs[i]
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    threads = [threading.Thread(target=caller, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+
+
+def test_forced_shm_and_forced_tcp_cannot_meet():
+    a, b = socket.socketpair()
+    out: dict = {}
+
+    def side(sock, mode, acceptor) -> None:
+        try:
+            out[mode] = shm_channel.negotiate(sock, mode, acceptor, 5.0)
+        except shm_channel.ChannelError as exc:
+            out[mode] = exc
+
+    threads = [threading.Thread(target=side, args=(a, "shm", True)),
+               threading.Thread(target=side, args=(b, "tcp", False))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert isinstance(out["shm"], shm_channel.ChannelError)
+    assert "tcp" in str(out["shm"])
+
+
+def test_auto_falls_back_to_tcp_when_the_peer_is_on_another_host(monkeypatch):
+    a, b = socket.socketpair()
+    out: dict = {}
+    real = shm_channel.boot_id
+
+    def side(sock, acceptor) -> None:
+        out[acceptor] = shm_channel.negotiate(sock, "auto", acceptor, 5.0)
+
+    # the acceptor reports another kernel's boot id
+    monkeypatch.setattr(shm_channel, "boot_id",
+                        lambda: bytes(16 * [7]) if threading.current_thread().name == "acc"
+                        else real())
+    threads = [threading.Thread(target=side, args=(a, True), name="acc"),
+               threading.Thread(target=side, args=(b, False), name="con")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert out == {True: None, False: None}
+
+
+def test_a_segment_that_is_not_private_is_refused(tmp_path):
+    name = f"{shm_ring.PREFIX}test-{os.getpid()}-open"
+    fd = os.open(shm_ring.path_of(name), os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o644)
+    os.fchmod(fd, 0o644)
+    os.ftruncate(fd, 4096)
+    os.close(fd)
+    with pytest.raises(shm_ring.SegmentError, match="not a private file"):
+        shm_ring.open_mapped(name, 4096)
+    assert not shm_ring.leftover(name)  # refused, and unlinked all the same
+    fd = shm_ring.create_file(name)
+    os.ftruncate(fd, 100)
+    os.close(fd)
+    with pytest.raises(shm_ring.SegmentError, match="holds 100 bytes"):
+        shm_ring.open_mapped(name, 4096)
+
+
+def _scenario(mode: str) -> dict[str, str]:
+    out = subprocess.run([sys.executable, "-m", "tests.rpc.shm_scenario", mode], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    return dict(line.split(": ", 1) for line in out.stdout.splitlines() if ": " in line)
+
+
+def test_clean_shutdown_leaves_no_segment(rpc_channel):
+    if rpc_channel != "shm":
+        pytest.skip("shared-memory channel test")
+    got = _scenario("clean")
+    assert got["channel"] == "ShmConnection"
+    assert got["echoed"] == "True"
+    assert got["callee exit"] == "0"
+    assert got["left"] == "[]"
+
+
+def test_killed_peer_fails_pending_calls_and_leaves_no_segment(rpc_channel):
+    if rpc_channel != "shm":
+        pytest.skip("shared-memory channel test")
+    got = _scenario("kill")
+    assert got["channel"] == "ShmConnection"
+    assert got["pending"] == "True ['WorkerDied']"  # no timeout: the peer's death ended them
+    assert got["failed within timeout"] == "True"
+    assert got["shutdown"] == "WorkerDied"
+    assert got["callee exit"] == "3"
+    assert got["left"] == "[]"
