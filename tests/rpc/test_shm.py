@@ -3,6 +3,7 @@ intact, nothing left in /dev/shm after a clean shutdown or a killed peer."""
 
 from __future__ import annotations
 
+import gc
 import os
 import socket
 import subprocess
@@ -53,6 +54,24 @@ def test_noncontiguous_zero_dim_and_odd_tensors_over_shm(shm_world):
     for want, have in zip(cases, got):
         assert have.dtype == want.dtype and have.shape == want.shape
         assert torch.equal(have, want)
+
+
+def test_large_buffers_beyond_the_pool_go_in_segments_and_held_ones_stay_intact(shm_world):
+    # 12 x 16 MB received at once and all held: more than the 160 MB pool, so the sender
+    # lends what fits and writes the rest into segments of their own.
+    lent0, segments0 = rpc.rpc_sync("worker1", helpers.shm_sent, args=("worker0",))
+    got = rpc.rpc_sync("worker1", helpers.many_large, args=(12, 4 << 20))
+    again = rpc.rpc_sync("worker1", helpers.many_large, args=(3, 4 << 20))  # pool still full
+    lent, segments = rpc.rpc_sync("worker1", helpers.shm_sent, args=("worker0",))
+    assert lent - lent0 == 10 and segments - segments0 == 5  # 10 x 16 MB fit in 160 MB
+    for i, t in enumerate(got):
+        assert t.shape == (4 << 20,) and bool((t == i).all())
+    assert [bool((t == i).all()) for i, t in enumerate(again)] == [True] * 3
+    del got, again
+    gc.collect()  # the regions go back to the sender's pool: these fit again
+    assert all(bool((t == i).all()) for i, t in enumerate(
+        rpc.rpc_sync("worker1", helpers.many_large, args=(8, 4 << 20))))
+    assert rpc.rpc_sync("worker1", helpers.shm_sent, args=("worker0",)) == (lent + 8, segments)
 
 
 def test_frames_through_a_ring_smaller_than_them_arrive_in_order(shm_world):

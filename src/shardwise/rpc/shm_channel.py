@@ -272,6 +272,7 @@ class ShmConnection:
         self._rx_seq = 0
         self._consumed = 0  # bytes read from rx
         self._temp = itertools.count()
+        self.sent_lent = self.sent_segments = 0  # large buffers sent through each path
         self._space = threading.Event()
         self._state_lock = threading.Lock()
         self._eof = False
@@ -322,7 +323,9 @@ class ShmConnection:
         lent = self.tx_pool.alloc(len(view))
         if lent is None:
             temps.append(self._write_segment(view))
+            self.sent_segments += 1
             return _DESCRIPTOR.pack(NO_SLOT, 0, 0)
+        self.sent_lent += 1
         slot, offset = lent
         self.tx_pool.write(offset, view)
         return _DESCRIPTOR.pack(slot, 0, offset)
@@ -398,6 +401,8 @@ class ShmConnection:
             while not self.closed:
                 payload, buffers = self._next_frame()
                 self._on_frame(self.peer, payload, buffers)
+                while not self.closed and self.rx.available(self._consumed) == 0:
+                    self._wait_for_data(self.rx, truncated=False)  # then read it in one piece
         except PeerClosed as exc:
             self._lost(exc, clean=not exc.truncated)
         except (FrameError, OSError) as exc:
@@ -409,8 +414,11 @@ class ShmConnection:
         finally:
             self._cleanup()
 
-    def _next_frame(self) -> tuple[bytearray, list[np.ndarray]]:
+    def _next_frame(self) -> tuple[bytes | bytearray, list[np.ndarray]]:
         """Read one frame, checked exactly as the socket reader checks it (wire.py)."""
+        frame = self._take_whole()
+        if frame is not None:
+            return frame
         fixed = self._read(_FIXED.size, start=True)
         magic, nbufs, plen = _FIXED.unpack(fixed)
         _check_header(magic, nbufs, plen)
@@ -428,6 +436,36 @@ class ShmConnection:
             at += _DESCRIPTOR.size
             buffers.append(self._segment(n) if slot == NO_SLOT else self._lent(slot, offset, n))
         if self.rx.release(self._consumed):
+            self._ring_bell(_SPACE)
+        return payload, buffers
+
+    def _take_whole(self) -> tuple[bytes, list[np.ndarray]] | None:
+        """The next frame in one piece, if all of it is in the ring without wrapping around
+        and it has no large buffers (most small messages); else None."""
+        ring, at = self.rx, self._consumed
+        have = ring.available(at)
+        if have < _FIXED.size:
+            return None
+        view = ring.peek(at, have)
+        if len(view) < _FIXED.size:
+            return None
+        magic, nbufs, plen = _FIXED.unpack_from(view)
+        _check_header(magic, nbufs, plen)
+        head = _FIXED.size + 8 * nbufs
+        if len(view) < head:
+            return None
+        lengths = struct.unpack_from(f"!{nbufs}Q", view, _FIXED.size) if nbufs else ()
+        _check_lengths(lengths)
+        size = head + plen + sum(lengths)
+        if len(view) < size or any(n >= SEGMENT_MIN for n in lengths):
+            return None
+        payload = bytes(view[head:head + plen])
+        buffers, pos = [], head + plen
+        for n in lengths:
+            buffers.append(np.frombuffer(view, np.uint8, n, pos).copy())
+            pos += n
+        self._consumed = at + size
+        if ring.release(self._consumed):
             self._ring_bell(_SPACE)
         return payload, buffers
 

@@ -182,10 +182,10 @@ class Ring:
             target[first:] = self.data[:n - first]
         return consumed + n
 
-    def contiguous(self, consumed: int, n: int) -> memoryview | None:
-        """A view of the next ``n`` bytes if they do not wrap around, else None."""
+    def peek(self, consumed: int, have: int) -> memoryview:
+        """A view of the available bytes from ``consumed`` up to the ring's end at most."""
         at = consumed & self._mask
-        return self.data[at:at + n] if at + n <= self.capacity else None
+        return self.data[at:at + min(have, self.capacity - at)]
 
     def release(self, consumed: int) -> bool:
         """Free the ring up to ``consumed``; True if the writer must be woken."""
