@@ -5,16 +5,18 @@ from __future__ import annotations
 
 import gc
 import os
+import resource
 import socket
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 import torch
 
 import shardwise.rpc as rpc
-from shardwise.rpc import shm_channel, shm_ring, transport
+from shardwise.rpc import shm_channel, shm_ring, transport, wire
 from shardwise.rpc.current import get_agent
 from tests.rpc import helpers
 from tests.rpc.conftest import ROOT
@@ -93,6 +95,64 @@ def test_frames_through_a_ring_smaller_than_them_arrive_in_order(shm_world):
     for t in threads:
         t.join()
     assert not errors, errors
+
+
+def _pair(on_frame, on_lost):
+    """Two shared-memory connections over a socket pair, in this process: (sender, reader)."""
+    a, b = socket.socketpair()
+    links: dict = {}
+
+    def side(sock, acceptor) -> None:
+        links[acceptor] = shm_channel.negotiate(sock, "shm", acceptor, 5.0)
+
+    t = threading.Thread(target=side, args=(a, True))
+    t.start()
+    side(b, False)
+    t.join()
+    reader = shm_channel.ShmConnection(b, 0, links[False], on_frame, on_lost)
+    sender = shm_channel.ShmConnection(a, 1, links[True], lambda *_: None, lambda *_: None)
+    return sender, reader
+
+
+def _inject(sender, raw: bytes) -> None:
+    """Write raw bytes into the sender's ring, as a broken or hostile peer could."""
+    sender._written = sender.tx.copy_in(sender._written, memoryview(raw))
+    sender.tx.publish(sender._written)
+    sender.sock.send(b"D")
+
+
+def test_frames_from_the_ring_are_checked_like_socket_frames():
+    lost: list = []
+    done = threading.Event()
+    sender, reader = _pair(lambda *_: None, lambda peer, exc, clean: (lost.append(exc),
+                                                                        done.set()))
+    _inject(sender, b"XXXX" + bytes(12))
+    assert done.wait(10)
+    assert isinstance(lost[0], wire.FrameError) and "magic" in str(lost[0])
+    sender.close()
+    for conn in (sender, reader):
+        conn.join(10)
+    assert not shm_ring.leftover(reader.link.prefix)
+
+
+def test_a_huge_claimed_payload_allocates_nothing_until_its_bytes_arrive():
+    got: list = []
+    lost: list = []
+    sender, reader = _pair(lambda peer, payload, bufs: got.append(bytes(payload)),
+                           lambda peer, exc, clean: lost.append((exc, clean)))
+    blob = bytes(range(256)) * 40_000  # 10 MB through a 4 MB ring
+    sender.send(blob, [])
+    deadline = time.monotonic() + 20
+    while not got and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert got == [blob]
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    _inject(sender, wire._FIXED.pack(wire.MAGIC, 0, (1 << 32) - 1) + b"a few bytes")
+    time.sleep(0.5)
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss < 50 << 10  # KB: < 50 MB
+    sender.close()
+    reader.join(10)
+    assert lost and lost[0][1] is False  # closed inside a frame: not a clean close
 
 
 def test_forced_shm_and_forced_tcp_cannot_meet():

@@ -72,6 +72,7 @@ SPIN_US = float(os.environ.get("SHARDWISE_RPC_SHM_SPIN_US", "0"))
 _HELLO = struct.Struct("!4sB16sI16sQQQ")  # magic, mode, boot, uid, nonce, ring, seg min, pool
 _HELLO_MAGIC = b"SWC1"
 _DATA, _SPACE = b"D", b"S"  # doorbell bytes: "your incoming ring has data" / "has space"
+_GROW = 1 << 20  # payloads above this are read into memory that grows as they arrive
 _SPACE_POLL = 0.005  # a writer waiting for space re-checks this often (seconds)
 
 
@@ -152,8 +153,9 @@ class ShmLink:
             if part is not None:
                 part.close()
         self.tx = self.rx = self.tx_pool = self.rx_pool = None
-        for view in self._views:
-            view.release()
+        for view in reversed(self._views):
+            with contextlib.suppress(BufferError):  # arrays over the peer's pool still live
+                view.release()
         for mm in self._maps:
             with contextlib.suppress(BufferError):  # arrays over the peer's pool still live
                 mm.close()
@@ -470,9 +472,23 @@ class ShmConnection:
         return payload, buffers
 
     def _read(self, n: int, start: bool = False) -> bytearray:
-        out = bytearray(n)
-        if n:
-            self._read_into(memoryview(out), start)
+        if n <= _GROW:
+            out = bytearray(n)
+            if n:
+                self._read_into(memoryview(out), start)
+            return out
+        out = bytearray()  # a large payload: memory grows only as its bytes arrive
+        while len(out) < n:
+            ring = self.rx
+            have = ring.available(self._consumed)
+            if have == 0:
+                self._wait_for_data(ring, truncated=True)
+                continue
+            piece = ring.peek(self._consumed, min(have, n - len(out)))
+            out += piece
+            self._consumed += len(piece)
+            if ring.release(self._consumed):
+                self._ring_bell(_SPACE)
         return out
 
     def _array(self, n: int) -> np.ndarray:
@@ -555,6 +571,11 @@ class ShmConnection:
             self.sock.shutdown(socket.SHUT_RDWR)
         with contextlib.suppress(OSError):
             self.sock.close()
+
+    def join(self, timeout: float | None = None) -> None:
+        """Wait for the reader thread, which unmaps and unlinks once the connection closed."""
+        if threading.current_thread() is not self._reader:
+            self._reader.join(timeout)
 
     def _cleanup(self) -> None:
         """On the reader thread, once the connection is closed: unmap and unlink."""
