@@ -45,7 +45,7 @@ from collections.abc import Callable
 import numpy as np
 
 from shardwise.rpc import shm_ring
-from shardwise.rpc.shm_pool import PoolError, PoolReader, PoolWriter, pool_bytes
+from shardwise.rpc.shm_pool import PAGE, PoolError, PoolReader, PoolWriter, pool_bytes
 from shardwise.rpc.shm_ring import Ring, SegmentError
 from shardwise.rpc.wire import (
     _FIXED,
@@ -127,7 +127,13 @@ class ShmLink:
             os.close(fd)
         ring_view, pool_view = self._views_of(mm, capacity)
         self.tx = Ring(ring_view, capacity, init=True)
-        self.tx_pool = PoolWriter(pool_view, pool)
+        base = Ring.segment_size(capacity) + PAGE  # the pool's data in the segment
+
+        def drop(offset: int, length: int) -> None:
+            mm.madvise(mmap.MADV_REMOVE, base + offset, length)
+
+        self.tx_pool = PoolWriter(pool_view, pool, drop if hasattr(mmap, "MADV_REMOVE")
+                                  else None)
 
     def map_rx(self, sizes: tuple[int, int]) -> None:
         capacity, pool = sizes
@@ -401,8 +407,7 @@ class ShmConnection:
     def _read_loop(self) -> None:
         try:
             while not self.closed:
-                payload, buffers = self._next_frame()
-                self._on_frame(self.peer, payload, buffers)
+                self._on_frame(self.peer, *self._next_frame())  # (no local keeps the frame)
                 while not self.closed and self.rx.available(self._consumed) == 0:
                     self._wait_for_data(self.rx, truncated=False)  # then read it in one piece
         except PeerClosed as exc:

@@ -7,6 +7,7 @@ frame. The reader wraps the region as the received array without a copy; when th
 so every tensor rebuilt on it) is freed, a finalizer clears the slot, and the sender may reuse
 the region. A peer that keeps received tensors keeps their regions: when no region is free the
 sender falls back to a segment of its own for the message (shm_channel.py), so nothing waits.
+Pages beyond the first ``KEEP`` bytes are given back whenever the sender finds nothing lent.
 
 The slot words live in the pool's first page: 1 = lent to the reader, 0 = free; only the
 sender sets 1 and only the reader sets 0. The reader checks every descriptor (slot in range
@@ -20,11 +21,13 @@ from __future__ import annotations
 
 import threading
 import weakref
+from collections.abc import Callable
 
 import numpy as np
 
 PAGE = 4096
 SLOTS = 256
+KEEP = 80 << 20  # pool bytes whose pages stay allocated while nothing is lent
 _SLOT0 = 8  # word index of slot 0 in the header page
 
 
@@ -40,12 +43,22 @@ def pool_bytes(size: int) -> int:
 class PoolWriter:
     """The sender's side: first-fit regions over the pool, reclaimed once the reader frees."""
 
-    def __init__(self, view: memoryview, size: int):
+    def __init__(self, view: memoryview, size: int,
+                 drop: Callable[[int, int], None] | None = None):
         self.size = size
         self.words = view[:PAGE].cast("Q")
         self.data = np.frombuffer(view, np.uint8, size, PAGE) if size else None
         self._live: dict[int, tuple[int, int]] = {}  # slot -> (offset, bytes), lent
         self._lock = threading.Lock()
+        self._drop = drop  # gives the pages of a data range back to the system
+        self._touched = 0  # data bytes below this may hold pages
+
+    def _trim(self) -> None:
+        """With nothing lent, keep the first ``KEEP`` bytes' pages (warm for the next large
+        message) and give the rest back, so a burst does not hold memory for good."""
+        if not self._live and self._touched > KEEP and self._drop is not None:
+            self._drop(KEEP, self._touched - KEEP)
+            self._touched = KEEP
 
     def alloc(self, n: int) -> tuple[int, int] | None:
         """A free region of ``n`` bytes as (slot, offset), marked lent; None if none is."""
@@ -54,6 +67,7 @@ class PoolWriter:
         with self._lock:
             for slot in [s for s in self._live if self.words[_SLOT0 + s] == 0]:
                 del self._live[slot]  # the reader freed it
+            self._trim()
             if len(self._live) == SLOTS:
                 return None
             offset = self._first_fit(-(-n // PAGE) * PAGE)
@@ -61,6 +75,7 @@ class PoolWriter:
                 return None
             slot = next(s for s in range(SLOTS) if s not in self._live)
             self._live[slot] = (offset, n)
+            self._touched = max(self._touched, offset + n)
             self.words[_SLOT0 + slot] = 1
             return slot, offset
 
