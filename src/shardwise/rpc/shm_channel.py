@@ -72,6 +72,7 @@ SPIN_US = float(os.environ.get("SHARDWISE_RPC_SHM_SPIN_US", "0"))
 _HELLO = struct.Struct("!4sB16sI16sQQQ")  # magic, mode, boot, uid, nonce, ring, seg min, pool
 _HELLO_MAGIC = b"SWC1"
 _DATA, _SPACE = b"D", b"S"  # doorbell bytes: "your incoming ring has data" / "has space"
+_JOIN = 64 << 10  # frames up to this are joined into one piece before the ring
 _GROW = 1 << 20  # payloads above this are read into memory that grows as they arrive
 _SPACE_POLL = 0.005  # a writer waiting for space re-checks this often (seconds)
 
@@ -322,8 +323,8 @@ class ShmConnection:
             for name in temps:
                 shm_ring.unlink(name)
             raise
-        if len(payload) <= 4096:
-            return [head + payload, *parts], temps
+        if len(payload) + sum(len(p) for p in parts) <= _JOIN:  # one copy into the ring
+            return [b"".join([head, payload, *parts])], temps
         return [head, memoryview(payload), *parts], temps
 
     def _hand_over(self, view: memoryview, temps: list[str]) -> bytes:
@@ -531,8 +532,6 @@ class ShmConnection:
                 self._ring_bell(_SPACE)
 
     def _wait_for_data(self, ring: Ring, truncated: bool) -> None:
-        if ring.release(self._consumed):
-            self._ring_bell(_SPACE)
         if SPIN_US > 0:
             until = time.perf_counter() + SPIN_US * 1e-6
             while time.perf_counter() < until:
@@ -542,7 +541,10 @@ class ShmConnection:
         if self._eof:
             raise PeerClosed("peer closed the connection" + (" inside a frame" if truncated
                                                              else ""), truncated=truncated)
-        if not ring.reader_sleeps(self._consumed):
+        block, wake = ring.reader_sleeps(self._consumed)
+        if wake:
+            self._ring_bell(_SPACE)
+        if not block:
             return
         try:
             self._wait_bell()

@@ -7,7 +7,7 @@ cache line, and two flags: ``reader_sleeping`` (the reader found nothing and is 
 on the doorbell) and ``writer_waiting`` (the writer found the ring full). A side that changes a
 cursor and then finds the other side's flag set clears it and rings the doorbell (one byte on
 the connection's socket, shm_channel.py). The flag store and the cursor load on each side are
-separated by a full memory fence (:func:`fence`), so either the sleeper sees the new cursor
+separated by a full memory fence (:class:`Fence`), so either the sleeper sees the new cursor
 or the other side sees the flag: no wake-up is lost. Cursors are 8-byte aligned and written
 with single 8-byte stores (a ``memoryview`` cast to ``Q``), so a reader never sees half of one.
 
@@ -35,19 +35,25 @@ _WRITE, _READ, _SLEEPING, _WAITING, _MAGIC = 8, 16, 24, 32, 0  # 8-byte word off
 RING_MAGIC = 0x5357524E47303031  # "SWRNG001"
 _FLAGS = os.O_RDWR | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)
-_fence_lock = threading.Lock()
 
 
 class SegmentError(OSError):
     """A segment could not be created, or the file found under its name is not ours."""
 
 
-def fence() -> None:
+class Fence:
     """A full memory barrier: taking and releasing a lock is an atomic read-modify-write
     (a locked instruction on x86), which orders every earlier load and store before every
-    later one. Python offers no other portable fence."""
-    _fence_lock.acquire()
-    _fence_lock.release()
+    later one; Python offers no other portable fence. Each side of a ring has a lock of its
+    own, used by one thread at a time, so the lock is never contended (no system call)."""
+
+    def __init__(self) -> None:
+        lock = threading.Lock()
+        self._acquire, self._release = lock.acquire, lock.release
+
+    def __call__(self) -> None:
+        self._acquire()
+        self._release()
 
 
 def path_of(name: str) -> Path:
@@ -122,6 +128,7 @@ class Ring:
             raise SegmentError(f"a segment of {len(view)} bytes does not hold a ring of "
                                f"{capacity} bytes")
         self.capacity, self._mask = capacity, capacity - 1
+        self._writer_fence, self._reader_fence = Fence(), Fence()
         self.words = view[:_HEADER].cast("Q")
         self.data = view[_HEADER:_HEADER + capacity]
         if init:
@@ -153,7 +160,7 @@ class Ring:
     def publish(self, written: int) -> bool:
         """Make bytes up to ``written`` visible; True if the reader must be woken."""
         self.words[_WRITE] = written
-        fence()
+        self._writer_fence()
         if self.words[_SLEEPING]:
             self.words[_SLEEPING] = 0
             return True
@@ -162,7 +169,7 @@ class Ring:
     def writer_waits(self, written: int) -> bool:
         """Flag that the writer waits for space; False if space appeared meanwhile."""
         self.words[_WAITING] = 1
-        fence()
+        self._writer_fence()
         if self.space(written) > 0:
             self.words[_WAITING] = 0
             return False
@@ -190,20 +197,26 @@ class Ring:
     def release(self, consumed: int) -> bool:
         """Free the ring up to ``consumed``; True if the writer must be woken."""
         self.words[_READ] = consumed
-        fence()
+        self._reader_fence()
         if self.words[_WAITING]:
             self.words[_WAITING] = 0
             return True
         return False
 
-    def reader_sleeps(self, consumed: int) -> bool:
-        """Flag that the reader is about to block; False if data arrived meanwhile."""
-        self.words[_SLEEPING] = 1
-        fence()
-        if self.available(consumed) > 0:
-            self.words[_SLEEPING] = 0
-            return False
-        return True
+    def reader_sleeps(self, consumed: int) -> tuple[bool, bool]:
+        """Free the ring up to ``consumed`` and flag that the reader is about to block (one
+        fence for both). Returns (block: no data arrived meanwhile, wake the writer)."""
+        words = self.words
+        words[_READ] = consumed
+        words[_SLEEPING] = 1
+        self._reader_fence()
+        wake = bool(words[_WAITING])
+        if wake:
+            words[_WAITING] = 0
+        if words[_WRITE] != consumed:
+            words[_SLEEPING] = 0
+            return False, wake
+        return True, wake
 
     def reader_awake(self) -> None:
         self.words[_SLEEPING] = 0
