@@ -212,9 +212,10 @@ def test_a_segment_that_is_not_private_is_refused(tmp_path):
         shm_ring.open_mapped(name, 4096)
 
 
-def _scenario(mode: str) -> dict[str, str]:
+def _scenario(mode: str, pool_mb: str = "160") -> dict[str, str]:
     out = subprocess.run([sys.executable, "-m", "tests.rpc.shm_scenario", mode], cwd=ROOT,
-                         capture_output=True, text=True, timeout=120)
+                         capture_output=True, text=True, timeout=120,
+                         env=dict(os.environ, SHARDWISE_RPC_SHM_POOL_MB=pool_mb))
     assert out.returncode == 0, out.stdout + out.stderr
     return dict(line.split(": ", 1) for line in out.stdout.splitlines() if ": " in line)
 
@@ -229,10 +230,11 @@ def test_clean_shutdown_leaves_no_segment(rpc_channel):
     assert got["left"] == "[]"
 
 
-def test_killed_peer_fails_pending_calls_and_leaves_no_segment(rpc_channel):
-    if rpc_channel != "shm":
+@pytest.mark.parametrize("pool_mb", ["160", "0"])  # large buffers lent from the pool, or
+def test_killed_peer_fails_pending_calls_and_leaves_no_segment(rpc_channel, pool_mb):
+    if rpc_channel != "shm":  # ... each in a segment of its own (names that a crash could leave)
         pytest.skip("shared-memory channel test")
-    got = _scenario("kill")
+    got = _scenario("kill", pool_mb)
     assert got["channel"] == "ShmConnection"
     assert got["pending"] == "True ['WorkerDied']"  # no timeout: the peer's death ended them
     assert got["failed within timeout"] == "True"

@@ -362,9 +362,12 @@ class ShmConnection:
             while queue:
                 parts, temps = queue.popleft()
                 for temp in temps:  # the next names in the stream's order
-                    os.rename(shm_ring.path_of(temp), shm_ring.path_of(
-                        f"{self.link.prefix}{self.link.me}-{self._tx_seq}"))
+                    name = f"{self.link.prefix}{self.link.me}-{self._tx_seq}"
+                    os.rename(shm_ring.path_of(temp), shm_ring.path_of(name))
                     self._tx_seq += 1
+                    if self.closed:  # closing removed the names before this one came
+                        shm_ring.unlink(name)
+                        raise ShmClosed(f"connection to rank {self.peer} is closed")
                 for part in parts:
                     self._write(ring, memoryview(part))
             if ring.publish(self._written):
@@ -572,7 +575,10 @@ class ShmConnection:
             self._on_lost(self.peer, exc, clean)
 
     def close(self) -> None:
+        """Close at once: the connection's segment names go now (also those the peer made
+        and never saw read), the mappings once the reader thread is out (``_cleanup``)."""
         self.closed = True
+        shm_ring.remove_all(self.link.prefix)
         self._space.set()
         with contextlib.suppress(OSError):
             self.sock.shutdown(socket.SHUT_RDWR)
