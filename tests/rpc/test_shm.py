@@ -36,7 +36,7 @@ def test_the_forced_channel_is_the_one_in_use(rpc_world, rpc_channel):
     assert rpc.rpc_sync("worker1", helpers.channel_kinds) == [kind.__name__] * 2
 
 
-def test_256_mb_tensor_over_shm_is_received_in_a_segment_mapping(shm_world):
+def test_256_mb_tensor_over_shm(shm_world):
     big = torch.empty(64 << 20, dtype=torch.float32)  # 256 MiB
     big[::4096] = torch.arange(big[::4096].numel(), dtype=torch.float32)
     got = rpc.rpc_sync("worker1", helpers.identity, args=(big,))
@@ -59,13 +59,13 @@ def test_noncontiguous_zero_dim_and_odd_tensors_over_shm(shm_world):
 
 
 def test_large_buffers_beyond_the_pool_go_in_segments_and_held_ones_stay_intact(shm_world):
-    # 12 x 16 MB received at once and all held: more than the 160 MB pool, so the sender
+    # 20 x 16 MB received at once and all held: more than the 256 MB pool, so the sender
     # lends what fits and writes the rest into segments of their own.
     lent0, segments0 = rpc.rpc_sync("worker1", helpers.shm_sent, args=("worker0",))
-    got = rpc.rpc_sync("worker1", helpers.many_large, args=(12, 4 << 20))
+    got = rpc.rpc_sync("worker1", helpers.many_large, args=(20, 4 << 20))
     again = rpc.rpc_sync("worker1", helpers.many_large, args=(3, 4 << 20))  # pool still full
     lent, segments = rpc.rpc_sync("worker1", helpers.shm_sent, args=("worker0",))
-    assert lent - lent0 == 10 and segments - segments0 == 5  # 10 x 16 MB fit in 160 MB
+    assert lent - lent0 == 16 and segments - segments0 == 7  # 16 x 16 MB fit in 256 MB
     for i, t in enumerate(got):
         assert t.shape == (4 << 20,) and bool((t == i).all())
     assert [bool((t == i).all()) for i, t in enumerate(again)] == [True] * 3
@@ -212,7 +212,7 @@ def test_a_segment_that_is_not_private_is_refused(tmp_path):
         shm_ring.open_mapped(name, 4096)
 
 
-def _scenario(mode: str, pool_mb: str = "160") -> dict[str, str]:
+def _scenario(mode: str, pool_mb: str = "256") -> dict[str, str]:
     out = subprocess.run([sys.executable, "-m", "tests.rpc.shm_scenario", mode], cwd=ROOT,
                          capture_output=True, text=True, timeout=120,
                          env=dict(os.environ, SHARDWISE_RPC_SHM_POOL_MB=pool_mb))
@@ -230,7 +230,7 @@ def test_clean_shutdown_leaves_no_segment(rpc_channel):
     assert got["left"] == "[]"
 
 
-@pytest.mark.parametrize("pool_mb", ["160", "0"])  # large buffers lent from the pool, or
+@pytest.mark.parametrize("pool_mb", ["256", "0"])  # large buffers lent from the pool, or
 def test_killed_peer_fails_pending_calls_and_leaves_no_segment(rpc_channel, pool_mb):
     if rpc_channel != "shm":  # ... each in a segment of its own (names that a crash could leave)
         pytest.skip("shared-memory channel test")

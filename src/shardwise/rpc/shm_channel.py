@@ -63,7 +63,7 @@ ENV = "SHARDWISE_RPC_CHANNEL"
 MODES = ("auto", "tcp", "shm")
 RING_BYTES = 4 << 20  # per direction
 SEGMENT_MIN = 256 << 10  # buffers this large go through the pool or a segment of their own
-POOL_BYTES = int(float(os.environ.get("SHARDWISE_RPC_SHM_POOL_MB", "160")) * (1 << 20)) \
+POOL_BYTES = int(float(os.environ.get("SHARDWISE_RPC_SHM_POOL_MB", "256")) * (1 << 20)) \
     // 4096 * 4096  # per direction; 0: a segment per large buffer
 MAX_RING, MAX_POOL = 1 << 30, 1 << 40
 NO_SLOT = 0xFFFFFFFF  # descriptor of a buffer in a segment of its own
