@@ -51,6 +51,8 @@ def test_reader_refuses_regions_outside_the_pool_or_never_lent():
 
 def test_pages_beyond_keep_are_given_back_once_nothing_is_lent(monkeypatch):
     monkeypatch.setattr(shm_pool, "KEEP", 4 * MB)
+    clock = [100.0]
+    monkeypatch.setattr(shm_pool, "_now", lambda: clock[0])
     writer, reader, dropped = _pool(16 * MB)
     held = [reader.take(*writer.alloc(5 * MB), 5 * MB) for _ in range(2)]
     assert writer.alloc(PAGE) is not None and dropped == []  # regions lent: nothing dropped
@@ -60,6 +62,9 @@ def test_pages_beyond_keep_are_given_back_once_nothing_is_lent(monkeypatch):
     assert dropped == []
     for slot in range(shm_pool.SLOTS):
         writer.words[8 + slot] = 0  # the reader freed everything
+    assert writer.alloc(PAGE) == (0, 0) and dropped == []  # but used within IDLE: kept warm
+    writer.words[8] = 0
+    clock[0] += shm_pool.IDLE + 1
     assert writer.alloc(PAGE) == (0, 0)
     assert dropped == [(4 * MB, 10 * MB + PAGE - 4 * MB)]
 

@@ -7,7 +7,8 @@ frame. The reader wraps the region as the received array without a copy; when th
 so every tensor rebuilt on it) is freed, a finalizer clears the slot, and the sender may reuse
 the region. A peer that keeps received tensors keeps their regions: when no region is free the
 sender falls back to a segment of its own for the message (shm_channel.py), so nothing waits.
-Pages beyond the first ``KEEP`` bytes are given back whenever the sender finds nothing lent.
+Pages beyond the first ``KEEP`` bytes are given back when the sender finds nothing lent and
+none of them was used for ``IDLE`` seconds.
 
 The slot words live in the pool's first page: 1 = lent to the reader, 0 = free; only the
 sender sets 1 and only the reader sets 0. The reader checks every descriptor (slot in range
@@ -20,6 +21,7 @@ RPC trusts its authenticated peers' data, not their code.)
 from __future__ import annotations
 
 import threading
+import time
 import weakref
 from collections.abc import Callable
 
@@ -28,6 +30,8 @@ import numpy as np
 PAGE = 4096
 SLOTS = 256
 KEEP = 80 << 20  # pool bytes whose pages stay allocated while nothing is lent
+IDLE = 2.0  # seconds without a region beyond KEEP before its pages are given back
+_now = time.monotonic
 _SLOT0 = 8  # word index of slot 0 in the header page
 
 
@@ -52,11 +56,15 @@ class PoolWriter:
         self._lock = threading.Lock()
         self._drop = drop  # gives the pages of a data range back to the system
         self._touched = 0  # data bytes below this may hold pages
+        self._high_at = 0.0  # when a region last reached beyond KEEP
 
     def _trim(self) -> None:
-        """With nothing lent, keep the first ``KEEP`` bytes' pages (warm for the next large
-        message) and give the rest back, so a burst does not hold memory for good."""
-        if not self._live and self._touched > KEEP and self._drop is not None:
+        """With nothing lent and no region beyond ``KEEP`` for ``IDLE`` seconds, keep the
+        first ``KEEP`` bytes' pages (warm for the next large message) and give the rest back,
+        so a burst does not hold memory for good (giving them back between messages of a
+        busy stream would make every message pay the page allocation again)."""
+        if not self._live and self._touched > KEEP and self._drop is not None \
+                and _now() - self._high_at > IDLE:
             self._drop(KEEP, self._touched - KEEP)
             self._touched = KEEP
 
@@ -76,6 +84,8 @@ class PoolWriter:
             slot = next(s for s in range(SLOTS) if s not in self._live)
             self._live[slot] = (offset, n)
             self._touched = max(self._touched, offset + n)
+            if offset + n > KEEP:
+                self._high_at = _now()
             self.words[_SLOT0 + slot] = 1
             return slot, offset
 
