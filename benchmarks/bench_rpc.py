@@ -1,11 +1,15 @@
-"""shardwise.rpc against torch.distributed.rpc (TensorPipe) on loopback, in one run.
+"""shardwise.rpc over TCP and over shared memory against torch.distributed.rpc (TensorPipe).
 
-Two fresh processes per implementation and round (rounds interleave ours and torch's). Worker 0
-measures: 1 KB tensor echo round trip (median, p99), 64 MB tensor one way (the callee returns
-nothing) and echoed, and rpc_async calls per second with many in flight. Prints each figure
-with the ratio ours / torch's (latency: lower is better; throughput: higher is better).
+Two fresh processes on this host per implementation and round, joined through env://
+(MASTER_ADDR / MASTER_PORT) with default options; rounds interleave the three: ours with
+``SHARDWISE_RPC_CHANNEL=tcp``, ours with ``=shm``, torch's. Worker 0 measures: 1 KB tensor
+echo round trip with rpc_sync (median, p99), a 64 MB tensor one way (the callee returns
+nothing) and echoed, and rpc_async calls per second with many in flight. Prints torch's
+figures (median over rounds) and ours beside them with the ratio ours / torch's (latency:
+lower is better; throughput: higher is better), the bar each figure has to meet, and the load
+average before and after (figures from a loaded machine are not figures).
 
-    python benchmarks/bench_rpc.py [--rounds 2] [--echo 500] [--inflight 2000]
+    python benchmarks/bench_rpc.py [--rounds 3] [--echo 500] [--big 5] [--inflight 2000]
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
+import os
 import socket
 import statistics
 import sys
@@ -21,6 +26,10 @@ import time
 import torch
 
 MB = 1 << 20
+IMPLS = ("shardwise-tcp", "shardwise-shm", "torch")
+# figure: (bar for ours / torch's, True if higher is better); None: no bar
+BARS = {"lat_med_us": (0.8, False), "lat_p99_us": None, "oneway_GBps": (1.5, True),
+        "echo_GBps": (1.5, True), "async_calls_per_s": (1.0, True)}
 
 
 def _port() -> int:
@@ -71,17 +80,13 @@ def _measure(rpc, args) -> dict:
 
 def _worker(impl: str, rank: int, port: int, args, q) -> None:
     torch.set_num_threads(1)
-    if impl == "shardwise":
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    if impl.startswith("shardwise"):
+        os.environ["SHARDWISE_RPC_CHANNEL"] = impl.split("-")[1]
         import shardwise.rpc as rpc
-
-        opts = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{port}",
-                                               rpc_timeout=120)
     else:
         import torch.distributed.rpc as rpc
-
-        opts = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{port}",
-                                               rpc_timeout=120)
-    rpc.init_rpc(f"w{rank}", rank=rank, world_size=2, rpc_backend_options=opts)
+    rpc.init_rpc(f"w{rank}", rank=rank, world_size=2)
     if rank == 0:
         q.put(_measure(rpc, args))
     rpc.shutdown()
@@ -99,23 +104,53 @@ def run_once(impl: str, args) -> dict:
     return result
 
 
+def _load() -> str:
+    return "load average " + " ".join(f"{x:.2f}" for x in os.getloadavg()) + \
+        f" on {os.cpu_count()} CPUs"
+
+
+def _bar(key: str, ratio: float) -> str:
+    if BARS[key] is None:
+        return ""
+    limit, higher = BARS[key]
+    met = ratio >= limit if higher else ratio <= limit
+    return f"{'>=' if higher else '<='}{limit:g} {'met' if met else 'NOT met'}"
+
+
+def report(runs: dict[str, list[dict]]) -> None:
+    med = {impl: {k: statistics.median(r[k] for r in rs) for k in rs[0]}
+           for impl, rs in runs.items()}
+    print(f"{'figure':<19}{'torch':>10}{'ours tcp':>10}{'ratio':>7}{'ours shm':>10}{'ratio':>7}"
+          "  bar (shm / torch)")
+    for key, theirs in med["torch"].items():
+        tcp, shm = med["shardwise-tcp"][key], med["shardwise-shm"][key]
+        print(f"{key:<19}{theirs:>10.2f}{tcp:>10.2f}{tcp / theirs:>7.2f}{shm:>10.2f}"
+              f"{shm / theirs:>7.2f}  {_bar(key, shm / theirs)}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--echo", type=int, default=500)
     ap.add_argument("--big", type=int, default=5)
     ap.add_argument("--inflight", type=int, default=2000)
+    ap.add_argument("--impls", default=",".join(IMPLS), help="comma-separated subset")
     args = ap.parse_args()
-    runs: dict[str, list[dict]] = {"shardwise": [], "torch": []}
+    impls = [i for i in args.impls.split(",") if i]
+    if any(i not in IMPLS for i in impls):
+        ap.error(f"--impls takes {', '.join(IMPLS)}")
+    print(f"before: {_load()}", flush=True)
+    runs: dict[str, list[dict]] = {impl: [] for impl in impls}
     for _ in range(args.rounds):
-        for impl in ("shardwise", "torch"):
+        for impl in impls:
             runs[impl].append(run_once(impl, args))
     print(json.dumps(runs, indent=1), file=sys.stderr)
-    print(f"{'figure':<22}{'shardwise':>12}{'torch':>12}{'ratio':>8}")
-    for key in runs["shardwise"][0]:
-        ours = statistics.median(r[key] for r in runs["shardwise"])
-        theirs = statistics.median(r[key] for r in runs["torch"])
-        print(f"{key:<22}{ours:>12.1f}{theirs:>12.1f}{ours / theirs:>8.2f}")
+    print(f"after: {_load()}; {args.rounds} interleaved rounds, medians over rounds")
+    if set(impls) == set(IMPLS):
+        report(runs)
+    else:
+        for impl, rs in runs.items():
+            print(impl, {k: round(statistics.median(r[k] for r in rs), 2) for k in rs[0]})
 
 
 if __name__ == "__main__":

@@ -1,12 +1,17 @@
 """One pool of RPC workers for all RPC tests: this process is worker0, two more are spawned.
 
-Spawning a worker costs seconds (importing torch), so the pool starts once per session.
-worker1 and worker2 join through env:// (MASTER_ADDR / MASTER_PORT, as torchrun sets them);
-this process joins through tcp:// and hosts the store.
+Spawning a worker costs seconds (importing torch), so the pool starts once per session and
+channel. worker1 and worker2 join through env:// (MASTER_ADDR / MASTER_PORT, as torchrun sets
+them); this process joins through tcp:// and hosts the store.
+
+Every RPC test runs once per channel between workers (``rpc_channel``): TCP and shared memory
+(shm_channel.py), set through ``SHARDWISE_RPC_CHANNEL``, which the spawned workers and the
+scenario programs inherit. Setting that variable before pytest starts runs one channel only.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 import socket
 import subprocess
@@ -16,6 +21,8 @@ from pathlib import Path
 import pytest
 
 import shardwise.rpc as rpc
+from shardwise.rpc import rendezvous
+from shardwise.rpc.shm_channel import ENV as CHANNEL_ENV
 from tests.rpc import helpers
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -41,10 +48,28 @@ def spawn(module: str, rank: int, world: int, port: int, extra_env=None) -> subp
     return subprocess.Popen([sys.executable, "-m", module], env=env, cwd=ROOT)
 
 
+CHANNELS = [os.environ[CHANNEL_ENV]] if os.environ.get(CHANNEL_ENV) else ["tcp", "shm"]
+
+
+@pytest.fixture(scope="session", params=CHANNELS, autouse=True)
+def rpc_channel(request):
+    """The channel every RPC connection of the test uses (``tcp`` or ``shm``), forced."""
+    outer = os.environ.get(CHANNEL_ENV)
+    os.environ[CHANNEL_ENV] = request.param
+    yield request.param
+    if outer is None:
+        os.environ.pop(CHANNEL_ENV, None)
+    else:
+        os.environ[CHANNEL_ENV] = outer
+
+
 @pytest.fixture(scope="session")
-def rpc_world():
+def rpc_world(rpc_channel):
     """Names of the pool's workers; this process is ``worker0``."""
     port = free_port()
+    # A fresh store and fresh workers: this process's next init_rpc is their first too, so
+    # its keys must go under the first call's prefix (rendezvous.scoped), as theirs do.
+    rendezvous._init_counter = itertools.count()
     procs = [spawn("tests.rpc.worker_main", r, WORLD, port) for r in range(1, WORLD)]
     opts = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{port}",
                                            rpc_timeout=30, connect_timeout=60)

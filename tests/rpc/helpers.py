@@ -320,6 +320,22 @@ def listener_address() -> tuple[str, int]:
     return get_agent().transport._listener.getsockname()[:2]
 
 
+def channel_kinds() -> list[str]:
+    """The class of each of this worker's connections (TCP or shared memory)."""
+    return [type(c).__name__ for c in get_agent().transport.conns.values()]
+
+
+def many_large(count: int, numel: int) -> list:
+    """``count`` distinct large tensors at once (more than a shared-memory pool holds)."""
+    return [torch.full((numel,), float(i)) for i in range(count)]
+
+
+def shm_sent(to: str) -> tuple[int, int]:
+    """Large buffers this worker sent to ``to`` through the pool and through segments."""
+    conn = get_agent().transport.conns[get_agent().worker(to).id]
+    return conn.sent_lent, conn.sent_segments
+
+
 # every worker that imports this module lets its peers call the functions above (shardwise
 # resolves only allowed names: [Note: allow-list] in shardwise/rpc/callables.py)
 rpc.register_module(__name__)

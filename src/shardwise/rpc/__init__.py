@@ -3,6 +3,7 @@
 Same names and signatures as ``torch.distributed.rpc``; ``shardwise.rpc.autograd`` mirrors
 ``torch.distributed.autograd``. One agent per process (init_rpc ... shutdown). Layout: agent.py
 (requests, serving, shutdown), transport.py / wire.py / auth.py (sockets, frames, handshake),
+shm_channel.py / shm_ring.py / shm_pool.py (shared memory between workers on one host),
 serialization.py / callables.py (payloads, what peers may name), rref.py / rref_context.py
 (references and their counting), device_maps.py / cuda_transfer.py, autograd/, optimizer.py,
 functions.py (``async_execution``), remote_module.py (``RemoteModule``, torch's

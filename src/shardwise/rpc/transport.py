@@ -39,6 +39,7 @@ import threading
 import time
 from collections.abc import Callable
 
+from shardwise.rpc import shm_channel
 from shardwise.rpc.auth import AuthError, accept_handshake, connect_handshake
 from shardwise.rpc.wire import (
     DEFAULT_MAX_MESSAGE,
@@ -175,7 +176,8 @@ class Transport:
         self._on_frame, self._on_lost = on_frame, on_lost
         self._handshake_timeout = handshake_timeout
         self.max_message = max_message
-        self.conns: dict[int, Connection] = {}
+        self.channel = shm_channel.channel_mode()  # tcp, shm, or auto ([Note: shm channel])
+        self.conns: dict[int, Connection | shm_channel.ShmConnection] = {}
         self._cv = threading.Condition()
         self._closing = False
         self._slots = threading.BoundedSemaphore(handshake_slots)
@@ -211,7 +213,7 @@ class Transport:
             deadline = time.monotonic() + self._handshake_timeout
             peer = accept_handshake(sock, self._token, self.world_size, self.rank, deadline)
             sock.settimeout(None)
-            self._register(sock, peer)
+            self._register(sock, peer, acceptor=True)
         except (AuthError, OSError) as exc:
             self._rejections.warning("shardwise.rpc rank %d: rejected connection from %s: %s",
                                      self.rank, addr, exc)
@@ -245,19 +247,29 @@ class Transport:
             sock.close()
             raise
         sock.settimeout(None)
-        self._register(sock, peer)
+        try:
+            self._register(sock, peer, acceptor=False)
+        except BaseException:
+            sock.close()
+            raise
 
-    def _register(self, sock: socket.socket, peer: int) -> None:
+    def _register(self, sock: socket.socket, peer: int, acceptor: bool) -> None:
         tune(sock)
+        # the authenticated socket becomes a channel: shared memory with a peer on this host
+        link = shm_channel.negotiate(sock, self.channel, acceptor, self._handshake_timeout)
         with self._cv:
             if peer in self.conns or self._closing:
                 # the rank that joined first keeps its connection ([Note: bounded acceptor])
                 self._rejections.warning("shardwise.rpc rank %d: refused a second connection "
                                          "claiming rank %d", self.rank, peer)
+                if link is not None:
+                    link.close()
                 sock.close()
                 return
             self.conns[peer] = Connection(sock, peer, self._on_frame, self._on_lost,
-                                          self.max_message)
+                                          self.max_message) \
+                if link is None else shm_channel.ShmConnection(sock, peer, link, self._on_frame,
+                                                                self._on_lost, self.max_message)
             self._cv.notify_all()
 
     def wait_connected(self, peers: list[int], timeout: float) -> None:
