@@ -16,6 +16,7 @@ import torch
 
 import shardwise.rpc as rpc
 from shardwise.rpc.auth import HELLO_SIZE, connect_handshake, new_token
+from shardwise.rpc.shm_channel import negotiate
 from shardwise.rpc.transport import HANDSHAKE_SLOTS, RateLimitedLog, Transport
 from shardwise.rpc.wire import MAGIC, send_frame
 from tests.rpc import helpers
@@ -31,7 +32,9 @@ def _rss() -> int:
 
 
 class _Server:
-    """A transport of rank 0 in a world of 2, recording frames and lost connections."""
+    """A transport of rank 0 in a world of 2, recording frames and lost connections. Its
+    channel is TCP: the raw peer of these tests writes frames to the socket itself (frames
+    that arrive through shared memory pass the same checks, tests/rpc/test_shm.py)."""
 
     def __init__(self, **kwargs):
         self.token = new_token()
@@ -39,6 +42,7 @@ class _Server:
         self.got = threading.Event()
         self.gone = threading.Event()
         self.t = Transport(0, 2, self.token, "127.0.0.1", self._frame, self._lost, **kwargs)
+        self.t.channel = "tcp"
 
     def _frame(self, peer, payload, buffers):
         self.frames.append((peer, bytes(payload)))
@@ -51,6 +55,7 @@ class _Server:
     def join_as(self, rank: int, token: bytes | None = None) -> socket.socket:
         sock = socket.create_connection(("127.0.0.1", self.t.port), timeout=5)
         connect_handshake(sock, token or self.token, rank)
+        negotiate(sock, "tcp", acceptor=False, timeout=5)  # the channel hello, as a TCP peer
         return sock
 
 
