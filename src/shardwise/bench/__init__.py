@@ -15,6 +15,7 @@ BENCHES = {
     "tp": "shardwise.bench.tp",
     "collectives": "shardwise.bench.collectives",
     "rpc": "shardwise.bench.rpc",
+    "mesh": "shardwise.bench.mesh",
 }
 
 __all__ = ["BENCHES"]
