@@ -100,7 +100,8 @@ def test_render_md_command_reads_saved_records(tmp_path, capsys):
 def test_bad_bench_input_is_named(tmp_path, capsys):
     assert main(["bench", "fsdpp"]) == 2
     err = capsys.readouterr().err
-    assert "unknown benchmark 'fsdpp'; known: ddp, zero, fsdp, tp, collectives, rpc, mesh" in err
+    assert ("unknown benchmark 'fsdpp'; known: ddp, zero, fsdp, tp, collectives, rpc, mesh, "
+            "pipeline") in err
     blocker = tmp_path / "file"
     blocker.write_text("")
     assert main(["bench", "fsdp", "--out", str(blocker / "sub")]) == 2
@@ -156,3 +157,15 @@ def test_mesh_comparison_is_in_the_record_and_printed_after_the_table():
     table = format_table(mesh_record)
     assert table.endswith("shardwise-hsdp / torch-fsdp2-hsdp: step time 0.488x (bar <= 0.7); "
                           "peak RSS per rank 301/300 vs 300/311 MiB (higher on ranks [0])")
+
+
+def test_pipeline_per_schedule_is_in_the_record_and_printed_after_the_table():
+    from shardwise.bench.pipeline import per_schedule, per_schedule_lines
+
+    impl = _record()["impls"]["torch-ddp"]
+    impls = {"torch-1f1b": impl, "shardwise-1f1b": {**impl, "median_step_s": 0.0246}}
+    rows = per_schedule(impls)  # GPipe did not run: no row for it
+    assert rows == [{"schedule": "1f1b", "ours_step_s": 0.0246, "torch_step_s": 0.0123,
+                     "ratio": 2.0}]
+    assert per_schedule_lines(rows) == ["1f1b: ours 24.6 ms, torch 12.3 ms per step: "
+                                        "2.000x torch's"]

@@ -16,6 +16,7 @@ BENCHES = {
     "collectives": "shardwise.bench.collectives",
     "rpc": "shardwise.bench.rpc",
     "mesh": "shardwise.bench.mesh",
+    "pipeline": "shardwise.bench.pipeline",
 }
 
 __all__ = ["BENCHES"]
