@@ -100,7 +100,8 @@ def test_render_md_command_reads_saved_records(tmp_path, capsys):
 def test_bad_bench_input_is_named(tmp_path, capsys):
     assert main(["bench", "fsdpp"]) == 2
     err = capsys.readouterr().err
-    assert "unknown benchmark 'fsdpp'; known: ddp, zero, fsdp, tp, collectives, rpc" in err
+    assert ("unknown benchmark 'fsdpp'; known: ddp, zero, fsdp, tp, collectives, rpc, mesh, "
+            "pipeline") in err
     blocker = tmp_path / "file"
     blocker.write_text("")
     assert main(["bench", "fsdp", "--out", str(blocker / "sub")]) == 2
@@ -139,3 +140,32 @@ def test_a_record_of_figures_rpc_is_tabled_plotted_and_rendered(tmp_path):
         render_markdown([record]))
     plot(record, tmp_path / "rpc.png")
     assert png_size(tmp_path / "rpc.png") == PLOT_SIZE_PX
+
+
+def test_mesh_comparison_is_in_the_record_and_printed_after_the_table():
+    from shardwise.bench.mesh import comparison, comparison_lines
+
+    record = _record()
+    ours = {**record["impls"]["torch-ddp"], "median_step_s": 0.006, "peak_rss_mib": [301, 300]}
+    impls = {"torch-fsdp2-hsdp": record["impls"]["torch-ddp"], "shardwise-hsdp": ours}
+    rows = comparison(impls)  # the FULL_SHARD pair did not run: no row for it
+    assert [(r["ours"], r["torch"]) for r in rows] == [("shardwise-hsdp", "torch-fsdp2-hsdp")]
+    assert rows[0]["step_ratio"] == pytest.approx(0.006 / 0.0123)
+    assert rows[0]["higher_ranks"] == [0]
+    mesh_record = {**record, "bench": "mesh", "impls": impls, "comparison": rows,
+                   "notes": comparison_lines(rows)}
+    table = format_table(mesh_record)
+    assert table.endswith("shardwise-hsdp / torch-fsdp2-hsdp: step time 0.488x (bar <= 0.7); "
+                          "peak RSS per rank 301/300 vs 300/311 MiB (higher on ranks [0])")
+
+
+def test_pipeline_per_schedule_is_in_the_record_and_printed_after_the_table():
+    from shardwise.bench.pipeline import per_schedule, per_schedule_lines
+
+    impl = _record()["impls"]["torch-ddp"]
+    impls = {"torch-1f1b": impl, "shardwise-1f1b": {**impl, "median_step_s": 0.0246}}
+    rows = per_schedule(impls)  # GPipe did not run: no row for it
+    assert rows == [{"schedule": "1f1b", "ours_step_s": 0.0246, "torch_step_s": 0.0123,
+                     "ratio": 2.0}]
+    assert per_schedule_lines(rows) == ["1f1b: ours 24.6 ms, torch 12.3 ms per step: "
+                                        "2.000x torch's"]

@@ -15,6 +15,8 @@ BENCHES = {
     "tp": "shardwise.bench.tp",
     "collectives": "shardwise.bench.collectives",
     "rpc": "shardwise.bench.rpc",
+    "mesh": "shardwise.bench.mesh",
+    "pipeline": "shardwise.bench.pipeline",
 }
 
 __all__ = ["BENCHES"]

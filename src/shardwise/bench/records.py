@@ -6,7 +6,8 @@ A record is a dict: ``bench``, ``description``, ``settings`` (every argument of 
 per round), ``peak_rss_mib`` (per rank, the most over rounds, or None when not measured),
 ``round_peak_rss_mib`` (per round, the most over ranks), ``ratio`` (to the baseline) and
 ``extra`` (figures the benchmark adds, such as model-state MiB); optionally ``time_label``
-(what one timed unit is: "step time" unless said). Every number the table prints
+(what one timed unit is: "step time" unless said) and ``notes`` (lines printed after the
+table, made from numbers the record holds). Every number the table prints
 is one of these, rounded as printed.
 """
 
@@ -34,6 +35,7 @@ def format_table(record: dict) -> str:
         if s["extra"]:
             lines.append(f"{'':<28}{json.dumps(s['extra'])}")
     lines.append(f"ratio: median step / {record['baseline']}'s")
+    lines += record.get("notes", [])  # a benchmark's own lines, from numbers in its record
     return "\n".join(lines)
 
 

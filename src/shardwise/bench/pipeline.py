@@ -1,0 +1,207 @@
+"""Our point-to-point pipeline against torch.distributed.pipelining, on the same split of the
+demo GPT: step time per schedule (GPipe, 1F1B) and the bubble.
+
+Both run one stage per rank (2 stages by default) over gloo, the same cut (``split_gpt``), the
+same micro-batches, loss and AdamW. The bubble is measured the same way for both: each rank
+first times its stage's forwards and backwards of one step's micro-batches alone (no
+communication; the median of a few runs), and a schedule's idle fraction is
+1 - that busy time / the median step time. Ours also reports its own per-step accounting
+(``StepStats.idle_fraction``). The formula (p - 1) / (m + p - 1) is printed beside them.
+
+``alternating`` runs all four in the same ranks, one step of each in turn, so that load from
+other jobs on the machine falls on all four alike; its ``ours_over_torch`` is the steadier
+ratio on a busy machine (its peak RSS is of all four together).
+
+Prints the table, then per schedule our step time over torch's (kept in the record as
+``per_schedule``).
+
+    shardwise bench pipeline --nproc 2 --rounds 3 --steps 20 --microbatches 4
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from shardwise.bench.sidebyside import SideBySide
+from shardwise.bench.sidebyside import run as run_side_by_side
+from shardwise.models import GPT, GPTConfig, lm_loss
+from shardwise.pipeline import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    bubble_fraction,
+    split_gpt,
+)
+
+IMPLS = ["torch-gpipe", "shardwise-gpipe", "torch-1f1b", "shardwise-1f1b", "alternating"]
+ALTERNATED = IMPLS[:4]
+
+
+def _args(parser) -> None:
+    parser.add_argument("--n-layer", type=int, default=4)
+    parser.add_argument("--d-model", type=int, default=128)
+    parser.add_argument("--n-head", type=int, default=4)
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--microbatches", type=int, default=4)
+
+
+def _make_schedule(impl: str, module, rank: int, pp: int, group, micro: int):
+    kind = impl.split("-")[1]
+    if impl.startswith("torch"):
+        from torch.distributed import pipelining as tp
+
+        stage = tp.PipelineStage(module, rank, pp, torch.device("cpu"), group=group)
+        cls = tp.ScheduleGPipe if kind == "gpipe" else tp.Schedule1F1B
+        return stage, cls(stage, micro, loss_fn=lm_loss)
+    stage = PipelineStage(module, rank, pp, group=group)
+    cls = ScheduleGPipe if kind == "gpipe" else Schedule1F1B
+    return stage, cls(stage, micro, loss_fn=lm_loss)
+
+
+def _busy_alone(module, cfg: GPTConfig, rank: int, pp: int, micro_batch: int, micro: int,
+                repeats: int = 5) -> float:
+    """Seconds of one step's forwards and backwards on this stage with no communication."""
+    gen = torch.Generator().manual_seed(7)
+    if rank == 0:
+        x = torch.randint(0, cfg.vocab_size, (micro_batch, cfg.seq_len), generator=gen)
+    else:
+        x = torch.randn(micro_batch, cfg.seq_len, cfg.d_model, generator=gen)
+    y = torch.randint(0, cfg.vocab_size, (micro_batch, cfg.seq_len), generator=gen)
+    runs = []
+    for _ in range(repeats + 1):
+        start = time.perf_counter()
+        for _ in range(micro):
+            inp = x if rank == 0 else x.clone().requires_grad_(True)
+            out = module(inp)
+            if rank == pp - 1:
+                (lm_loss(out, y) / micro).backward()
+            else:
+                out.backward(torch.ones_like(out))
+        runs.append(time.perf_counter() - start)
+        module.zero_grad(set_to_none=True)
+    return statistics.median(runs[1:])
+
+
+def _batch(step: int, cfg: GPTConfig, batch: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(step)
+    return torch.randint(0, cfg.vocab_size, (batch, cfg.seq_len + 1), generator=gen)
+
+
+def _one_step(schedule, tokens: torch.Tensor, rank: int, pp: int) -> None:
+    if rank == 0:
+        schedule.step(tokens[:, :-1])
+    elif rank == pp - 1:
+        schedule.step(target=tokens[:, 1:], losses=[])
+    else:
+        schedule.step()
+
+
+def alternating(args, group: dist.ProcessGroup):
+    """All four in the same ranks, one step of each in turn, in a rotating order (each on its own
+    group, model copy and optimizer): load from elsewhere falls on all of them alike. Reports
+    each one's median step time in ``extra``; the returned times are each turn's total."""
+    rank, pp = dist.get_rank(group), dist.get_world_size(group)
+    cfg = GPTConfig(n_layer=args.n_layer, d_model=args.d_model, n_head=args.n_head,
+                    seq_len=args.seq_len)
+    runs = []
+    for impl in ALTERNATED:
+        torch.manual_seed(0)
+        module = split_gpt(GPT(cfg), pp)[rank]
+        sub = dist.new_group(list(range(pp)))
+        _, schedule = _make_schedule(impl, module, rank, pp, sub, args.microbatches)
+        runs.append((impl, schedule, torch.optim.AdamW(module.parameters(), lr=1e-3)))
+    times: dict[str, list[float]] = {impl: [] for impl in ALTERNATED}
+    for step in range(args.warmup + args.steps):
+        tokens = _batch(step, cfg, args.batch_size)
+        turn = step % len(runs)  # rotate who goes first: no implementation always follows another
+        for impl, schedule, opt in runs[turn:] + runs[:turn]:
+            dist.barrier(group=group)
+            t0 = time.perf_counter()
+            _one_step(schedule, tokens, rank, pp)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            if step >= args.warmup:
+                times[impl].append(time.perf_counter() - t0)
+    medians = {impl: round(statistics.median(ts) * 1e3, 1) for impl, ts in times.items()}
+    gathered: list = [None] * pp
+    dist.all_gather_object(gathered, medians, group=group)
+    slowest = {impl: max(m[impl] for m in gathered) for impl in ALTERNATED}
+    ratios = {kind: round(slowest[f"shardwise-{kind}"] / slowest[f"torch-{kind}"], 3)
+              for kind in ("gpipe", "1f1b")}
+    if rank == 0:  # every round's figures (the summary table shows the first round's)
+        print(f"alternating round: median ms {slowest}, ours / torch {ratios}", flush=True)
+    return [sum(ts) for ts in zip(*times.values())], {"median_ms": slowest,
+                                                      "ours_over_torch": ratios}
+
+
+def worker(impl: str, args, group: dist.ProcessGroup):
+    if impl == "alternating":
+        return alternating(args, group)
+    rank, pp = dist.get_rank(group), dist.get_world_size(group)
+    cfg = GPTConfig(n_layer=args.n_layer, d_model=args.d_model, n_head=args.n_head,
+                    seq_len=args.seq_len)
+    torch.manual_seed(0)
+    module = split_gpt(GPT(cfg), pp)[rank]
+    busy = _busy_alone(module, cfg, rank, pp, args.batch_size // args.microbatches,
+                       args.microbatches)
+    stage, schedule = _make_schedule(impl, module, rank, pp, group, args.microbatches)
+    opt = torch.optim.AdamW(module.parameters(), lr=1e-3)
+    times, own_idle = [], []
+    for step in range(args.warmup + args.steps):
+        tokens = _batch(step, cfg, args.batch_size)
+        dist.barrier(group=group)
+        t0 = time.perf_counter()
+        _one_step(schedule, tokens, rank, pp)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if step >= args.warmup:
+            times.append(time.perf_counter() - t0)
+            if impl.startswith("shardwise"):
+                own_idle.append(stage.stats.idle_fraction)
+    step_s = statistics.median(times)
+    own = round(statistics.median(own_idle), 3) if own_idle else None
+    mine = (round(1 - busy / step_s, 3), own)
+    per_rank: list = [None] * pp
+    dist.all_gather_object(per_rank, mine, group=group)  # rank 0's record shows every rank
+    extra = {"bubble_per_rank": [b for b, _ in per_rank],
+             "bubble_formula": round(bubble_fraction(pp, args.microbatches), 3)}
+    if own_idle:
+        extra["own_idle_per_rank"] = [o for _, o in per_rank]
+    return times, extra
+
+
+def per_schedule(summary: dict) -> list[dict]:
+    """Per schedule whose both implementations ran: both median step times and ours / torch."""
+    rows = []
+    for kind in ("gpipe", "1f1b"):
+        ours, theirs = summary.get(f"shardwise-{kind}"), summary.get(f"torch-{kind}")
+        if ours and theirs:
+            rows.append({"schedule": kind, "ours_step_s": ours["median_step_s"],
+                         "torch_step_s": theirs["median_step_s"],
+                         "ratio": ours["median_step_s"] / theirs["median_step_s"]})
+    return rows
+
+
+def per_schedule_lines(rows: list[dict]) -> list[str]:
+    return [f"{r['schedule']}: ours {r['ours_step_s'] * 1e3:.1f} ms, torch "
+            f"{r['torch_step_s'] * 1e3:.1f} ms per step: {r['ratio']:.3f}x torch's" for r in rows]
+
+
+_BENCH = SideBySide("pipeline", worker, IMPLS, "torch-gpipe", _args,
+                    "our p2p pipeline against torch.distributed.pipelining")
+
+
+def run(argv: Sequence[str]) -> dict | None:
+    """The side-by-side run, plus ours / torch per schedule (printed after the table as the
+    record's ``notes``)."""
+    record = run_side_by_side(_BENCH, argv)
+    if record is None:
+        return None
+    rows = per_schedule(record["impls"])
+    return {**record, "per_schedule": rows, "notes": per_schedule_lines(rows)}
