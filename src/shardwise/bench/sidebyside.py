@@ -106,6 +106,13 @@ def _run_worker(worker: Callable, args: argparse.Namespace) -> None:
     record = {"rank": rank, "times": times, "peak_rss_mib": peak_memory_bytes() / MIB, **extra}
     Path(f"{args.worker_out}.rank{rank}.json").write_text(json.dumps(record))
     sd.destroy()
+    # Rows with a DDP communication hook (futures chained with .then on gloo) sometimes abort
+    # in the interpreter's teardown after the group is gone ("terminate called without an
+    # active exception"; torch's own DDP with its own allreduce_hook does it too, torchrun
+    # without shardwise): the record is written, so leave without that teardown.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _run_parent(bench: SideBySide, args: argparse.Namespace, argv: list[str],
