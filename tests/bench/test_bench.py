@@ -169,3 +169,34 @@ def test_pipeline_per_schedule_is_in_the_record_and_printed_after_the_table():
                      "ratio": 2.0}]
     assert per_schedule_lines(rows) == ["1f1b: ours 24.6 ms, torch 12.3 ms per step: "
                                         "2.000x torch's"]
+
+
+def test_physical_limit_is_the_local_step_plus_exposed_communication():
+    from shardwise.bench.sidebyside import limit_figures
+
+    record = _record()
+    impls = record["impls"]
+    impls["local-adamw"] = {**impls["torch-ddp"], "median_step_s": 0.002, "extra": {}}
+    impls["shardwise-ddp"] = {**impls["shardwise-ddp"], "median_step_s": 0.006,
+                              "extra": {"exposed_comm_ms": 1.0}}
+    record["limits"] = limits = limit_figures(impls, "local-adamw")
+    assert limits["local"] == "local-adamw" and limits["local_step_ms"] == pytest.approx(2.0)
+    assert list(limits["impls"]) == ["shardwise-ddp"]  # rows without exposed_comm_ms: none
+    row = limits["impls"]["shardwise-ddp"]
+    assert row["limit_ms"] == pytest.approx(3.0) and row["step_over_limit"] == pytest.approx(2.0)
+    line = "shardwise-ddp               limit       3.0 ms   step/limit 2.000"
+    assert line in format_table(record) and line in render_markdown([record])
+    assert "local-adamw step (2.0 ms)" in format_table(record)
+
+
+def test_bench_ddp_records_exposed_communication_and_limits(tmp_path, capsys):
+    tiny = [*TINY[:-1], "shardwise-ddp-powersgd,local-adamw", "--rounds", "1"]
+    assert main(["bench", "ddp", *tiny, "--out", str(tmp_path)]) == 0
+    table = capsys.readouterr().out
+    record = json.loads((tmp_path / "ddp.json").read_text())
+    exposed = record["impls"]["shardwise-ddp-powersgd"]["extra"]["exposed_comm_ms"]
+    assert "exposed_comm_ms" not in record["impls"]["local-adamw"]["extra"]
+    local_ms = record["impls"]["local-adamw"]["median_step_s"] * 1e3
+    row = record["limits"]["impls"]["shardwise-ddp-powersgd"]
+    assert row["limit_ms"] == pytest.approx(local_ms + exposed)
+    assert f"limit {row['limit_ms']:>9.1f} ms   step/limit {row['step_over_limit']:.3f}" in table

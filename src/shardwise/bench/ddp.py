@@ -2,8 +2,17 @@
 
 Same model (the demo GPT at `shardwise train`'s defaults unless told otherwise), same data
 (the stdlib corpus, each rank its slice of a global batch), same world size, same AdamW.
+Besides plain DDP: PowerSGD (rank 1, from step 2) on both DDPs, with our
+``shardwise.ddp.hooks.powerSGD_hook``: torch's own hook, on torch's DDP as on ours, issues its
+second all-reduce from a callback and on gloo with several buckets the ranks' collectives
+mismatch (gloo aborts; see [Note: PowerSGD's second all-reduce]); and ``bf16_compress_hook``
+on ours (torch's DDP refuses it without CUDA and NCCL). ``local-adamw``
+has no wrapper and no communication (each rank's world-size-1 step); rows of ours are then
+also compared with that step plus the communication they left exposed (the physical limit).
 
     shardwise bench ddp --nproc 2 --rounds 3 --steps 20
+    shardwise bench ddp --n-layer 4 --d-model 512 --n-head 8 --seq-len 64 \
+        --batch-size 8 --only torch-ddp,shardwise-ddp,local-adamw   # bench zero's model
 """
 
 from __future__ import annotations
@@ -12,14 +21,16 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-from shardwise.bench.gpt_steps import batch_stream, timed_steps
+from shardwise.bench.gpt_steps import batch_stream, exposed_comm_probe, timed_steps
 from shardwise.bench.sidebyside import SideBySide
-from shardwise.ddp import DistributedDataParallel
+from shardwise.ddp import DistributedDataParallel, hooks
 from shardwise.memory import state_bytes
 from shardwise.models import GPT, GPTConfig
 
-IMPLS = ["torch-ddp", "shardwise-ddp"]
+IMPLS = ["torch-ddp", "shardwise-ddp", "torch-ddp-powersgd", "shardwise-ddp-powersgd",
+         "shardwise-ddp-bf16", "local-adamw"]
 
 
 @dataclass(frozen=True)
@@ -46,19 +57,29 @@ def worker(impl: str, args, group: dist.ProcessGroup):
                     seq_len=args.seq_len)
     torch.manual_seed(0)
     model = GPT(cfg)
-    if impl == "torch-ddp":
-        wrapped = torch.nn.parallel.DistributedDataParallel(
-            model, process_group=group, bucket_cap_mb=args.bucket_cap_mb)
-    else:
-        wrapped = DistributedDataParallel(model, process_group=group,
-                                          bucket_cap_mb=args.bucket_cap_mb)
+    wrapped = _wrap(impl, model, args, group)
     opt = torch.optim.AdamW(wrapped.parameters(), lr=1e-3)
     stream = batch_stream(cfg.seq_len, args.batch_size, group)
-    times = timed_steps(wrapped, opt, stream, args, group)
+    exposed = exposed_comm_probe(wrapped, args.warmup)
+    times = timed_steps(wrapped, opt, stream, args, group, after_step=exposed.record)
     nbytes = state_bytes(model, opt)
     return times, {"params_M": round(sum(p.numel() for p in model.parameters()) / 1e6, 2),
-                   "state_MiB": round(nbytes.total / 2**20, 1)}
+                   "state_MiB": round(nbytes.total / 2**20, 1), **exposed.summary()}
 
+
+def _wrap(impl: str, model: torch.nn.Module, args, group) -> torch.nn.Module:
+    if impl == "local-adamw":
+        return model
+    cls = (torch.nn.parallel.DistributedDataParallel if impl.startswith("torch")
+           else DistributedDataParallel)
+    wrapped = cls(model, process_group=group, bucket_cap_mb=args.bucket_cap_mb)
+    if impl.endswith("-powersgd"):
+        state = hooks.PowerSGDState(process_group=group, matrix_approximation_rank=1,
+                                    start_powerSGD_iter=2)
+        wrapped.register_comm_hook(state, hooks.powerSGD_hook)
+    elif impl.endswith("-bf16"):
+        wrapped.register_comm_hook(group, default_hooks.bf16_compress_hook)
+    return wrapped
 
 BENCH = SideBySide("ddp", worker, IMPLS, "torch-ddp", _model_args,
-                   "DDP: ours against torch's DistributedDataParallel")
+                   "DDP: ours against torch's DistributedDataParallel", limit_of="local-adamw")

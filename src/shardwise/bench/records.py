@@ -6,9 +6,11 @@ A record is a dict: ``bench``, ``description``, ``settings`` (every argument of 
 per round), ``peak_rss_mib`` (per rank, the most over rounds, or None when not measured),
 ``round_peak_rss_mib`` (per round, the most over ranks), ``ratio`` (to the baseline) and
 ``extra`` (figures the benchmark adds, such as model-state MiB); optionally ``time_label``
-(what one timed unit is: "step time" unless said) and ``notes`` (lines printed after the
-table, made from numbers the record holds). Every number the table prints
-is one of these, rounded as printed.
+(what one timed unit is: "step time" unless said); optionally ``notes`` (lines printed after
+the table, made from numbers the record holds) and ``limits`` (the physical limit of rows that
+report ``exposed_comm_ms``: ``local``, ``local_step_ms`` and per implementation
+``exposed_comm_ms``, ``limit_ms``, ``step_over_limit``; see sidebyside.limit_figures). Every
+number the table prints is one of these, rounded as printed.
 """
 
 from __future__ import annotations
@@ -36,7 +38,19 @@ def format_table(record: dict) -> str:
             lines.append(f"{'':<28}{json.dumps(s['extra'])}")
     lines.append(f"ratio: median step / {record['baseline']}'s")
     lines += record.get("notes", [])  # a benchmark's own lines, from numbers in its record
+    if "limits" in record:
+        lines += format_limits(record["limits"])
     return "\n".join(lines)
+
+
+def format_limits(limits: dict) -> list[str]:
+    """One line per row with exposed communication: its physical limit and step / limit."""
+    lines = [f"physical limit = {limits['local']} step ({limits['local_step_ms']:.1f} ms) "
+             "+ the row's exposed communication"]
+    for impl, s in limits["impls"].items():
+        lines.append(f"{impl:<28}limit {s['limit_ms']:>9.1f} ms   "
+                     f"step/limit {s['step_over_limit']:.3f}")
+    return lines
 
 
 def _settings_line(record: dict) -> str:
@@ -137,6 +151,8 @@ def render_markdown(records: Iterable[dict]) -> str:
             extra = ", ".join(f"{k} {v}" for k, v in s["extra"].items()) or ""
             rows.append(f"| {impl} | {s['median_step_s'] * 1e3:.1f} | {rounds} | {ratio} | "
                         f"{rss} | {extra} |")
+        if "limits" in record:
+            rows += ["", *(f"    {line}" for line in format_limits(record["limits"]))]
         parts.append("\n".join([f"### {record['bench']}: {record['description']}", "",
                                 _settings_line(record) + f"; ratio: median step / "
                                 f"{record['baseline']}'s", "", *rows]))

@@ -9,7 +9,10 @@ against a baseline, and the peak RSS and model-state bytes per rank.
 
 A benchmark is a ``SideBySide``: ``worker(impl, args, group)`` runs on every rank and returns
 ``(step_times_seconds, extra_dict)``. The parent returns a record (see records.py) that
-`shardwise bench` prints, saves as JSON and plots.
+`shardwise bench` prints, saves as JSON and plots. A benchmark with ``limit_of`` (an
+implementation without communication: each rank's world-size-1 step) also gets the physical
+limit of every row whose worker reports ``exposed_comm_ms``: that local step plus the row's
+communication left exposed after backward (``limit_figures``; the record's ``limits``).
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ class SideBySide:
     description: str = ""
     # how the parent starts a rank of this benchmark (the worker flags are appended)
     command: list[str] = field(default_factory=list)
+    limit_of: str | None = None
 
 
 def common_parser(bench_name: str, description: str = "") -> argparse.ArgumentParser:
@@ -102,6 +106,13 @@ def _run_worker(worker: Callable, args: argparse.Namespace) -> None:
     record = {"rank": rank, "times": times, "peak_rss_mib": peak_memory_bytes() / MIB, **extra}
     Path(f"{args.worker_out}.rank{rank}.json").write_text(json.dumps(record))
     sd.destroy()
+    # Rows with a DDP communication hook (futures chained with .then on gloo) sometimes abort
+    # in the interpreter's teardown after the group is gone ("terminate called without an
+    # active exception"; torch's own DDP with its own allreduce_hook does it too, torchrun
+    # without shardwise): the record is written, so leave without that teardown.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _run_parent(bench: SideBySide, args: argparse.Namespace, argv: list[str],
@@ -123,9 +134,12 @@ def _run_parent(bench: SideBySide, args: argparse.Namespace, argv: list[str],
                     raise SystemExit(f"{impl} failed in round {rnd} (exit code {code})")
                 records[impl].append([json.loads(Path(f"{out}.rank{r}.json").read_text())
                                       for r in range(args.nproc)])
-    return {"bench": bench.name, "description": bench.description,
-            "settings": _settings(args), "baseline": bench.baseline,
-            "impls": summarise(records, bench.baseline)}
+    record = {"bench": bench.name, "description": bench.description,
+              "settings": _settings(args), "baseline": bench.baseline,
+              "impls": summarise(records, bench.baseline)}
+    if bench.limit_of in record["impls"]:
+        record["limits"] = limit_figures(record["impls"], bench.limit_of)
+    return record
 
 
 def _settings(args: argparse.Namespace) -> dict:
@@ -158,8 +172,24 @@ def summarise(records: dict[str, list[list[dict]]], baseline: str) -> dict:
     return summary
 
 
+def limit_figures(summary: dict, local: str) -> dict:
+    """The physical limit of each row with an ``exposed_comm_ms``: ``local``'s median step
+    (no communication at all) plus that row's exposed communication, and step / limit."""
+    base = summary[local]["median_step_s"] * 1000
+    rows = {}
+    for impl, s in summary.items():
+        exposed = s["extra"].get("exposed_comm_ms")
+        if exposed is None:
+            continue
+        limit = base + exposed
+        rows[impl] = {"exposed_comm_ms": exposed, "limit_ms": limit,
+                      "step_over_limit": s["median_step_s"] * 1000 / limit}
+    return {"local": local, "local_step_ms": base, "impls": rows}
+
+
 def script_main(worker: Callable, impls: Sequence[str], baseline: str,
-                extra: Callable[[argparse.ArgumentParser], None] | None = None) -> dict:
+                extra: Callable[[argparse.ArgumentParser], None] | None = None,
+                limit_of: str | None = None) -> dict:
     """For a benchmark script outside the package (``python benchmarks/bench_x.py``): ranks are
     started by running the script again. Prints the table (and with ``--out DIR`` saves the
     record and the plot); returns the per-implementation summary (empty on a worker)."""
@@ -169,7 +199,7 @@ def script_main(worker: Callable, impls: Sequence[str], baseline: str,
     name = Path(sys.argv[0]).stem.removeprefix("bench_")
     doc = (getattr(sys.modules.get("__main__"), "__doc__", None) or "").strip()
     bench = SideBySide(name, worker, impls, baseline, extra, doc.split("\n")[0].rstrip("."),
-                       command=[sys.executable, sys.argv[0]])
+                       command=[sys.executable, sys.argv[0]], limit_of=limit_of)
     record = run(bench, sys.argv[1:])
     if record is None:
         return {}
