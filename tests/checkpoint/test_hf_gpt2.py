@@ -13,6 +13,8 @@ from torch.distributed.tensor import DTensor
 
 from tests.harness import rank_slice, run_on_ranks
 
+pytestmark = pytest.mark.slow  # every rank imports transformers (minutes): `pytest -m slow`
+
 transformers = pytest.importorskip(
     "transformers", reason="transformers is not installed (pip install -e '.[test]')")
 safetensors_torch = pytest.importorskip("safetensors.torch")

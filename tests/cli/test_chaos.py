@@ -27,6 +27,8 @@ import torch
 from tests.cli.test_train import TINY
 from tests.harness import run_on_ranks
 
+pytestmark = pytest.mark.slow  # minutes of launchers and restarts: `pytest -m slow`
+
 SEED = 11
 STEPS, EVERY, KILLS = 60, 10, 3
 MODEL = ["--n-layer", "2", "--n-head", "2", "--d-model", "32", "--seq-len", "32",

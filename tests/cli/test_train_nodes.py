@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # minutes of launchers and restarts: `pytest -m slow`
+
 TRAIN = ["train", "--strategy", "hsdp", "--n-layer", "1", "--n-head", "2", "--d-model", "32",
          "--seq-len", "16", "--batch-size", "8", "--steps", "3", "--warmup", "1",
          "--eval-batches", "1", "--log-every", "1", "--corpus-bytes", "100000", "--no-progress"]

@@ -17,6 +17,8 @@ import torch
 from tests.cli.test_train import TINY
 from tests.harness import run_on_ranks
 
+pytestmark = pytest.mark.slow  # minutes of launchers and restarts: `pytest -m slow`
+
 SCRIPTS = Path(__file__).parent / "scripts"
 SHORT = "5"  # seconds: how long a silent node takes to be declared lost
 

@@ -48,7 +48,10 @@ def spawn(module: str, rank: int, world: int, port: int, extra_env=None) -> subp
     return subprocess.Popen([sys.executable, "-m", module], env=env, cwd=ROOT)
 
 
-CHANNELS = [os.environ[CHANNEL_ENV]] if os.environ.get(CHANNEL_ENV) else ["tcp", "shm"]
+# the default run covers shared memory (what `auto` picks between workers on one host); TCP, the
+# channel between hosts, runs with the slow tests (`pytest -m slow`, CI)
+CHANNELS = [os.environ[CHANNEL_ENV]] if os.environ.get(CHANNEL_ENV) else [
+    pytest.param("tcp", marks=pytest.mark.slow), "shm"]
 
 
 @pytest.fixture(scope="session", params=CHANNELS, autouse=True)
