@@ -38,6 +38,7 @@ def _report(err):
     return "\n".join(lines[starts[-1]:])
 
 
+@pytest.mark.slow  # 20 launches: `pytest -m slow`
 def test_a_raising_rank_1_is_blamed_every_time():
     # rank 0 fails too, moments later, with gloo's "Connection closed by peer": a consequence.
     # Half the runs make rank 1 exit a second after rank 0, so exit order would blame rank 0.

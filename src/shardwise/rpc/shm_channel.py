@@ -44,6 +44,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from shardwise.distributed.env import int_var
 from shardwise.rpc import shm_ring
 from shardwise.rpc.shm_pool import PAGE, PoolError, PoolReader, PoolWriter, pool_bytes
 from shardwise.rpc.shm_ring import Ring, SegmentError
@@ -64,12 +65,12 @@ ENV = "SHARDWISE_RPC_CHANNEL"
 MODES = ("auto", "tcp", "shm")
 RING_BYTES = 4 << 20  # per direction
 SEGMENT_MIN = 256 << 10  # buffers this large go through the pool or a segment of their own
-POOL_BYTES = int(float(os.environ.get("SHARDWISE_RPC_SHM_POOL_MB", "256")) * (1 << 20)) \
-    // 4096 * 4096  # per direction; 0: a segment per large buffer
+POOL_BYTES = int_var("SHARDWISE_RPC_SHM_POOL_MB", 256, minimum=0) * (1 << 20)  # per direction;
+# 0: a segment per large buffer
 MAX_RING, MAX_POOL = 1 << 30, 1 << 40
 NO_SLOT = 0xFFFFFFFF  # descriptor of a buffer in a segment of its own
 _DESCRIPTOR = struct.Struct("!IIQ")  # pool slot (or NO_SLOT), 0, offset in the pool
-SPIN_US = float(os.environ.get("SHARDWISE_RPC_SHM_SPIN_US", "0"))
+SPIN_US = int_var("SHARDWISE_RPC_SHM_SPIN_US", 0, minimum=0)
 _HELLO = struct.Struct("!4sB16sI16sQQQ")  # magic, mode, boot, uid, nonce, ring, seg min, pool
 _HELLO_MAGIC = b"SWC1"
 _DATA, _SPACE = b"D", b"S"  # doorbell bytes: "your incoming ring has data" / "has space"
