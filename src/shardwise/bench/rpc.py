@@ -92,12 +92,15 @@ def _measure(rpc, args) -> dict:
 def _worker(impl: str, rank: int, port: int, args, q) -> None:
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    kwargs = {}
     if impl.startswith("shardwise"):
         os.environ["SHARDWISE_RPC_CHANNEL"] = impl.split("-")[1]
         import shardwise.rpc as rpc
+
+        kwargs["allowed_modules"] = [__name__]  # echo and sink, by shardwise's allow-list
     else:
         import torch.distributed.rpc as rpc
-    rpc.init_rpc(f"w{rank}", rank=rank, world_size=2)
+    rpc.init_rpc(f"w{rank}", rank=rank, world_size=2, **kwargs)
     if rank == 0:
         q.put(_measure(rpc, args))
     rpc.shutdown()
