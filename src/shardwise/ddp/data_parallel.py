@@ -14,6 +14,7 @@ accumulation]). ``join()`` handles uneven inputs (join.py).
 from __future__ import annotations
 
 import warnings
+import weakref
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -29,6 +30,7 @@ from shardwise.distributed.collectives import broadcast_coalesced
 from shardwise.distributed.comm_hooks import CommHook, CommHookSlot
 from shardwise.distributed.data_parallel import buffers_to_sync, resolve_group, sync_module_state
 from shardwise.distributed.grad_buckets import Bucket, BucketSizes, GradBucketer, Waitable
+from shardwise.distributed.shm_reduce import ShmReducer, usable
 
 
 class DistributedDataParallel(nn.Module, Joinable):
@@ -91,6 +93,7 @@ class DistributedDataParallel(nn.Module, Joinable):
             self._finish, allow_unused=find_unused_parameters, unused_group=self.process_group,
             detached=True,
         )
+        self._shm = self._shared_memory_buckets()
         if static_graph:
             self._set_static_graph()
 
@@ -186,11 +189,26 @@ class DistributedDataParallel(nn.Module, Joinable):
             self._join_divisor, self._join_work = active_ranks(self._join_work), None
         return self._join_divisor or self.world_size
 
+    def _shared_memory_buckets(self) -> ShmReducer | None:
+        """On one host, the buckets become slots of a shared segment and the averaging
+        all-reduce runs through it (see [Note: same-host shared-memory reduction])."""
+        buckets = self.reducer.buckets
+        if not usable(self.process_group, self.device):
+            return None
+        shm = ShmReducer([(b.numel, b.params[0].dtype) for b in buckets], self.process_group)
+        for bucket in buckets:
+            bucket.adopt(shm.buffer(bucket.index))
+        weakref.finalize(self, shm.close)
+        return shm
+
     def _launch(self, bucket: Bucket) -> Waitable | None:
         if self._comm_hooks.hook is not None:
             return self._comm_hooks.run(bucket, len(self.reducer.buckets))
         if self.world_size == 1:
             return None
+        if self._shm is not None and self.reducer.scale is not None \
+                and bucket.buffer is self._shm.buffer(bucket.index):
+            return self._shm.launch(bucket.index)  # averaged on the way in, same host
         if self.reducer.scale is None:  # not averaged on the way in (join decides the divisor)
             bucket.buffer.div_(self._divisor())
         return dist.all_reduce(bucket.buffer, group=self.process_group, async_op=True)

@@ -110,12 +110,22 @@ class Bucket:
         """The buffer, allocated if absent (padding zeroed; slots are written by copies)."""
         if self.buffer is None:
             first = self.params[0]
-            self.buffer = torch.empty(self.numel, dtype=first.dtype, device=first.device)
-            used = self.offsets[-1] + self.params[-1].numel()
-            self.buffer[used:].zero_()
-            self.views = [self.buffer[o : o + p.numel()].view_as(p)
-                          for o, p in zip(self.offsets, self.params)]
+            self.allocate_into(torch.empty(self.numel, dtype=first.dtype, device=first.device))
         return self.buffer
+
+    def adopt(self, buffer: torch.Tensor) -> None:
+        """Use ``buffer`` (1D, ``numel`` elements; shared memory, for example) as the buffer."""
+        if buffer.numel() != self.numel:
+            raise ValueError(f"bucket {self.index} holds {self.numel} elements, the buffer "
+                             f"{buffer.numel()}")
+        self.allocate_into(buffer)
+
+    def allocate_into(self, buffer: torch.Tensor) -> None:
+        self.buffer = buffer
+        used = self.offsets[-1] + self.params[-1].numel()
+        self.buffer[used:].zero_()
+        self.views = [self.buffer[o : o + p.numel()].view_as(p)
+                      for o, p in zip(self.offsets, self.params)]
 
     def release(self) -> None:
         """Drop the buffer (a lazy bucket between uses)."""

@@ -1,0 +1,267 @@
+"""Averaging all-reduce of gradient buckets through one shared-memory segment (ranks on one host).
+
+[Note: same-host shared-memory reduction]
+On one host, gloo's all-reduce moves every byte through loopback TCP: a copy into the kernel and
+one out on each hop, on the CPU cores that also run forward and backward. With every core busy
+(one rank per core), that CPU time is added to the step however well it overlaps. NCCL avoids
+the socket between GPUs of one node; this module does the same for CPU ranks of one host.
+
+Every rank maps one segment that holds, for each bucket, one slot per rank. A bucket's buffer is
+the rank's own slot, so the bucketer's copy of the gradients into the bucket (already scaled by
+1/world size) writes straight into shared memory. Reducing bucket ``b`` then takes two phases,
+run in launch order on one worker thread per rank (torch's kernels release the GIL, so backward
+goes on meanwhile):
+
+1. when every rank has posted the bucket, rank ``r`` adds part ``r`` of every other rank's slot
+   into part ``r`` of its own slot (the parts split the bucket evenly);
+2. when every rank has reduced its part, rank ``r`` copies part ``k`` from rank ``k``'s slot for
+   every ``k != r``, and then signals that it has finished reading.
+
+Each part is summed by one rank only and copied by the others, so every rank ends with the same
+bits. Per rank that is one read of the bucket and one write of it, against gloo's socket
+traffic. ``wait()`` returns when every rank has finished reading the bucket, so the next backward
+may overwrite the slots.
+
+Synchronisation uses three int64 words per rank (posted, reduced, read), each written only by
+its owner with the bucket's sequence number; the segment's pages are shared and x86's stores are
+seen in program order, so a peer that sees the word also sees the data written before it. The
+path is therefore used on x86-64 only (elsewhere the plain all-reduce runs). A waiter polls
+briefly and then sleeps with a growing back-off (the cores are busy with compute; it must not
+spin); after the group's timeout it raises an error naming the ranks that never arrived.
+
+The segment is created by rank 0 in ``/dev/shm`` with mode 0600 under a random name, which is
+broadcast as bytes (nothing is unpickled); every rank maps it, and after a barrier rank 0 unlinks
+it, so a crash later leaves nothing behind. ``SHARDWISE_NO_SHM_REDUCE=1`` turns the path off.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import mmap
+import os
+import platform
+import queue
+import secrets
+import socket
+import threading
+import time
+from collections.abc import Sequence
+from contextlib import suppress
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from shardwise.distributed.env import flag_var
+from shardwise.distributed.timeouts import default_timeout
+
+DISABLE_VAR = "SHARDWISE_NO_SHM_REDUCE"
+SHM_DIR = "/dev/shm"
+_ALIGN = 64  # bytes: slots and words start on their own cache line
+_WORDS = 3  # posted, reduced, read
+_POSTED, _REDUCED, _READ = range(_WORDS)
+
+
+def host_id() -> bytes:
+    """32 bytes that equal another process's exactly when both run on this host and boot."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id", "rb") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = b""
+    return hashlib.sha256(socket.gethostname().encode() + b"\0" + boot).digest()
+
+
+def same_host(group: dist.ProcessGroup) -> bool:
+    """Whether every rank of ``group`` runs on this host (one all-gather of 32 bytes)."""
+    mine = torch.frombuffer(bytearray(host_id()), dtype=torch.uint8)
+    everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(everyone, mine, group=group)
+    return all(torch.equal(mine, other) for other in everyone)
+
+
+def usable(group: dist.ProcessGroup, device: torch.device) -> bool:
+    """Whether :class:`ShmReducer` may serve ``group`` for tensors on ``device``.
+
+    Collective (every rank must call it): CPU tensors, x86-64, more than one rank, not turned
+    off by the environment, and every rank on this host.
+    """
+    if device.type != "cpu" or dist.get_world_size(group) < 2:
+        return False
+    local = platform.machine().lower() in ("x86_64", "amd64") and not flag_var(DISABLE_VAR)
+    flag = torch.tensor([1 if local else 0], dtype=torch.int32)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+    return bool(flag.item()) and same_host(group)
+
+
+def _aligned(n: int) -> int:
+    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+class _Segment:
+    """The shared mapping: created and named by rank 0, mapped by all, then unlinked."""
+
+    def __init__(self, nbytes: int, group: dist.ProcessGroup):
+        rank = dist.get_rank(group)
+        name = torch.zeros(64, dtype=torch.uint8)
+        path = None
+        if rank == 0:
+            path = os.path.join(SHM_DIR, f"shardwise-dp-{os.getpid()}-{secrets.token_hex(8)}")
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            os.ftruncate(fd, nbytes)
+            raw = path.encode()
+            name[: len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+        try:
+            group0 = dist.get_global_rank(group, 0)
+            dist.broadcast(name, src=group0, group=group)
+            if rank != 0:
+                path = bytes(name[name.nonzero().flatten()].tolist()).decode()
+                fd = os.open(path, os.O_RDWR)
+            try:
+                self.map = mmap.mmap(fd, nbytes)
+            finally:
+                os.close(fd)
+            dist.barrier(group=group)  # everyone has mapped it: the name is no longer needed
+        finally:
+            if rank == 0 and path is not None:
+                _unlink(path)
+        self.nbytes = nbytes
+
+    def tensor(self, offset: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        return torch.frombuffer(self.map, dtype=dtype, count=numel, offset=offset)
+
+    def close(self) -> None:
+        with suppress(BufferError):  # a tensor still views it: unmapped with the last one
+            self.map.close()
+
+
+def _unlink(path: str) -> None:
+    with suppress(FileNotFoundError):
+        os.unlink(path)
+
+
+class ShmReducer:
+    """Averaging all-reduce of fixed buckets through shared memory (see the Note above).
+
+    ``layouts`` are ``(numel, dtype)`` per bucket, the same on every rank. :meth:`buffer` gives
+    the rank's own slot of bucket ``i``, a 1D tensor the caller fills (already scaled) before
+    :meth:`launch`. Launches must come in the same order on every rank, as for a collective.
+    Construction is collective over ``group`` (a broadcast and a barrier).
+    """
+
+    def __init__(self, layouts: Sequence[tuple[int, torch.dtype]], group: dist.ProcessGroup,
+                 timeout: timedelta | None = None):
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world = dist.get_world_size(group)
+        self.timeout = (timeout or default_timeout()).total_seconds()
+        self._words_at = 0
+        offset = _aligned(self.world * _WORDS * _ALIGN)
+        self._slots: list[list[tuple[int, int, torch.dtype]]] = []
+        for numel, dtype in layouts:
+            size = _aligned(numel * torch.empty((), dtype=dtype).element_size())
+            self._slots.append([(offset + r * size, numel, dtype) for r in range(self.world)])
+            offset += self.world * size
+        self._segment = _Segment(offset, group)
+        stride = _ALIGN // 8
+        words = self._segment.tensor(0, self.world * _WORDS * stride, torch.int64)
+        self._words = words.view(self.world, _WORDS, stride)[:, :, 0]
+        self._views = [[self._segment.tensor(o, n, d) for o, n, d in slots]
+                       for slots in self._slots]
+        self._seq = int(self._words[self.rank, _POSTED])  # 0 in a fresh segment
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._closed = False
+        self._worker = threading.Thread(target=self._run, name="shardwise-shm-reduce",
+                                        daemon=True)
+        self._worker.start()
+
+    def buffer(self, index: int) -> torch.Tensor:
+        """This rank's slot of bucket ``index`` (1D, the bucket's numel)."""
+        return self._views[index][self.rank]
+
+    def launch(self, index: int) -> ShmWork:
+        """Post bucket ``index`` (its slot is filled) and reduce it in the background."""
+        if self._closed:
+            raise RuntimeError("shared-memory reducer used after close()")
+        self._seq += 1
+        self._words[self.rank, _POSTED] = self._seq
+        work = ShmWork(self, index, self._seq)
+        self._jobs.put(work)
+        return work
+
+    def close(self) -> None:
+        """Stop the worker thread and drop the mapping (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._jobs.put(None)
+        self._worker.join()
+        self._views, self._words = [], None
+        self._segment.close()
+
+    # ------------------------------------------------------------ worker thread
+    def _run(self) -> None:
+        while True:
+            work = self._jobs.get()
+            if work is None:
+                return
+            try:
+                self._reduce(work.index, work.seq)
+            except BaseException as exc:  # handed to the waiter, never lost on this thread
+                work.error = exc
+            work.done.set()
+
+    def _reduce(self, index: int, seq: int) -> None:
+        slots, r = self._views[index], self.rank
+        self._await(_POSTED, seq, index)
+        own = self._parts(slots[r])
+        for k in range(self.world):
+            if k != r:
+                own[r].add_(self._parts(slots[k])[r])
+        self._words[r, _REDUCED] = seq
+        self._await(_REDUCED, seq, index)
+        for k in range(self.world):
+            if k != r:
+                own[k].copy_(self._parts(slots[k])[k])
+        self._words[r, _READ] = seq
+
+    def _parts(self, slot: torch.Tensor) -> list[torch.Tensor]:
+        base, extra = divmod(slot.numel(), self.world)
+        sizes = [base + (1 if k < extra else 0) for k in range(self.world)]
+        return list(slot.split(sizes))
+
+    def _await(self, word: int, seq: int, index: int) -> None:
+        """Until every rank's ``word`` reaches ``seq``; a named error after the timeout."""
+        column = self._words[:, word]
+        deadline = time.monotonic() + self.timeout
+        pause = 0.0
+        while int(column.min()) < seq:
+            if time.monotonic() > deadline:
+                late = [k for k in range(self.world) if int(column[k]) < seq]
+                stage = ("posted", "reduced its part of", "read")[word]
+                raise RuntimeError(
+                    f"shared-memory gradient reduction: rank(s) {late} of the group have not "
+                    f"{stage} bucket {index} after {self.timeout:.0f} s (a rank died, hangs, or "
+                    "runs a different number of backward passes)")
+            time.sleep(pause)
+            pause = min(2e-4, pause * 2 if pause else 1e-5)
+
+    def wait_read(self, work: ShmWork) -> None:
+        """Until every rank has finished reading ``work``'s bucket (its slots may change)."""
+        self._await(_READ, work.seq, work.index)
+
+
+class ShmWork:
+    """One launched bucket reduction; ``wait()`` returns when every rank has read it."""
+
+    def __init__(self, reducer: ShmReducer, index: int, seq: int):
+        self.reducer, self.index, self.seq = reducer, index, seq
+        self.done = threading.Event()
+        self.error: BaseException | None = None
+
+    def wait(self) -> bool:
+        self.done.wait()
+        if self.error is not None:
+            raise self.error
+        self.reducer.wait_read(self)
+        return True

@@ -1,0 +1,136 @@
+"""Same-host shared-memory reduction against gloo's all-reduce and the one-process reference."""
+
+import os
+import stat
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from shardwise.ddp import DistributedDataParallel
+from shardwise.distributed import shm_reduce
+from shardwise.distributed.shm_reduce import DISABLE_VAR, ShmReducer, usable
+from tests.harness import WORLD_SIZES, assert_rel_close, run_on_ranks
+
+LAYOUTS = [(7, torch.float32), (1000, torch.float64), (3, torch.float32), (64, torch.bfloat16)]
+
+
+def _ours_left() -> list[str]:
+    return [n for n in os.listdir(shm_reduce.SHM_DIR) if n.startswith("shardwise-dp-")]
+
+
+def _data(rank: int, numel: int, dtype: torch.dtype, step: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(1000 * step + 10 * rank + numel)
+    return torch.randn(numel, generator=gen, dtype=torch.float64).to(dtype)
+
+
+def _equals_all_reduce(ctx):
+    if ctx.world_size == 1:
+        assert not usable(ctx.group, torch.device("cpu")), "one rank has nothing to reduce"
+        return
+    assert usable(ctx.group, torch.device("cpu"))
+    modes = []
+    real_unlink = shm_reduce._unlink
+
+    def recording_unlink(path):
+        modes.append(stat.S_IMODE(os.stat(path).st_mode))
+        real_unlink(path)
+
+    shm_reduce._unlink = recording_unlink
+    try:
+        reducer = ShmReducer(LAYOUTS, ctx.group)
+    finally:
+        shm_reduce._unlink = real_unlink
+    if ctx.rank == 0:
+        assert modes == [0o600], f"segment mode {modes}"
+    assert _ours_left() == [], "the segment must be unlinked once every rank mapped it"
+    try:
+        for step in range(3):  # slots are reused: a later step must not see an earlier one
+            works = []
+            for i, (numel, dtype) in enumerate(LAYOUTS):
+                reducer.buffer(i).copy_(_data(ctx.rank, numel, dtype, step))
+                works.append(reducer.launch(i))
+            for i, work in reversed(list(enumerate(works))):
+                work.wait()
+                numel, dtype = LAYOUTS[i]
+                plain = _data(ctx.rank, numel, dtype, step)
+                dist.all_reduce(plain, group=ctx.group)
+                tol = 1e-2 if dtype == torch.bfloat16 else 1e-6
+                assert_rel_close(reducer.buffer(i), plain, tol, f"bucket {i} step {step}")
+                exact = sum(_data(k, numel, torch.float64, step).to(dtype).double()
+                            for k in range(ctx.world_size))
+                assert_rel_close(reducer.buffer(i).double(), exact, tol, f"bucket {i} exact")
+        gathered = [torch.empty(1000, dtype=torch.float64) for _ in range(ctx.world_size)]
+        dist.all_gather(gathered, reducer.buffer(1).clone(), group=ctx.group)
+        assert all(torch.equal(g, gathered[0]) for g in gathered), "ranks differ in bits"
+    finally:
+        reducer.close()
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_shm_reduction_equals_gloo_all_reduce(world_size):
+    run_on_ranks(world_size, _equals_all_reduce)
+
+
+def _peer_never_posts(ctx):
+    reducer = ShmReducer([(16, torch.float32)], ctx.group, timeout=timedelta(seconds=1.5))
+    try:
+        if ctx.rank == 0:
+            reducer.buffer(0).fill_(1.0)
+            with pytest.raises(RuntimeError, match=r"rank\(s\) \[1\] .* not posted bucket 0"):
+                reducer.launch(0).wait()
+    finally:
+        reducer.close()
+    dist.barrier(group=ctx.group)
+
+
+def test_a_rank_that_never_arrives_is_named_after_the_timeout():
+    run_on_ranks(2, _peer_never_posts)
+
+
+class _Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(12, 40)
+        self.b = nn.Linear(40, 40)
+        self.c = nn.Linear(40, 5)
+
+    def forward(self, x):
+        return self.c(torch.relu(self.b(torch.relu(self.a(x)))))
+
+
+def _ddp_matches_reference(ctx, disabled: bool):
+    os.environ[DISABLE_VAR] = "1" if disabled else "0"
+    try:
+        torch.manual_seed(0)
+        model = _Net()
+        ref = _Net()
+        ref.load_state_dict(model.state_dict())
+        ddp = DistributedDataParallel(model, process_group=ctx.group, bucket_cap_mb=0.004)
+    finally:
+        del os.environ[DISABLE_VAR]
+    expect_shm = ctx.world_size > 1 and not disabled
+    assert (ddp._shm is not None) == expect_shm
+    assert len(ddp.reducer.buckets) > 2
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for step in range(4):
+        gen = torch.Generator().manual_seed(step)
+        xs = torch.randn(ctx.world_size, 3, 12, generator=gen)
+        ddp(xs[ctx.rank]).square().mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=step % 2 == 0)
+        for k in range(ctx.world_size):
+            ref(xs[k]).square().mean().div(ctx.world_size).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            assert_rel_close(p.detach(), q.detach(), 1e-5, f"{name} after step {step}")
+
+
+@pytest.mark.parametrize("disabled", [False, True], ids=["shm", "gloo"])
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_ddp_through_shared_memory_matches_the_reference(world_size, disabled):
+    run_on_ranks(world_size, _ddp_matches_reference, disabled)
