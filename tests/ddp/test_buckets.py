@@ -54,3 +54,32 @@ def test_default_sizes_follow_the_cap():
     assert BucketSizes.default() == BucketSizes(25 * MIB, MIB, 25 * MIB, 2 * MIB)
     small = BucketSizes.default(0.5)
     assert small.cap == small.first_cap == small.tail_cap == MIB // 2
+
+
+def _hook_is_registered_on(ctx):
+    import torch
+    from torch import nn
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    from shardwise.ddp import DistributedDataParallel
+    from shardwise.distributed.grad_buckets import MIB
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(256, 256) for _ in range(12)])  # 3 MiB in all
+    ddp = DistributedDataParallel(model, process_group=ctx.group, bucket_cap_mb=25)
+    before = [b.numel for b in ddp.reducer.buckets]
+    ddp.register_comm_hook(ctx.group, default_hooks.allreduce_hook)
+    after = [b.numel for b in ddp.reducer.buckets]
+    assert ddp._shm is None, "a hook's collectives are its own: no shared-memory buckets"
+    ddp(torch.randn(2, 256)).sum().backward()
+    with pytest.raises(RuntimeError, match="before the first backward"):
+        ddp.reducer.replan(ddp._bucket_sizes)
+    return before, after, MIB
+
+
+def test_a_comm_hook_gets_torchs_bucket_sizes_without_the_small_tail():
+    from tests.harness import run_on_ranks
+
+    before, after, mib = run_on_ranks(2, _hook_is_registered_on)[0]
+    assert max(before) * 4 <= 2 * mib and len(before) > 2, before  # the small tail
+    assert len(after) == 2 and after[0] * 4 <= mib < after[1] * 4, after  # 1 MiB, then the rest

@@ -88,8 +88,9 @@ class DistributedDataParallel(nn.Module, Joinable):
         self._sync_buffers_next = True  # torch's require_forward_param_sync
         if init_sync:
             sync_module_state(module, self.process_group)
+        self._bucket_sizes = BucketSizes.default(bucket_cap_mb)
         self.reducer = GradBucketer(
-            list(module.named_parameters()), BucketSizes.default(bucket_cap_mb), self._launch,
+            list(module.named_parameters()), self._bucket_sizes, self._launch,
             self._finish, allow_unused=find_unused_parameters, unused_group=self.process_group,
             detached=True,
         )
@@ -137,6 +138,13 @@ class DistributedDataParallel(nn.Module, Joinable):
         all-reduce (torch's contract; see distributed/comm_hooks.py; torch's hooks and ours in
         ``shardwise.ddp.hooks`` both fit). Only one hook may be registered."""
         self._comm_hooks.register(state, hook)
+        # torch's bucket sizes: a hook pays per bucket (see BucketSizes.without_tail), and its
+        # collectives are its own, so the shared-memory buckets are not used
+        if not self.reducer.reductions:  # later, the buckets in use stay as they are
+            self.reducer.replan(self._bucket_sizes.without_tail())
+        if self._shm is not None:
+            self._shm.close()
+            self._shm = None
 
     def _set_static_graph(self) -> None:
         """Declare the graph static (see the class docstring); before the first backward."""

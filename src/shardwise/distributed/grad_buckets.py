@@ -176,6 +176,12 @@ class BucketSizes:
         return cls(cap, min(cap, int(FIRST_CAP_MB * MIB)), int(DEFAULT_CAP_MB * MIB),
                    min(cap, int(TAIL_CAP_MB * MIB)))
 
+    def without_tail(self) -> BucketSizes:
+        """The same caps with no tail of small buckets (torch's sizes): for communication
+        hooks, whose cost per bucket (several collectives, compression) outweighs what a small
+        last bucket saves at the end of backward."""
+        return replace(self, tail_bytes=0, tail_cap=None)
+
 
 DEFAULT_CAP_MB = 25.0
 FIRST_CAP_MB = 1.0
@@ -295,23 +301,35 @@ class GradBucketer:
         self._expected: dict[nn.Parameter, int] | None = None  # static graph: learned firings
         self._static_unused: list[frozenset[int]] | None = None  # static graph: per bucket
         key_fn = sharded.owner_of if sharded is not None else None
-        keys = [(p.dtype, p.device, key_fn(p) if key_fn else None) for _, p in named]
-        plan = plan_buckets([p.numel() * p.element_size() for _, p in named], keys, sizes.cap,
-                            sizes.first_cap, sizes.tail_bytes, sizes.tail_cap)
+        self._named = named
+        self._keys = [(p.dtype, p.device, key_fn(p) if key_fn else None) for _, p in named]
+        self._plan(sizes)
+        self._handles = []
+        for _, p in named:
+            self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad))
+            if detached:
+                _DETACHED[p] = weakref.ref(self)
+        self._next_launch = 0
+
+    def _plan(self, sizes: BucketSizes) -> None:
+        named = self._named
+        plan = plan_buckets([p.numel() * p.element_size() for _, p in named], self._keys,
+                            sizes.cap, sizes.first_cap, sizes.tail_bytes, sizes.tail_cap)
         self.buckets = [self._make_bucket(k, [named[i] for i in idx])
                         for k, idx in enumerate(plan)]
         if not self.lazy_buffers:
             for bucket in self.buckets:
                 bucket.allocate()
-        self._where: dict[nn.Parameter, tuple[Bucket, int]] = {}
-        self._handles = []
-        for bucket in self.buckets:
-            for i, p in enumerate(bucket.params):
-                self._where[p] = (bucket, i)
-                self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad))
-                if detached:
-                    _DETACHED[p] = weakref.ref(self)
-        self._next_launch = 0
+        self._where: dict[nn.Parameter, tuple[Bucket, int]] = {
+            p: (bucket, i) for bucket in self.buckets for i, p in enumerate(bucket.params)}
+
+    def replan(self, sizes: BucketSizes) -> None:
+        """Group the parameters into buckets anew (new buffers); before the first reduction
+        only, when no backward is in progress."""
+        if self.reductions or self._in_backward:
+            raise RuntimeError("buckets can only be re-planned before the first backward pass "
+                               "that reduces gradients")
+        self._plan(sizes)
 
     @staticmethod
     def _make_bucket(index: int, named: list[tuple[str, nn.Parameter]]) -> Bucket:
