@@ -57,23 +57,37 @@ def broadcast_buffers(module: nn.Module, group: dist.ProcessGroup | None, src: i
 
 
 def sharded_grad_norm(grads: Sequence[torch.Tensor], norm_type: float,
-                      group: dist.ProcessGroup | None, device: torch.device) -> torch.Tensor:
-    """The ``norm_type`` norm of all ranks' ``grads`` together, each rank passing a disjoint
-    part (collective: one all-reduce). A 0-dim float32 tensor, the same on every rank."""
+                      group: dist.ProcessGroup | None, device: torch.device, *,
+                      copies: Sequence[int] | None = None,
+                      second_group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """The ``norm_type`` norm of all ranks' ``grads`` together: a 0-dim float32 tensor, the
+    same on every rank. Collective: one all-reduce (sum of ``|g|^p``, or max for the infinity
+    norm) over ``group``, and one more over ``second_group`` when the gradients are split along
+    a second mesh axis as well (tensor parallelism under FSDP).
+
+    Each rank passes its disjoint part of every gradient. A part that several ranks of the two
+    groups hold identically (a tensor-parallel replicated parameter) gives its number of holders
+    in ``copies`` (one per gradient, default 1), so it counts once; the max ignores it."""
     norm_type = float(norm_type)
-    grads = [g.detach() for g in grads if g.numel()]
+    weights = list(copies) if copies is not None else [1] * len(grads)
+    if len(weights) != len(grads):
+        raise ValueError(f"copies has {len(weights)} entries for {len(grads)} gradients")
+    kept = [(g.detach(), n) for g, n in zip(grads, weights) if g.numel()]
     if math.isinf(norm_type):
-        local = torch.stack([g.abs().max().float() for g in grads]).max() if grads else \
+        local = torch.stack([g.abs().max().float() for g, _ in kept]).max() if kept else \
             torch.zeros((), device=device)
-        total = local.reshape(1).clone()
-        dist.all_reduce(total, op=dist.ReduceOp.MAX, group=group)
-        return total[0]
-    norms = [torch.linalg.vector_norm(g, norm_type, dtype=torch.float32) for g in grads]
-    local = torch.stack(norms).pow(norm_type).sum() if norms else \
-        torch.zeros((), device=device)
+        op = dist.ReduceOp.MAX
+    else:
+        terms = [torch.linalg.vector_norm(g, norm_type, dtype=torch.float32).pow(norm_type) / n
+                 for g, n in kept]
+        local = torch.stack(terms).sum() if terms else torch.zeros((), device=device)
+        op = dist.ReduceOp.SUM
     total = local.reshape(1).clone()
-    dist.all_reduce(total, group=group)
-    return total[0] ** (1.0 / norm_type)
+    axes = [group] if second_group is None else [group, second_group]
+    for axis in axes:
+        if dist.get_world_size(axis) > 1:
+            dist.all_reduce(total, op=op, group=axis)
+    return total[0] if math.isinf(norm_type) else total[0] ** (1.0 / norm_type)
 
 
 def clip_by_total_norm(grads: Sequence[torch.Tensor], max_norm: float,
