@@ -25,11 +25,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from shardwise.distributed.grad_buckets import MIB
 from shardwise.memory import peak_memory_bytes
 
 METRICS_FILE = "metrics.jsonl"
 LOSS_PNG = "loss.png"
-MIB = 1024 * 1024
 
 
 class RunLog:
