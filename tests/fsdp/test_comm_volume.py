@@ -16,10 +16,13 @@ whatever the schedule) a third of it. Counts are exact; nothing is timed.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from shardwise import DistributedDataParallel, fully_shard
 from shardwise.distributed import CommCounter, init_device_mesh
+from shardwise.distributed.shm_reduce import DISABLE_VAR
 from shardwise.models import GPT, GPTConfig, lm_loss
 from tests.harness import run_on_ranks
 
@@ -42,7 +45,13 @@ def _cross_node_per_step(ctx, strategy: str):
     kept_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
                      if not n.startswith("blocks.") or n.startswith(last))
     if strategy == "ddp":
-        model = DistributedDataParallel(model)
+        # two simulated nodes on one host: DDP's same-host shared-memory reduction would move
+        # nothing through the group, so the gloo path shows the pattern that crosses real nodes
+        os.environ[DISABLE_VAR] = "1"
+        try:
+            model = DistributedDataParallel(model)
+        finally:
+            del os.environ[DISABLE_VAR]
     else:
         mesh = init_device_mesh("cpu", (2, 2) if strategy.startswith("hsdp") else (4,))
         for block in model.blocks:

@@ -131,22 +131,15 @@ def _train_twice(ctx, reentrant: bool, reshard_after_backward: bool):
         assert_rel_close(state[key], value, 1e-5, key)
 
 
-NOT_YET = pytest.mark.xfail(strict=True, raises=Exception, reason=(
-    "known limitation: a reentrant checkpoint inside a unit whose parameter also gets its "
-    "gradient outside the checkpoint: the unit has every parameter's gradient (and "
-    "reshards) before autograd recomputes the checkpointed region, which then meets the "
-    "sharded parameters, an error from DTensor (torch's FSDP2 ends a unit's backward when its "
-    "inputs' gradients arrive instead; not done here). Use use_reentrant=False, or "
-    "set_reshard_after_backward(False)."))
-
-
-@pytest.mark.parametrize("world_size", [1, 2])
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
 @pytest.mark.parametrize("reentrant,reshard_after_backward", [
-    (False, True), (False, False), (True, False), pytest.param(True, True, marks=NOT_YET)])
+    (False, True), (False, False), (True, False), (True, True)])
 def test_gradient_arriving_twice_in_a_unit_is_summed(world_size, reentrant,
                                                      reshard_after_backward):
     """Non-reentrant: one graph, each parameter's gradient arrives once. Reentrant: the
-    checkpointed layer's gradient arrives a second time from the inner backward, after the
-    unit's reduction was issued; it is reduced at the end of backward and the result equals the
-    plain model's (before the state machine it was dropped)."""
+    checkpointed layer's gradient arrives a second time from the inner backward, which
+    recomputes the layer after every parameter of the unit already has a gradient from outside
+    the checkpoint; the unit's backward ends only when its inputs' gradients are computed, so the
+    parameters are still gathered for the recompute and the two contributions are reduced
+    together; the result equals the plain model's, with or without resharding after backward."""
     run_on_ranks(world_size, _train_twice, reentrant, reshard_after_backward)

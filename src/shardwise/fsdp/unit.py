@@ -15,7 +15,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils._pytree import tree_map
+from torch.autograd.graph import register_multi_grad_hook
+from torch.utils._pytree import tree_flatten, tree_map
 
 from shardwise.fsdp.checks import class_name
 from shardwise.fsdp.collectives import register_pre_backward
@@ -77,6 +78,7 @@ class FSDPUnit:
         self.late_grads = False  # gradients arrived in POST_BACKWARD, reduced at the end
         self._arrived: set[int] = set()  # leaves whose gradient arrived in this backward
         self._expected = 0  # leaves that require grad, read at the first arrival
+        self._inputs_pending = 0  # forwards whose inputs' gradients backward has not produced
         self.forward_index = -1  # position of the current call in the forward order
         self.reshard_after_backward = True
         # set_modules_to_{forward,backward}_prefetch: None follows the recorded order
@@ -133,6 +135,7 @@ class FSDPUnit:
         self.state = TrainingState.IDLE
         self.recomputing = self.late_grads = False
         self._arrived.clear()
+        self._inputs_pending = 0
 
     def needs_gradients(self) -> bool:
         return self.handle is not None and self.handle.requires_grad
@@ -162,7 +165,10 @@ class FSDPUnit:
         else:
             if self.is_root:
                 self.root_state.start_forward()
+                for unit in self.root_state.units:
+                    unit._inputs_pending = 0
             self.state = TrainingState.FORWARD
+            self._watch_inputs(args, kwargs)
             self.root_state.unshard_for_forward(self, self.forward_prefetch_units)
             if self.handle is not None:
                 self.handle.use_unsharded_views()
@@ -170,6 +176,29 @@ class FSDPUnit:
         if mp is not None and mp.param_dtype is not None and mp.cast_forward_inputs:
             args, kwargs = _cast_floats((args, kwargs), mp.param_dtype)
         return args, kwargs
+
+    def _watch_inputs(self, args: tuple, kwargs: dict) -> None:
+        """Make the gradients of this forward's inputs one condition of the unit's backward
+        being over (see [Note: FSDP unit states])."""
+        if not torch.is_grad_enabled() or self.handle is None:
+            return
+        leaves, _ = tree_flatten((args, kwargs))
+        inputs = [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
+        if inputs:
+            self._inputs_pending += 1
+            register_multi_grad_hook(inputs, self._on_inputs_grad, mode="all")
+
+    def _on_inputs_grad(self, grads: Any) -> None:
+        self._inputs_pending -= 1
+        if self.state is TrainingState.PRE_BACKWARD and self._all_params_arrived():
+            self._maybe_post_backward()
+
+    def _all_params_arrived(self) -> bool:
+        return bool(self._arrived) and len(self._arrived) == self._expected
+
+    def _maybe_post_backward(self) -> None:
+        if self._inputs_pending <= 0:
+            self._post_backward()
 
     def _pre_recompute(self) -> None:
         """A forward during backward (see [Note: FSDP unit states]): parameters gathered and in
@@ -236,8 +265,8 @@ class FSDPUnit:
             self._expected = sum(s.requires_grad for s in self.handle.slots)
         self.handle.add_param_grad(index, sync=not self.no_sync)
         self._arrived.add(index)
-        if len(self._arrived) == self._expected:
-            self._post_backward()
+        if self._all_params_arrived():
+            self._maybe_post_backward()
 
     def _post_backward(self) -> None:
         """Every gradient of the unit is in: its backward is over (see the Note)."""
