@@ -124,8 +124,16 @@ def train_losses(ctx, pp: int, schedule: str, transport: str, micro: int = 4) ->
         if transport == "rpc":
             dist.barrier()  # every stage done with its RPCs before the agents stop
         return {"replica": layout.replica, "last": stage.is_last, "losses": losses,
-                "all_reduces": len(reductions),
+                "all_reduces": _reductions(module, reductions),
                 "peak_activation_bytes": stage.stats.peak_activation_bytes}
+
+
+def _reductions(module, all_reduces: list) -> int:
+    """Gradient reductions DDP ran (through gloo or, on one host, shared memory: counted by its
+    bucketer); without DDP, the all-reduce calls seen (there should be none)."""
+    if isinstance(module, DistributedDataParallel):
+        return module.reducer.reductions
+    return len(all_reduces)
 
 
 def activation_peaks(ctx, transport: str, micro: int = 8) -> dict:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 
 import pytest
+import torch
 
 from tests.harness import run_on_ranks
 from tests.pipeline import bodies
@@ -46,14 +47,7 @@ def test_single_stage_is_the_plain_model(transport):
         assert abs(got - expected) <= 1e-5 * abs(expected)
 
 
-# eval over RPC hung intermittently (2 of ~6 full-suite runs, both ranks stuck, 120 s) since the
-# RPC security and shared-memory merges; the p2p cases and RPC training are unaffected. Skipped
-# until the hang is found, so that it does not fail unrelated runs (see the issue 16 note).
-_RPC_EVAL = pytest.param("rpc", marks=pytest.mark.skip(
-    reason="known intermittent hang of schedule.eval over RPC, under investigation"))
-
-
-@pytest.mark.parametrize("transport", ["p2p", _RPC_EVAL])
+@pytest.mark.parametrize("transport", ["p2p", "rpc"])
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_eval_runs_forwards_only_and_training_goes_on(schedule, transport):
     """``schedule.eval`` gives the unsplit model's loss, leaves no gradient, no graph and no
@@ -65,3 +59,24 @@ def test_eval_runs_forwards_only_and_training_goes_on(schedule, transport):
     assert abs(last["evals"][0] - expected) <= 1e-5 * expected
     assert abs(last["train"] - expected) <= 1e-5 * expected
     assert all(r["no_grad_after_eval"] and r["grads_after_train"] for r in results)
+
+
+def test_the_next_rounds_activation_cannot_land_in_this_rounds_slot():
+    """The cause of an intermittent hang of eval-then-train over RPC: stage 0 finished an eval
+    and sent the training step's micro-batch 0 before stage 1 had taken the eval's micro-batch
+    0, and the second delivery replaced the first under the same key; the training step then
+    waited for an activation already consumed. Keys now carry the schedule call's round, and a
+    second delivery under one key is an error instead of a silent overwrite."""
+    from shardwise.pipeline import rpc_transport as rt
+
+    name = "test-rounds/stage1"
+    first, second = torch.zeros(2), torch.ones(2)
+    rt.deliver_activation(name, 0, 0, 11, first)
+    rt.deliver_activation(name, 1, 0, 12, second)  # the next round, early
+    box = rt._box(name)
+    assert box.take(("F", 0, 0), "round 0") == (11, first)
+    assert box.take(("F", 1, 0), "round 1") == (12, second)
+    rt.deliver_activation(name, 2, 0, 13, first)
+    with pytest.raises(RuntimeError, match="delivered twice"):
+        rt.deliver_activation(name, 2, 0, 14, second)
+    box.take(("F", 2, 0), "round 2")

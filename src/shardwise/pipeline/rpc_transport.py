@@ -45,6 +45,8 @@ class _Mailbox:
 
     def put(self, key: tuple, item: object) -> None:
         with self._cond:
+            if key in self._items:  # never overwrite: the first item would be lost
+                raise RuntimeError(f"pipeline mailbox: {key} delivered twice")
             self._items[key] = item
             self._cond.notify_all()
 
@@ -66,23 +68,24 @@ def _box(key: str) -> _Mailbox:
 
 
 @register
-def deliver_activation(box: str, micro: int, context_id: int, x: torch.Tensor) -> None:
-    """Run by RPC on the next stage: queue micro-batch ``micro``'s input."""
-    _box(box).put(("F", micro), (context_id, x))
+def deliver_activation(box: str, rnd: int, micro: int, context_id: int,
+                       x: torch.Tensor) -> None:
+    """Run by RPC on the next stage: queue micro-batch ``micro``'s input of round ``rnd``."""
+    _box(box).put(("F", rnd, micro), (context_id, x))
 
 
 @register
-def backward_done(box: str, micro: int, context_id: int) -> None:
+def backward_done(box: str, rnd: int, micro: int, context_id: int) -> None:
     """Run by RPC on an earlier stage: keep this worker's gradients of micro-batch ``micro``."""
-    _box(box).put(("G", micro), dist_autograd.get_gradients(context_id))
+    _box(box).put(("G", rnd, micro), dist_autograd.get_gradients(context_id))
 
 
 @register
-def release_here(box: str, micro: int, context_id: int) -> None:
+def release_here(box: str, rnd: int, micro: int, context_id: int) -> None:
     """Run by RPC on an earlier stage once every stage has its gradients: free the context
     (its graph) here, then let the schedule go on."""
     _contexts().release(context_id)  # peers that still hold it are told; not waited for here
-    _box(box).put(("B", micro), None)
+    _box(box).put(("B", rnd, micro), None)
 
 
 def _contexts():
@@ -99,18 +102,22 @@ class RpcRuntime:
         self.keys = [f"{name}/stage{k}" for k in range(num_stages)]
         self.box = _box(self.keys[stage_index])
         self._sends: list[torch.futures.Future] = []
+        # schedule calls (steps and evals) completed; part of every mailbox key, so that a
+        # stage that starts the next call early cannot deliver into the current one
+        self.round = 0
 
     def new_context(self) -> int:
         return _contexts().new_context().context_id
 
     def recv_forward(self, micro: int) -> tuple[int, torch.Tensor]:
-        return self.box.take(("F", micro), f"the activation of micro-batch {micro}")
+        return self.box.take(("F", self.round, micro), f"the activation of micro-batch {micro}")
 
     def send_forward(self, micro: int, context_id: int, out: torch.Tensor) -> None:
         nxt = self.index + 1
         with _contexts().bound(context_id):
             self._sends.append(rpc.rpc_async(self.ranks[nxt], deliver_activation,
-                                             args=(self.keys[nxt], micro, context_id, out)))
+                                             args=(self.keys[nxt], self.round, micro,
+                                                   context_id, out)))
 
     def run_backward(self, micro: int, context_id: int, loss: torch.Tensor) -> dict:
         """Last stage: the whole distributed backward of one micro-batch; returns this stage's
@@ -119,20 +126,23 @@ class RpcRuntime:
         grads = dist_autograd.get_gradients(context_id)
         earlier = range(self.index - 1, -1, -1)
         for k in earlier:
-            rpc.rpc_sync(self.ranks[k], backward_done, args=(self.keys[k], micro, context_id))
+            rpc.rpc_sync(self.ranks[k], backward_done,
+                         args=(self.keys[k], self.round, micro, context_id))
         for fut in _contexts().release(context_id):
             fut.wait()
         for k in earlier:
-            rpc.rpc_sync(self.ranks[k], release_here, args=(self.keys[k], micro, context_id))
+            rpc.rpc_sync(self.ranks[k], release_here,
+                         args=(self.keys[k], self.round, micro, context_id))
         return grads
 
     def wait_backward(self, micro: int) -> dict:
         """An earlier stage: this stage's gradients of ``micro``, once its graph is freed."""
-        grads = self.box.take(("G", micro), f"the gradients of micro-batch {micro}")
-        self.box.take(("B", micro), f"the release of micro-batch {micro}")
+        grads = self.box.take(("G", self.round, micro), f"the gradients of micro-batch {micro}")
+        self.box.take(("B", self.round, micro), f"the release of micro-batch {micro}")
         return grads
 
     def end_step(self) -> None:
         for fut in self._sends:
             fut.wait()
         self._sends.clear()
+        self.round += 1
