@@ -6,6 +6,8 @@ all-gather of a 48-byte shard: 3 x 48 sent, 2 x 48 of it to the other node; redu
 48 bytes: 3 x 12 sent, 2 x 12 across; all-reduce of 48 bytes: 2 x 3/4 x 48 = 72 sent, 48 across.
 """
 
+import os
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -13,6 +15,7 @@ from torch.distributed.tensor import Shard, distribute_tensor
 
 from shardwise.distributed import CommCounter, CommStats, init_device_mesh
 from shardwise.distributed.fast_collectives import all_gather_flat, reduce_scatter_flat
+from shardwise.distributed.shm_reduce import DISABLE_VAR
 from tests.harness import WORLD_SIZES, run_on_ranks
 
 B = 48  # bytes of a 12-element float32 buffer
@@ -184,10 +187,16 @@ def _ddp_body(ctx):
 
     torch.manual_seed(0)
     cfg = GPTConfig(vocab_size=64, seq_len=8, n_layer=1, n_head=2, d_model=16)
-    with CommCounter(local_world_size=2) as comm:
-        model = DistributedDataParallel(GPT(cfg))
-        x = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len + 1))
-        lm_loss(model(x[:, :-1]), x[:, 1:]).backward()
+    # the gloo path's collectives are what this counts (on one host DDP would otherwise
+    # average through shared memory: tests/distributed/test_shm_reduce.py)
+    os.environ[DISABLE_VAR] = "1"
+    try:
+        with CommCounter(local_world_size=2) as comm:
+            model = DistributedDataParallel(GPT(cfg))
+            x = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len + 1))
+            lm_loss(model(x[:, :-1]), x[:, 1:]).backward()
+    finally:
+        del os.environ[DISABLE_VAR]
     state = sum(t.numel() * 4 for t in model.module.state_dict().values())
     grads = sum(p.grad.numel() * 4 for p in model.parameters())
     return _stats(comm, "broadcast"), _stats(comm, "all_reduce"), state, grads
@@ -202,7 +211,8 @@ def test_ddp_wrap_and_backward_are_counted(world_size):
             continue
         # rank 0's state reaches the others at wrap time
         assert bcast[1:3] == ((state, (n - 1) * state) if rank == 0 else (0, 0))
-        # every gradient is all-reduced once, from its bucket during backward
-        assert reduced[0] >= 1 and reduced[1] == grads
+        # every gradient is all-reduced once, from its bucket during backward; plus, at wrap
+        # time, the ranks' 4-byte agreement on the reduction path (gloo or shared memory)
+        assert reduced[0] >= 2 and reduced[1] == grads + 4
         expected = 2 * (n - 1) * grads / n  # up to one element's rounding per bucket
         assert abs(reduced[2] - expected) <= 4 * reduced[0] * n

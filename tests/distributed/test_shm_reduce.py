@@ -28,9 +28,9 @@ def _data(rank: int, numel: int, dtype: torch.dtype, step: int) -> torch.Tensor:
 
 def _equals_all_reduce(ctx):
     if ctx.world_size == 1:
-        assert not usable(ctx.group, torch.device("cpu")), "one rank has nothing to reduce"
+        assert not usable(ctx.group, torch.device("cpu"), LAYOUTS), "one rank: nothing to reduce"
         return
-    assert usable(ctx.group, torch.device("cpu"))
+    assert usable(ctx.group, torch.device("cpu"), LAYOUTS)
     modes = []
     real_unlink = shm_reduce._unlink
 
@@ -45,6 +45,7 @@ def _equals_all_reduce(ctx):
         shm_reduce._unlink = real_unlink
     if ctx.rank == 0:
         assert modes == [0o600], f"segment mode {modes}"
+    dist.barrier(group=ctx.group)  # rank 0 unlinks right after the constructor's barrier
     assert _ours_left() == [], "the segment must be unlinked once every rank mapped it"
     try:
         for step in range(3):  # slots are reused: a later step must not see an earlier one
@@ -134,3 +135,41 @@ def _ddp_matches_reference(ctx, disabled: bool):
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_ddp_through_shared_memory_matches_the_reference(world_size, disabled):
     run_on_ranks(world_size, _ddp_matches_reference, disabled)
+
+
+def _one_rank_lacks_room(ctx):
+    """A rank whose /dev/shm is too small makes every rank take the gloo path (one collective
+    decision); training still matches (checked above for the gloo path)."""
+    real = shm_reduce._room_for
+    shm_reduce._room_for = (lambda nbytes: False) if ctx.rank == 1 else real
+    try:
+        torch.manual_seed(0)
+        ddp = DistributedDataParallel(_Net(), process_group=ctx.group)
+    finally:
+        shm_reduce._room_for = real
+    assert ddp._shm is None
+
+
+def _rank0_cannot_reserve(ctx):
+    real = os.posix_fallocate
+
+    def full(fd, offset, length):
+        raise OSError(28, "No space left on device")
+
+    if ctx.rank == 0:
+        os.posix_fallocate = full
+    try:
+        with pytest.raises(RuntimeError, match=r"could not reserve \d+ bytes in /dev/shm"):
+            ShmReducer(LAYOUTS, ctx.group)
+    finally:
+        os.posix_fallocate = real
+    assert _ours_left() == []
+
+
+@pytest.mark.parametrize("world_size", (2, 4))
+def test_too_little_shared_memory_anywhere_means_the_gloo_path_everywhere(world_size):
+    run_on_ranks(world_size, _one_rank_lacks_room)
+
+
+def test_a_segment_that_cannot_be_reserved_is_a_named_error_on_every_rank():
+    run_on_ranks(2, _rank0_cannot_reserve)

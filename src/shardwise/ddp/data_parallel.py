@@ -201,9 +201,10 @@ class DistributedDataParallel(nn.Module, Joinable):
         """On one host, the buckets become slots of a shared segment and the averaging
         all-reduce runs through it (see [Note: same-host shared-memory reduction])."""
         buckets = self.reducer.buckets
-        if not usable(self.process_group, self.device):
+        layouts = [(b.numel, b.params[0].dtype) for b in buckets]
+        if not usable(self.process_group, self.device, layouts):
             return None
-        shm = ShmReducer([(b.numel, b.params[0].dtype) for b in buckets], self.process_group)
+        shm = ShmReducer(layouts, self.process_group)
         for bucket in buckets:
             bucket.adopt(shm.buffer(bucket.index))
         weakref.finalize(self, shm.close)

@@ -31,7 +31,10 @@ spin); after the group's timeout it raises an error naming the ranks that never 
 
 The segment is created by rank 0 in ``/dev/shm`` with mode 0600 under a random name, which is
 broadcast as bytes (nothing is unpickled); every rank maps it, and after a barrier rank 0 unlinks
-it, so a crash later leaves nothing behind. ``SHARDWISE_NO_SHM_REDUCE=1`` turns the path off.
+it, so a crash later leaves nothing behind. Its pages are reserved when it is made
+(``posix_fallocate``), and the path is taken only where /dev/shm has room for it, so a small
+/dev/shm (a container's) means the plain all-reduce, never a bus error when a page is first
+touched. ``SHARDWISE_NO_SHM_REDUCE=1`` turns the path off.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ import os
 import platform
 import queue
 import secrets
+import shutil
 import socket
 import threading
 import time
@@ -80,18 +84,36 @@ def same_host(group: dist.ProcessGroup) -> bool:
     return all(torch.equal(mine, other) for other in everyone)
 
 
-def usable(group: dist.ProcessGroup, device: torch.device) -> bool:
-    """Whether :class:`ShmReducer` may serve ``group`` for tensors on ``device``.
+def usable(group: dist.ProcessGroup, device: torch.device,
+           layouts: Sequence[tuple[int, torch.dtype]]) -> bool:
+    """Whether :class:`ShmReducer` may serve ``group`` for buckets ``layouts`` on ``device``.
 
     Collective (every rank must call it): CPU tensors, x86-64, more than one rank, not turned
-    off by the environment, and every rank on this host.
+    off by the environment, room for the segment in /dev/shm (a container's is often 64 MB),
+    and every rank on this host.
     """
     if device.type != "cpu" or dist.get_world_size(group) < 2:
         return False
-    local = platform.machine().lower() in ("x86_64", "amd64") and not flag_var(DISABLE_VAR)
+    local = platform.machine().lower() in ("x86_64", "amd64") and not flag_var(DISABLE_VAR) \
+        and _room_for(segment_bytes(layouts, dist.get_world_size(group)))
     flag = torch.tensor([1 if local else 0], dtype=torch.int32)
     dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
     return bool(flag.item()) and same_host(group)
+
+
+def _room_for(nbytes: int) -> bool:
+    try:
+        free = shutil.disk_usage(SHM_DIR).free
+    except OSError:
+        return False
+    return free >= nbytes + nbytes // 8  # a margin for the peers' own use of the space
+
+
+def segment_bytes(layouts: Sequence[tuple[int, torch.dtype]], world: int) -> int:
+    """Bytes of the segment for buckets ``layouts`` among ``world`` ranks."""
+    return _aligned(world * _WORDS * _ALIGN) + sum(
+        world * _aligned(numel * torch.empty((), dtype=dtype).element_size())
+        for numel, dtype in layouts)
 
 
 def _aligned(n: int) -> int:
@@ -103,17 +125,28 @@ class _Segment:
 
     def __init__(self, nbytes: int, group: dist.ProcessGroup):
         rank = dist.get_rank(group)
-        name = torch.zeros(64, dtype=torch.uint8)
-        path = None
+        name = torch.zeros(64, dtype=torch.uint8)  # all zeros: rank 0 could not make it
+        path, failed = None, None
         if rank == 0:
             path = os.path.join(SHM_DIR, f"shardwise-dp-{os.getpid()}-{secrets.token_hex(8)}")
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-            os.ftruncate(fd, nbytes)
-            raw = path.encode()
-            name[: len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+            try:  # pages reserved now: a full /dev/shm is an error here, not a SIGBUS later
+                os.posix_fallocate(fd, 0, nbytes)
+            except OSError as exc:
+                os.close(fd)
+                _unlink(path)
+                failed = exc
+            else:
+                raw = path.encode()
+                name[: len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
         try:
             group0 = dist.get_global_rank(group, 0)
             dist.broadcast(name, src=group0, group=group)
+            if not bool(name.any()):
+                raise RuntimeError(
+                    f"shared-memory gradient reduction: rank 0 could not reserve {nbytes} bytes "
+                    f"in {SHM_DIR} ({failed or 'see rank 0'}); enlarge it (docker run "
+                    f"--shm-size) or set {DISABLE_VAR}=1 to reduce through the process group")
             if rank != 0:
                 path = bytes(name[name.nonzero().flatten()].tolist()).decode()
                 fd = os.open(path, os.O_RDWR)
@@ -155,13 +188,13 @@ class ShmReducer:
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
         self.timeout = (timeout or default_timeout()).total_seconds()
-        self._words_at = 0
         offset = _aligned(self.world * _WORDS * _ALIGN)
         self._slots: list[list[tuple[int, int, torch.dtype]]] = []
         for numel, dtype in layouts:
             size = _aligned(numel * torch.empty((), dtype=dtype).element_size())
             self._slots.append([(offset + r * size, numel, dtype) for r in range(self.world)])
             offset += self.world * size
+        assert offset == segment_bytes(layouts, self.world)
         self._segment = _Segment(offset, group)
         stride = _ALIGN // 8
         words = self._segment.tensor(0, self.world * _WORDS * stride, torch.int64)
