@@ -137,8 +137,7 @@ class FlatParamHandle:
         self.grad_buffer: torch.Tensor | None = None  # 1D, world * shard_numel, compute dtype
         self.direct: DirectGrads | None = None  # see [Note: direct gradient reduction]
         self._grad_written = [False] * len(self.slots)  # per slot, since grad_buffer was made
-        self._grads_arrived = 0  # in this backward
-        self._expected_grads = sum(s.requires_grad for s in self.slots)
+        self._any_grad = False  # a gradient arrived in this backward (the unit counts them)
         self.state = ShardState.SHARDED
         self.views_set = False
         self._gather: Pending | None = None
@@ -284,12 +283,12 @@ class FlatParamHandle:
         start = layout.shard_offset
         return grad.view(self.world, -1)[:, start : start + layout.chunk_numel]
 
-    def add_param_grad(self, index: int, sync: bool = True) -> bool:
+    def add_param_grad(self, index: int, sync: bool = True) -> None:
         """Move leaf ``index``'s ``.grad`` into this reduction's gradients: held whole for a
         direct reduction ([Note: direct gradient reduction]) when ``sync`` (this backward
         reduces) allows one, else into its chunks of ``grad_buffer`` (allocated by the first
-        one). True when every parameter that requires grad has delivered its gradient in this
-        backward."""
+        one). Which gradients are still to come is the unit's count ([Note: FSDP unit
+        states])."""
         leaf, slot = self.leaves[index], self.slots[index]
         grad, leaf.grad = leaf.grad, None
         if self.direct is None and self.grad_buffer is None and self._direct_allowed(sync, grad):
@@ -300,8 +299,7 @@ class FlatParamHandle:
                 self.direct.add(index, grad)
         else:
             self._add_to_buffer(index, grad)
-        self._grads_arrived += 1
-        return self._grads_arrived == self._expected_grads
+        self._any_grad = True
 
     def _direct_allowed(self, sync: bool, grad: torch.Tensor) -> bool:
         return (sync and self.world > 1 and self.comm_hook is None
@@ -319,13 +317,11 @@ class FlatParamHandle:
 
     def grads_arrived(self) -> bool:
         """Whether any gradient has arrived in this backward."""
-        return self._grads_arrived > 0
+        return self._any_grad
 
     def reset_backward(self) -> None:
-        """A new backward expects every gradient again (``grad_buffer`` itself is kept); which
-        parameters require grad is read again here, once per backward (one may be frozen)."""
-        self._grads_arrived = 0
-        self._expected_grads = sum(s.requires_grad for s in self.slots)
+        """A new backward: no gradient has arrived (``grad_buffer`` itself is kept)."""
+        self._any_grad = False
 
     def has_gradient(self) -> bool:
         """Whether gradients wait to be reduced (the next ``start_reduction`` issues one)."""
