@@ -22,7 +22,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-MIB = 1024 * 1024
+from shardwise.distributed.grad_buckets import MIB
+
 CASES = ("all_gather", "reduce_scatter")
 
 

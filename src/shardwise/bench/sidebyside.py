@@ -27,7 +27,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-MIB = 1024 * 1024
+from shardwise.distributed.grad_buckets import MIB
 
 
 @dataclass(frozen=True)
