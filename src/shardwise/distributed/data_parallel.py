@@ -29,12 +29,18 @@ from shardwise.distributed.collectives import broadcast_coalesced
 from shardwise.distributed.grad_buckets import MIB
 
 __all__ = ["MIB", "broadcast_buffers", "buffers_to_sync", "clip_by_total_norm", "global_rank",
+           "global_ranks",
            "resolve_group", "sharded_grad_norm", "sync_module_state"]
 
 
 def global_rank(group: dist.ProcessGroup | None, rank: int) -> int:
     """The world rank of ``rank`` in ``group`` (``None``: the world, unchanged)."""
     return rank if group is None else dist.get_global_rank(group, rank)
+
+
+def global_ranks(group: dist.ProcessGroup | None) -> list[int]:
+    """The world rank of every rank of ``group``, in group-rank order."""
+    return [global_rank(group, r) for r in range(dist.get_world_size(group))]
 
 
 def sync_module_state(module: nn.Module, group: dist.ProcessGroup | None,

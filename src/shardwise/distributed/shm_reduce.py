@@ -56,6 +56,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from shardwise.distributed.data_parallel import global_rank
 from shardwise.distributed.env import flag_var
 from shardwise.distributed.timeouts import default_timeout
 
@@ -140,8 +141,7 @@ class _Segment:
                 raw = path.encode()
                 name[: len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
         try:
-            group0 = dist.get_global_rank(group, 0)
-            dist.broadcast(name, src=group0, group=group)
+            dist.broadcast(name, src=global_rank(group, 0), group=group)
             if not bool(name.any()):
                 raise RuntimeError(
                     f"shared-memory gradient reduction: rank 0 could not reserve {nbytes} bytes "

@@ -46,6 +46,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from shardwise.distributed.data_parallel import global_ranks
 from shardwise.distributed.fast_collectives import Pending, uses_fast_path
 from shardwise.fsdp.collectives import (
     start_reduce_scatter,
@@ -122,7 +123,7 @@ class FlatParamHandle:
         # this rank's shard, across which reduced gradients are averaged
         self.group, self.mesh, self.replicate_group = group, mesh, replicate_group
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
-        self.global_ranks = [dist.get_global_rank(group, r) for r in range(self.world)]
+        self.global_ranks = global_ranks(group)
         self.param_dtype, self.reduce_dtype = param_dtype, reduce_dtype
         self.offload = offload  # shards (and their gradients) stay in CPU memory
         self.compute_device = compute_device

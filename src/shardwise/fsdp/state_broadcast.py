@@ -17,12 +17,14 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from shardwise.distributed.data_parallel import global_rank
+
 
 def broadcast_named_state(osd: dict[str, Any] | None, group: dist.ProcessGroup | None,
                           device: torch.device) -> dict[str, Any]:
     """Rank 0 (of ``group``) passes its state dict; every rank returns a copy of it.
     Collective over ``group``; ``device`` is where the tensors travel (CPU for gloo)."""
-    src = dist.get_global_rank(group, 0) if group is not None else 0
+    src = global_rank(group, 0)
     is_src = dist.get_rank(group) == 0
     meta = _describe(osd) if is_src else None
     meta = _broadcast_json(meta, src, group, device)

@@ -37,6 +37,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from shardwise.distributed.data_parallel import global_ranks
 from shardwise.fsdp.dtensor import _contiguous_stride as contiguous_stride
 from shardwise.fsdp.dtensor import device_type_of
 from shardwise.sharded_tensor import ChunkShardingSpec, ShardedTensor, sharded_parameters
@@ -99,8 +100,8 @@ def mesh_2d(dp_group: dist.ProcessGroup, tp_group: dist.ProcessGroup) -> DeviceM
     """The ``(dp, tp)`` DeviceMesh of these two groups (made once per pair, from the groups
     themselves: no new process group). Row ``i`` holds the tp group of dp rank ``i``: one
     all-gather of the tp groups' global ranks over dp."""
-    dp_ranks = _global_ranks(dp_group)
-    tp_ranks = _global_ranks(tp_group)
+    dp_ranks = global_ranks(dp_group)
+    tp_ranks = global_ranks(tp_group)
     key = (dp_group, tp_group)
     if key not in _MESHES:
         mine = torch.tensor(tp_ranks, dtype=torch.int64)
@@ -124,10 +125,6 @@ def _check_grid(grid: torch.Tensor, dp_ranks: list[int], tp_ranks: list[int]) ->
                          f"tensor-parallel group {tp_ranks} of rank {me} do not form a grid "
                          f"(the tp groups of the dp ranks are {grid.tolist()}); build both from "
                          "one 2D DeviceMesh: mesh['dp'] and mesh['tp']")
-
-
-def _global_ranks(group: dist.ProcessGroup) -> list[int]:
-    return [dist.get_global_rank(group, r) for r in range(dist.get_world_size(group))]
 
 
 def _placements(st: ShardedTensor | None, mesh: DeviceMesh, name: str) -> list:
