@@ -27,7 +27,6 @@ says space was freed (and re-checks every few milliseconds, so nothing can wait 
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import hashlib
 import itertools
@@ -46,6 +45,7 @@ import numpy as np
 
 from shardwise.distributed.env import int_var
 from shardwise.rpc import shm_ring
+from shardwise.rpc.connection import FrameHandler, LostHandler, QueuedConnection
 from shardwise.rpc.shm_pool import PAGE, PoolError, PoolReader, PoolWriter, pool_bytes
 from shardwise.rpc.shm_ring import Ring, SegmentError
 from shardwise.rpc.wire import (
@@ -259,26 +259,24 @@ def _exchange_status(sock: socket.socket, error: str | None) -> str | None:
 
 
 # ---------------------------------------------------------------------- the connection
-FrameHandler = Callable[[int, bytearray, list], None]
-LostHandler = Callable[[int, BaseException, bool], None]
 
 
 class ShmClosed(ConnectionError):
     """The shared-memory connection to the peer is closed."""
 
 
-class ShmConnection:
+class ShmConnection(QueuedConnection):
     """A connection whose frames travel through shared memory; the socket only rings."""
+
+    closed_error = ShmClosed
+    reader_name = "shardwise-rpc-shm-reader"
 
     def __init__(self, sock: socket.socket, peer: int, link: ShmLink, on_frame: FrameHandler,
                  on_lost: LostHandler, max_message: int = DEFAULT_MAX_MESSAGE):
-        self.sock, self.peer, self.link = sock, peer, link
-        self.max_message = max_message  # per frame, as the socket reader (wire.py) applies it
+        super().__init__(sock, peer, on_frame, on_lost, max_message)
+        self.link = link
         self.tx, self.rx, self.tx_pool, self.rx_pool = link.tx, link.rx, link.tx_pool, \
             link.rx_pool
-        self._on_frame, self._on_lost = on_frame, on_lost
-        self.send_lock = threading.Lock()
-        self._queue: collections.deque = collections.deque()
         self._written = 0  # bytes written to tx (published or not)
         self._tx_seq = 0  # segments named so far (under send_lock)
         self._rx_seq = 0
@@ -286,28 +284,11 @@ class ShmConnection:
         self._temp = itertools.count()
         self.sent_lent = self.sent_segments = 0  # large buffers sent through each path
         self._space = threading.Event()
-        self._state_lock = threading.Lock()
         self._eof = False
-        self.closed = False
-        self._reader = threading.Thread(target=self._read_loop, daemon=True,
-                                        name=f"shardwise-rpc-shm-reader-{peer}")
-        self._reader.start()
+        self._start_reader()
 
     # ------------------------------------------------------------------ sending
-    def send(self, payload: bytes, buffers: list[memoryview]) -> None:
-        """Queue a frame; send what is queued unless another thread is sending already."""
-        if self.closed:
-            raise ShmClosed(f"connection to rank {self.peer} is closed")
-        self._queue.append(self._prepare(payload, buffers))
-        while self._queue and self.send_lock.acquire(blocking=False):
-            try:
-                self._send_queued()
-            finally:
-                self.send_lock.release()
-        if self.closed:
-            raise ShmClosed(f"connection to rank {self.peer} closed while sending")
-
-    def _prepare(self, payload: bytes, buffers: list[memoryview]) -> tuple[list, list[str]]:
+    def _frame(self, payload: bytes, buffers: list[memoryview]) -> tuple[list, list[str]]:
         """The frame's ring parts, its large buffers copied into the pool or, where the pool
         has no room, written into temporary segments."""
         views = [b if b.format == "B" and b.ndim == 1 else b.cast("B") for b in buffers]
@@ -570,13 +551,6 @@ class ShmConnection:
                                  "doorbell")
 
     # ------------------------------------------------------------------ closing
-    def _lost(self, exc: BaseException, clean: bool) -> None:
-        with self._state_lock:
-            was_closed, self.closed = self.closed, True
-        self.close()
-        if not was_closed:
-            self._on_lost(self.peer, exc, clean)
-
     def close(self) -> None:
         """Close at once: the connection's segment names go now (also those the peer made
         and never saw read), the mappings once the reader thread is out (``_cleanup``)."""
@@ -587,11 +561,6 @@ class ShmConnection:
             self.sock.shutdown(socket.SHUT_RDWR)
         with contextlib.suppress(OSError):
             self.sock.close()
-
-    def join(self, timeout: float | None = None) -> None:
-        """Wait for the reader thread, which unmaps and unlinks once the connection closed."""
-        if threading.current_thread() is not self._reader:
-            self._reader.join(timeout)
 
     def _cleanup(self) -> None:
         """On the reader thread, once the connection is closed: unmap and unlink."""

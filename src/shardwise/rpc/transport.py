@@ -31,16 +31,15 @@ transport outlives it and the port refuses connections.
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import logging
 import socket
 import threading
 import time
-from collections.abc import Callable
 
 from shardwise.rpc import shm_channel
 from shardwise.rpc.auth import AuthError, accept_handshake, connect_handshake
+from shardwise.rpc.connection import FrameHandler, LostHandler, QueuedConnection
 from shardwise.rpc.wire import (
     DEFAULT_MAX_MESSAGE,
     FrameError,
@@ -53,42 +52,22 @@ from shardwise.rpc.wire import (
 
 log = logging.getLogger("shardwise.rpc")
 
-FrameHandler = Callable[[int, bytearray, list], None]
-LostHandler = Callable[[int, BaseException, bool], None]  # rank, error, clean close
-
-
 class PeerUnavailable(ConnectionError):
     """No live connection to the peer (never connected, closed, or died)."""
 
 
-class Connection:
+class Connection(QueuedConnection):
+    """A socket connection: frames' parts go out in batches, a reader parses the stream."""
+
+    closed_error = PeerUnavailable
+
     def __init__(self, sock: socket.socket, peer: int, on_frame: FrameHandler,
                  on_lost: LostHandler, max_message: int = DEFAULT_MAX_MESSAGE):
-        self.sock, self.peer = sock, peer
-        self.max_message = max_message
-        self.send_lock = threading.Lock()  # held by the one thread writing to the socket
-        self._queue: collections.deque[list] = collections.deque()  # frames' parts, in order
-        self._on_frame, self._on_lost = on_frame, on_lost
-        self._state_lock = threading.Lock()
-        self.closed = False
-        self._reader = threading.Thread(target=self._read_loop, daemon=True,
-                                        name=f"shardwise-rpc-reader-{peer}")
-        self._reader.start()
+        super().__init__(sock, peer, on_frame, on_lost, max_message)
+        self._start_reader()
 
-    def send(self, payload: bytes, buffers: list[memoryview]) -> None:
-        """Queue a frame and send what is queued unless another thread is sending already."""
-        if self.closed:
-            raise PeerUnavailable(f"connection to rank {self.peer} is closed")
-        self._queue.append(frame_parts(payload, buffers))
-        # Whoever holds the lock sends until the queue is empty, lets go, and looks again:
-        # a frame queued while the lock was held is either seen then or sent by its own thread.
-        while self._queue and self.send_lock.acquire(blocking=False):
-            try:
-                self._send_queued()
-            finally:
-                self.send_lock.release()
-        if self.closed:
-            raise PeerUnavailable(f"connection to rank {self.peer} closed while sending")
+    def _frame(self, payload: bytes, buffers: list[memoryview]) -> list:
+        return frame_parts(payload, buffers)
 
     def _send_queued(self) -> None:
         queue = self._queue
@@ -121,24 +100,12 @@ class Connection:
                 self._lost(exc, clean=False)
                 return
 
-    def _lost(self, exc: BaseException, clean: bool) -> None:
-        with self._state_lock:
-            was_closed, self.closed = self.closed, True
-        self.close()
-        if not was_closed:
-            self._on_lost(self.peer, exc, clean)
-
     def close(self) -> None:
         self.closed = True
         with contextlib.suppress(OSError):
             self.sock.shutdown(socket.SHUT_RDWR)
         with contextlib.suppress(OSError):
             self.sock.close()
-
-    def join(self, timeout: float) -> None:
-        """Wait for the reader thread to end (after ``close``), unless this is that thread."""
-        if self._reader is not threading.current_thread():
-            self._reader.join(timeout)
 
 
 _BATCH_PARTS = 256  # frames' parts gathered into one send_all
