@@ -23,4 +23,5 @@ shape = hybrid_mesh_shape(world, local_world_size_from_env(world))
 mesh = init_device_mesh("cpu", shape, mesh_dim_names=HSDP_DIM_NAMES)
 print(f"shape={tuple(mesh.shape)} replicate={members(mesh.get_group('replicate'))} "
       f"shard={members(mesh.get_group('shard'))}", flush=True)
+dist.barrier()  # leave together: rank 0 hosts the store the others still use
 destroy()
