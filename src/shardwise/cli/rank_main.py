@@ -35,6 +35,7 @@ def train_rank(cfg: TrainConfig) -> int:
     group = init("nccl" if device.type == "cuda" else "gloo")
     try:
         result = train(cfg, group, device, preemption)
+        dist.barrier(group=group)  # leave together: rank 0's store must outlive the others' use
     except Preempted as stop:
         if dist.get_rank(group) == 0:
             print(f"shardwise train: {stop}", file=sys.stderr, flush=True)

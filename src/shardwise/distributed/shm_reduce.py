@@ -23,9 +23,12 @@ traffic. ``wait()`` returns when every rank has finished reading the bucket, so 
 may overwrite the slots.
 
 Synchronisation uses three int64 words per rank (posted, reduced, read), each written only by
-its owner with the bucket's sequence number; the segment's pages are shared and x86's stores are
-seen in program order, so a peer that sees the word also sees the data written before it. The
-path is therefore used on x86-64 only (elsewhere the plain all-reduce runs). A waiter polls
+its owner with the bucket's sequence number (a fourth holds the rank's process id: a waiter
+checks every 50 ms that the ranks it waits for still exist, and fails at once, naming them,
+when one has exited, as a reset connection would on gloo); the segment's pages are shared and
+x86's stores are seen in program order, so a peer that sees the word also sees the data
+written before it. The path is therefore used on x86-64 only (elsewhere the plain all-reduce
+runs). A waiter polls
 briefly and then sleeps with a growing back-off (the cores are busy with compute; it must not
 spin); after the group's timeout it raises an error naming the ranks that never arrived.
 
@@ -57,24 +60,29 @@ import torch
 import torch.distributed as dist
 
 from shardwise.distributed.data_parallel import global_rank
-from shardwise.distributed.env import flag_var
+from shardwise.distributed.env import flag_var, int_var
 from shardwise.distributed.timeouts import default_timeout
 
 DISABLE_VAR = "SHARDWISE_NO_SHM_REDUCE"
+NODE_VAR = "GROUP_RANK"  # the launch's node of this process
 SHM_DIR = "/dev/shm"
 _ALIGN = 64  # bytes: slots and words start on their own cache line
-_WORDS = 3  # posted, reduced, read
-_POSTED, _REDUCED, _READ = range(_WORDS)
+_WORDS = 4  # posted, reduced, read; the rank's process id
+_POSTED, _REDUCED, _READ, _PID = range(_WORDS)
+_LIVENESS_S = 0.05  # how often a waiter checks that the ranks it waits for still exist
 
 
 def host_id() -> bytes:
-    """32 bytes that equal another process's exactly when both run on this host and boot."""
+    """32 bytes that equal another process's exactly when both run on this host and boot and
+    belong to the same node of the launch (``GROUP_RANK``, set by torchrun and our launcher):
+    nodes simulated on one host keep the path real nodes take, so their restarts behave alike."""
     try:
         with open("/proc/sys/kernel/random/boot_id", "rb") as f:
             boot = f.read().strip()
     except OSError:
         boot = b""
-    return hashlib.sha256(socket.gethostname().encode() + b"\0" + boot).digest()
+    node = str(int_var(NODE_VAR, 0, minimum=0)).encode()
+    return hashlib.sha256(socket.gethostname().encode() + b"\0" + boot + b"\0" + node).digest()
 
 
 def same_host(group: dist.ProcessGroup) -> bool:
@@ -201,6 +209,8 @@ class ShmReducer:
         self._words = words.view(self.world, _WORDS, stride)[:, :, 0]
         self._views = [[self._segment.tensor(o, n, d) for o, n, d in slots]
                        for slots in self._slots]
+        self._words[self.rank, _PID] = os.getpid()
+        dist.barrier(group=group)  # every rank's process id is in place
         self._seq = int(self._words[self.rank, _POSTED])  # 0 in a fresh segment
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._closed = False
@@ -267,9 +277,13 @@ class ShmReducer:
         """Until every rank's ``word`` reaches ``seq``; a named error after the timeout."""
         column = self._words[:, word]
         deadline = time.monotonic() + self.timeout
-        pause = 0.0
+        pause, next_check = 0.0, time.monotonic() + _LIVENESS_S
         while int(column.min()) < seq:
-            if time.monotonic() > deadline:
+            now = time.monotonic()
+            if now > next_check:
+                self._check_alive(column, seq, index)
+                next_check = now + _LIVENESS_S
+            if now > deadline:
                 late = [k for k in range(self.world) if int(column[k]) < seq]
                 stage = ("posted", "reduced its part of", "read")[word]
                 raise RuntimeError(
@@ -279,9 +293,32 @@ class ShmReducer:
             time.sleep(pause)
             pause = min(2e-4, pause * 2 if pause else 1e-5)
 
+    def _check_alive(self, column: torch.Tensor, seq: int, index: int) -> None:
+        """Fail fast, as a reset connection would on gloo, when a rank waited for is gone."""
+        dead = [k for k in range(self.world)
+                if int(column[k]) < seq and not _alive(int(self._words[k, _PID]))]
+        if dead:
+            raise RuntimeError(f"shared-memory gradient reduction: rank(s) {dead} of the group "
+                               f"exited while the others waited for them at bucket {index}")
+
     def wait_read(self, work: ShmWork) -> None:
         """Until every rank has finished reading ``work``'s bucket (its slots may change)."""
         self._await(_READ, work.seq, work.index)
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` (on this host) exists and is not a zombie."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[-1].split()[0] != b"Z"
+    except OSError:
+        return False
 
 
 class ShmWork:
