@@ -2,8 +2,8 @@
 
 Two processes on 127.0.0.1 (env:// rendezvous); rank 0 calls ``echo`` on rank 1 1,000 times
 after 300 warm-up calls. Both stamp ``time.perf_counter_ns()`` (CLOCK_MONOTONIC, one clock for
-the whole host) when a frame is handed to the transport, when a reader thread receives one and
-when a pool worker starts the call, through wrappers around the agent's methods. Printed: the
+the whole host) when a frame is handed to the transport, when a thread reading the connection
+receives one and when the call starts, through wrappers around the agent's methods. Printed: the
 median of each hop. ``SHARDWISE_RPC_CHANNEL`` picks the channel (shm or tcp).
 
     python benchmarks/rpc_hops.py            # spawns its two ranks
@@ -88,8 +88,8 @@ def _align(caller: dict, callee: dict) -> list[tuple[int, ...]]:
 def _report(caller: dict, callee: dict) -> None:
     rows = _align(caller, callee)
     names = ["caller: call -> callee's reader has the frame",
-             "callee: reader -> pool worker starts the call",
-             "callee: run the call (pool worker)",
+             "callee: reader has the frame -> the call starts",
+             "callee: run the call",
              "reply: encode, send -> caller's reader has it",
              "caller: reader -> rpc_sync returns"]
     print(f"channel {os.environ.get('SHARDWISE_RPC_CHANNEL', 'auto')}, {CALLS} calls, "

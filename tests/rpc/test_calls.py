@@ -140,6 +140,16 @@ def test_nested_rpc_from_a_callee(rpc_world):
         == "worker2"
 
 
+def test_callee_calls_back_into_a_caller_that_waits_for_it(rpc_world):
+    # worker0 reads its connection to worker1 itself while it waits; worker1 runs the call on
+    # its reader and calls worker0 back over the same connection
+    assert rpc.rpc_sync("worker1", helpers.call_other, args=("worker0", helpers.my_name)) \
+        == "worker0"
+    futs = [rpc.rpc_async("worker1", helpers.call_other, args=("worker0", helpers.my_name))
+            for _ in range(20)]
+    assert [f.wait() for f in futs] == ["worker0"] * 20
+
+
 def test_remote_exception_has_type_and_remote_traceback(rpc_world):
     with pytest.raises(ValueError) as info:
         rpc.rpc_sync("worker1", helpers.boom, args=("it broke",))

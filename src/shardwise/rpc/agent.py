@@ -1,9 +1,11 @@
 """The RPC agent of one worker: sends requests, serves peers, owns the worker's RPC state.
 
-Threads: one reader per connection (transport.py) decodes frames, completes reply futures and
-applies the order-sensitive part of RRef bookkeeping; a pool of ``num_worker_threads``
-(workers.py) runs user functions and sends every reply (a reader never sends); one thread times
-calls out (pending.py); one sends RRef deletions (rref_context.py).
+Threads: the thread reading a connection ([Note: reading role] in connection.py: one of its
+two readers, or a caller waiting in ``rpc_sync``) decodes frames, completes reply futures and
+applies the order-sensitive part of RRef bookkeeping; a call is run by the reader that read it
+when the connection's other reader is free to go on reading, else by a pool of
+``num_worker_threads`` (workers.py), which also runs every other request and sends its reply;
+one thread times calls out (pending.py); one sends RRef deletions (rref_context.py).
 
 [Note: shutdown] ``shutdown(graceful=True)``, as torch's: (1) send queued RRef deletions and wait
 for this worker's outstanding calls, (2) a store barrier that every worker reaches once its own
@@ -19,9 +21,11 @@ that dies closes its sockets at once; a host that vanishes is found by TCP keepa
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import logging
 import time
+from collections.abc import Callable
 from enum import Enum
 from typing import Any
 
@@ -139,6 +143,13 @@ class RpcAgent:
         self.pool.submit(run)
         return fut
 
+    def wait_reply(self, to, fut: torch.futures.Future) -> None:
+        """Wait for ``fut`` (a call to ``to``) reading the connection to ``to`` on this thread
+        where no other thread reads it ([Note: reading role] in connection.py)."""
+        dest = self.worker(to).id
+        if dest != self.rank and not fut.done():
+            self.transport.wait_reply(dest, fut)
+
     def request(self, dest: int, kind: Kind, body: Any, timeout: float, what: str,
                 ctx_id: int | None = None) -> torch.futures.Future:
         """Send a request; the future completes with the reply (or the error)."""
@@ -180,13 +191,17 @@ class RpcAgent:
         return ENVELOPE.pack(kind, msg_id) + pickled, buffers, session
 
     # ----------------------------------------------------------------- receiving
-    def _on_frame(self, peer: int, payload: bytearray, buffers: list) -> None:
+    def _on_frame(self, peer: int, payload: bytearray, buffers: list) -> Callable[[], None] | None:
+        """A frame from ``peer``, on the thread reading its connection: replies complete their
+        futures here; a call is returned to be run by that thread or the pool ([Note: reading
+        role] in connection.py), other requests go to the pool."""
         kind, msg_id = ENVELOPE.unpack_from(payload)
         body = memoryview(payload)[ENVELOPE.size:]
         if kind in (Kind.RESPONSE, Kind.ERROR):
             self._on_reply(peer, kind, msg_id, body, buffers)
-        elif kind in REQUESTS:
-            self._on_request(peer, Kind(kind), msg_id, body, buffers)
+            return None
+        if kind in REQUESTS:
+            return self._on_request(peer, Kind(kind), msg_id, body, buffers)
         else:
             raise ValueError(f"unknown message kind {kind} from rank {peer}")
 
@@ -212,19 +227,20 @@ class RpcAgent:
         else:
             call.fut.set_result(value)
 
-    def _on_request(self, peer: int, kind: Kind, msg_id: int, body, buffers) -> None:
+    def _on_request(self, peer: int, kind: Kind, msg_id: int, body, buffers
+                    ) -> Callable[[], None] | None:
         try:
             ctx_id, value = self._decode(peer, body, buffers)
         except Exception as exc:  # noqa: BLE001 - e.g. a forbidden global: answer, keep serving
             log.warning("shardwise.rpc %s: cannot decode %s request from %s: %s", self.name,
                         kind.name, self.workers[peer].name, exc)
             self.pool.submit(self._send_reply, peer, msg_id, None, exc)
-            return
+            return None
         handler = self._handlers[kind]
-        handler(self, peer, msg_id, ctx_id, value)
+        return handler(self, peer, msg_id, ctx_id, value)
 
-    def _handle_call(self, peer: int, msg_id: int, ctx_id, body) -> None:
-        self.pool.submit(self._run_and_reply, peer, msg_id, ctx_id, body)
+    def _handle_call(self, peer: int, msg_id: int, ctx_id, body) -> Callable[[], None]:
+        return functools.partial(self._run_and_reply, peer, msg_id, ctx_id, body)
 
     def _run_and_reply(self, peer: int, msg_id: int, ctx_id, body) -> None:
         fname, args, kwargs, reply_map = body
@@ -447,7 +463,8 @@ def _start(name, rank, world_size, options, store, token, devices, publish) -> R
     def factory(on_frame, on_lost) -> Transport:
         holder["t"] = Transport(rank, world_size, token, host, on_frame, on_lost,
                                 handshake_timeout=options.handshake_timeout,
-                                max_message=options.max_message_size)
+                                max_message=options.max_message_size,
+                                defer=lambda fn: holder["agent"].pool.submit(fn))
         return holder["t"]
 
     # the transport must listen before the address is published, so build it first

@@ -90,7 +90,9 @@ def rpc_sync(to: str | int | WorkerInfo, func: Callable, args: tuple | None = No
              kwargs: dict | None = None, timeout: float = UNSET_RPC_TIMEOUT) -> Any:
     """Call ``func(*args, **kwargs)`` on ``to`` and wait for the result (or its exception,
     raised here with the remote traceback)."""
-    return rpc_async(to, func, args, kwargs, timeout).wait()
+    fut = rpc_async(to, func, args, kwargs, timeout)
+    current.get_agent().wait_reply(to, fut)
+    return fut.wait()
 
 
 def remote(to: str | int | WorkerInfo, func: Callable, args: tuple | None = None,

@@ -33,6 +33,7 @@ class PendingCalls:
         self._heap: list[tuple[float, int]] = []
         self._cv = threading.Condition()
         self._closed = False
+        self._empty_waiters = 0  # threads in wait_empty
         self._thread = threading.Thread(target=self._reap, daemon=True,
                                         name="shardwise-rpc-timeouts")
         self._thread.start()
@@ -49,7 +50,7 @@ class PendingCalls:
     def pop(self, msg_id: int) -> PendingCall | None:
         with self._cv:
             call = self._calls.pop(msg_id, None)
-            if not self._calls:
+            if not self._calls and self._empty_waiters:  # (the reaper need not wake)
                 self._cv.notify_all()
             return call
 
@@ -77,12 +78,16 @@ class PendingCalls:
         every call has its own deadline unless its timeout is 0)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cv:
-            while self._calls:
-                left = 0.1 if deadline is None else deadline - time.monotonic()
-                if left <= 0:
-                    return False
-                self._cv.wait(min(left, 0.1))
-            return True
+            self._empty_waiters += 1
+            try:
+                while self._calls:
+                    left = 0.1 if deadline is None else deadline - time.monotonic()
+                    if left <= 0:
+                        return False
+                    self._cv.wait(min(left, 0.1))
+                return True
+            finally:
+                self._empty_waiters -= 1
 
     def close(self, join_timeout: float = 5.0) -> None:
         with self._cv:

@@ -19,10 +19,12 @@ in all. The n-th such buffer on a connection is segment ``<id>-<side>-<n>``: nam
 data the peer could choose. Sending follows the TCP connection's rule (transport.py): a sender
 queues its frame, and whoever holds the send lock writes everything queued, then rings once.
 
-Wake-ups: a reader that finds the ring empty polls it for ``SPIN_US`` microseconds (yielding
-the CPU between looks) before it sets its sleeping flag and blocks on the socket; a writer
-that finds the ring full waits on an event the reader thread sets when the peer's doorbell
-says space was freed (and re-checks every few milliseconds, so nothing can wait forever).
+Wake-ups: who reads, and when a reader polls instead of sleeping, is the connection's
+business ([Note: reading role] in connection.py); the ring's part is the sleeping flag. A
+reader that finds the ring empty sets it before it sleeps on the socket, and clears it while it
+polls. A writer that finds the ring full waits on an event that the reader sets when the
+peer's doorbell says space was freed (and re-checks every few milliseconds, so nothing can wait
+forever).
 """
 
 from __future__ import annotations
@@ -37,7 +39,6 @@ import secrets
 import socket
 import struct
 import threading
-import time
 import uuid
 from collections.abc import Callable
 
@@ -45,7 +46,7 @@ import numpy as np
 
 from shardwise.distributed.env import int_var
 from shardwise.rpc import shm_ring
-from shardwise.rpc.connection import FrameHandler, LostHandler, QueuedConnection
+from shardwise.rpc.connection import Defer, FrameHandler, LostHandler, QueuedConnection
 from shardwise.rpc.shm_pool import PAGE, PoolError, PoolReader, PoolWriter, pool_bytes
 from shardwise.rpc.shm_ring import Ring, SegmentError
 from shardwise.rpc.wire import (
@@ -70,7 +71,6 @@ POOL_BYTES = int_var("SHARDWISE_RPC_SHM_POOL_MB", 256, minimum=0) * (1 << 20)  #
 MAX_RING, MAX_POOL = 1 << 30, 1 << 40
 NO_SLOT = 0xFFFFFFFF  # descriptor of a buffer in a segment of its own
 _DESCRIPTOR = struct.Struct("!IIQ")  # pool slot (or NO_SLOT), 0, offset in the pool
-SPIN_US = int_var("SHARDWISE_RPC_SHM_SPIN_US", 0, minimum=0)
 _HELLO = struct.Struct("!4sB16sI16sQQQ")  # magic, mode, boot, uid, nonce, ring, seg min, pool
 _HELLO_MAGIC = b"SWC1"
 _DATA, _SPACE = b"D", b"S"  # doorbell bytes: "your incoming ring has data" / "has space"
@@ -272,8 +272,9 @@ class ShmConnection(QueuedConnection):
     reader_name = "shardwise-rpc-shm-reader"
 
     def __init__(self, sock: socket.socket, peer: int, link: ShmLink, on_frame: FrameHandler,
-                 on_lost: LostHandler, max_message: int = DEFAULT_MAX_MESSAGE):
-        super().__init__(sock, peer, on_frame, on_lost, max_message)
+                 on_lost: LostHandler, max_message: int = DEFAULT_MAX_MESSAGE,
+                 defer: Defer | None = None):
+        super().__init__(sock, peer, on_frame, on_lost, max_message, defer)
         self.link = link
         self.tx, self.rx, self.tx_pool, self.rx_pool = link.tx, link.rx, link.tx_pool, \
             link.rx_pool
@@ -392,22 +393,42 @@ class ShmConnection(QueuedConnection):
         self.sock.send(byte)
 
     # ------------------------------------------------------------------ receiving
-    def _read_loop(self) -> None:
-        try:
-            while not self.closed:
-                self._on_frame(self.peer, *self._next_frame())  # (no local keeps the frame)
-                while not self.closed and self.rx.available(self._consumed) == 0:
-                    self._wait_for_data(self.rx, truncated=False)  # then read it in one piece
-        except PeerClosed as exc:
-            self._lost(exc, clean=not exc.truncated)
-        except (FrameError, OSError) as exc:
-            self._lost(exc, clean=False)
-        except Exception as exc:  # noqa: BLE001 - a frame the agent could not decode
-            log.error("shardwise.rpc: dropping connection to rank %d: undecodable frame "
-                      "(%s: %s)", self.peer, type(exc).__name__, exc)
-            self._lost(exc, clean=False)
-        finally:
-            self._cleanup()
+    def _drain(self) -> list:
+        """Every whole frame in the ring ([Note: reading role]); the peer's close is an error
+        once the frames it wrote before closing have been read."""
+        frames = []
+        while not self.closed and self.rx.available(self._consumed):
+            frames.append(self._next_frame())
+        if not frames and self._eof:
+            raise PeerClosed("peer closed the connection", truncated=False)
+        return frames
+
+    def _woken(self) -> None:
+        self._take_bells()
+        self.rx.reader_awake()
+
+    def _may_sleep(self) -> bool:
+        if self._eof:
+            return False
+        block, wake = self.rx.reader_sleeps(self._consumed)
+        if wake:
+            self._ring_bell(_SPACE)
+        return block
+
+    def _spin_start(self) -> None:
+        self.rx.reader_awake()  # a reader that polls the ring needs no doorbell
+
+    def _take_bells(self) -> None:
+        """Read the doorbell bytes that are waiting, without blocking."""
+        while True:
+            try:
+                data = self.sock.recv(64, socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                return
+            if not data:
+                self._eof = True  # frames written before the peer left are still read
+                return
+            self._bells(data)
 
     def _next_frame(self) -> tuple[bytes | bytearray, list[np.ndarray]]:
         """Read one frame, checked exactly as the socket reader checks it (wire.py)."""
@@ -519,12 +540,6 @@ class ShmConnection(QueuedConnection):
                 self._ring_bell(_SPACE)
 
     def _wait_for_data(self, ring: Ring, truncated: bool) -> None:
-        if SPIN_US > 0:
-            until = time.perf_counter() + SPIN_US * 1e-6
-            while time.perf_counter() < until:
-                if ring.available(self._consumed):
-                    return
-                os.sched_yield()
         if self._eof:
             raise PeerClosed("peer closed the connection" + (" inside a frame" if truncated
                                                              else ""), truncated=truncated)
@@ -543,6 +558,9 @@ class ShmConnection(QueuedConnection):
         if not data:
             self._eof = True  # frames written before the peer left are still read
             return
+        self._bells(data)
+
+    def _bells(self, data: bytes) -> None:
         for byte in data:
             if byte == _SPACE[0]:
                 self._space.set()
@@ -553,18 +571,19 @@ class ShmConnection(QueuedConnection):
     # ------------------------------------------------------------------ closing
     def close(self) -> None:
         """Close at once: the connection's segment names go now (also those the peer made
-        and never saw read), the mappings once the reader thread is out (``_cleanup``)."""
+        and never saw read), the mappings once the readers are out (``_finish``)."""
         self.closed = True
         shm_ring.remove_all(self.link.prefix)
         self._space.set()
+        self._wake_readers()
         with contextlib.suppress(OSError):
             self.sock.shutdown(socket.SHUT_RDWR)
-        with contextlib.suppress(OSError):
-            self.sock.close()
 
-    def _cleanup(self) -> None:
-        """On the reader thread, once the connection is closed: unmap and unlink."""
+    def _finish(self) -> None:
+        """After the last reader, once the connection is closed: unmap and unlink."""
         self.closed = True
         self._space.set()
         with self.send_lock:  # no sender is writing into the ring any more
             self.link.close()
+        with contextlib.suppress(OSError):
+            self.sock.close()

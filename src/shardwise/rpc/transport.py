@@ -1,10 +1,12 @@
 """Connections between the workers of one RPC group: one authenticated TCP socket per pair.
 
 [Note: transport] Plain stdlib sockets and threads, no event loop: every pair of workers shares
-one bidirectional connection (the higher rank connects to the lower), each connection has one
-reader thread that reads whole frames (in batches, [Note: batched reads] in wire.py) and hands
-them to the agent, and senders write with ``sendmsg`` (wire.py). A reader thread never sends, so
-two workers sending large tensors to each other cannot both block with nobody reading.
+one bidirectional connection (the higher rank connects to the lower). Frames are read in
+batches ([Note: batched reads] in wire.py) by whichever thread holds the connection's reading
+role ([Note: reading role] in connection.py): one of its two reader threads, or a caller
+waiting in ``rpc_sync`` for its reply; senders write with ``sendmsg`` (wire.py). A thread
+never sends while it holds the role, so two workers sending large tensors to each other cannot
+both block with nobody reading.
 
 Sending combines frames: a sender appends its frame to the connection's queue and, if no other
 thread is sending on that connection, sends everything queued; if another thread is sending,
@@ -39,10 +41,9 @@ import time
 
 from shardwise.rpc import shm_channel
 from shardwise.rpc.auth import AuthError, accept_handshake, connect_handshake
-from shardwise.rpc.connection import FrameHandler, LostHandler, QueuedConnection
+from shardwise.rpc.connection import Defer, FrameHandler, LostHandler, QueuedConnection
 from shardwise.rpc.wire import (
     DEFAULT_MAX_MESSAGE,
-    FrameError,
     FrameReader,
     PeerClosed,
     frame_parts,
@@ -57,13 +58,16 @@ class PeerUnavailable(ConnectionError):
 
 
 class Connection(QueuedConnection):
-    """A socket connection: frames' parts go out in batches, a reader parses the stream."""
+    """A socket connection: frames' parts go out in batches, the reading role
+    ([Note: reading role]) parses the stream."""
 
     closed_error = PeerUnavailable
 
     def __init__(self, sock: socket.socket, peer: int, on_frame: FrameHandler,
-                 on_lost: LostHandler, max_message: int = DEFAULT_MAX_MESSAGE):
-        super().__init__(sock, peer, on_frame, on_lost, max_message)
+                 on_lost: LostHandler, max_message: int = DEFAULT_MAX_MESSAGE,
+                 defer: Defer | None = None):
+        super().__init__(sock, peer, on_frame, on_lost, max_message, defer)
+        self._frames = FrameReader(sock, max_message=max_message)
         self._start_reader()
 
     def _frame(self, payload: bytes, buffers: list[memoryview]) -> list:
@@ -82,28 +86,16 @@ class Connection(QueuedConnection):
                 self._lost(exc, clean=False)
                 return
 
-    def _read_loop(self) -> None:
-        reader = FrameReader(self.sock, max_message=self.max_message)
-        while True:
-            try:
-                for payload, buffers in reader.next_batch():
-                    self._on_frame(self.peer, payload, buffers)
-            except PeerClosed as exc:
-                self._lost(exc, clean=not exc.truncated)
-                return
-            except (FrameError, OSError) as exc:
-                self._lost(exc, clean=False)
-                return
-            except Exception as exc:  # noqa: BLE001 - a frame the agent could not decode
-                log.error("shardwise.rpc: dropping connection to rank %d: undecodable frame "
-                          "(%s: %s)", self.peer, type(exc).__name__, exc)
-                self._lost(exc, clean=False)
-                return
+    def _drain(self) -> list:
+        return self._frames.ready_batch()
 
     def close(self) -> None:
         self.closed = True
+        self._wake_readers()
         with contextlib.suppress(OSError):
             self.sock.shutdown(socket.SHUT_RDWR)
+
+    def _finish(self) -> None:
         with contextlib.suppress(OSError):
             self.sock.close()
 
@@ -138,9 +130,9 @@ class Transport:
     def __init__(self, rank: int, world_size: int, token: bytes, host: str,
                  on_frame: FrameHandler, on_lost: LostHandler, handshake_timeout: float = 10.0,
                  max_message: int = DEFAULT_MAX_MESSAGE,
-                 handshake_slots: int = HANDSHAKE_SLOTS):
+                 handshake_slots: int = HANDSHAKE_SLOTS, defer: Defer | None = None):
         self.rank, self.world_size, self._token = rank, world_size, token
-        self._on_frame, self._on_lost = on_frame, on_lost
+        self._on_frame, self._on_lost, self._defer = on_frame, on_lost, defer
         self._handshake_timeout = handshake_timeout
         self.max_message = max_message
         self.channel = shm_channel.channel_mode()  # tcp, shm, or auto ([Note: shm channel])
@@ -234,9 +226,10 @@ class Transport:
                 sock.close()
                 return
             self.conns[peer] = Connection(sock, peer, self._on_frame, self._on_lost,
-                                          self.max_message) \
-                if link is None else shm_channel.ShmConnection(sock, peer, link, self._on_frame,
-                                                                self._on_lost, self.max_message)
+                                          self.max_message, self._defer) \
+                if link is None else shm_channel.ShmConnection(
+                    sock, peer, link, self._on_frame, self._on_lost, self.max_message,
+                    self._defer)
             self._cv.notify_all()
 
     def wait_connected(self, peers: list[int], timeout: float) -> None:
@@ -249,6 +242,13 @@ class Transport:
                     raise TimeoutError(f"RPC rank {self.rank}: ranks {missing} did not connect "
                                        f"within {timeout:.0f} s")
                 self._cv.wait(left)
+
+    def wait_reply(self, peer: int, fut) -> None:
+        """Read ``peer``'s connection on this thread until ``fut`` is done, if no other thread
+        reads it now ([Note: reading role])."""
+        conn = self.conns.get(peer)
+        if conn is not None and not conn.closed:
+            conn.wait_reply(fut)
 
     def send(self, peer: int, payload: bytes, buffers: list[memoryview]) -> None:
         conn = self.conns.get(peer)

@@ -127,6 +127,21 @@ class FrameReader:
                 return [self._read_large()]
             self._fill(size or _FIXED.size)
 
+    def ready_batch(self) -> list[tuple[bytes, list[np.ndarray]]]:
+        """Every whole frame that has arrived, without waiting for one that has not (a large
+        frame whose header is here is read to its end); [] when none has."""
+        batch = []
+        while True:
+            size = self._head_size()
+            while size is not None and size <= self._end - self._start:
+                batch.append(self._take(size))
+                size = self._head_size()
+            if size is not None and size > LARGE:
+                batch.append(self._read_large())
+                continue
+            if not self._fill(size or _FIXED.size, wait=False):
+                return batch
+
     def _head_size(self) -> int | None:
         """Bytes of the frame at the head of the buffer, once its header is buffered."""
         have = self._end - self._start
@@ -157,19 +172,25 @@ class FrameReader:
         self._start += size
         return payload, buffers
 
-    def _fill(self, need: int) -> None:
-        """One ``recv_into`` (blocking); makes room for a frame of ``need`` bytes first."""
+    def _fill(self, need: int, wait: bool = True) -> bool:
+        """One ``recv_into`` (blocking unless not ``wait``); makes room for a frame of ``need``
+        bytes first. False when nothing was there to read (only when not ``wait``)."""
         have = self._end - self._start
         if have == 0:
             self._start = self._end = 0
         elif len(self._buf) - self._start < min(need, LARGE) + _FIXED.size:
             self._buf[:have] = bytes(self._view[self._start:self._end])  # (may overlap)
             self._start, self._end = 0, have
-        n = self.sock.recv_into(self._view[self._end:])
+        try:
+            n = self.sock.recv_into(self._view[self._end:]) if wait else \
+                self.sock.recv_into(self._view[self._end:], 0, socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return False
         if n == 0:
             raise PeerClosed("peer closed the connection", truncated=False) if have == 0 \
                 else PeerClosed("peer closed the connection inside a frame", truncated=True)
         self._end += n
+        return True
 
     def _read_large(self) -> tuple[bytearray, list[np.ndarray]]:
         """Read the (large) frame at the head: buffered bytes first, the rest from the socket."""
