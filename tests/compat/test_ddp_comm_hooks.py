@@ -3,6 +3,8 @@ DDP and ours, against one process training on the concatenated batch."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -11,6 +13,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from shardwise import DistributedDataParallel
 from shardwise.ddp import hooks as our_hooks
+from shardwise.distributed.shm_reduce import DISABLE_VAR
 from tests.compat.common import assert_states_close, ddp_class, state_of
 from tests.harness import WORLD_SIZES, rank_slice, run_on_ranks
 
@@ -106,6 +109,45 @@ def test_our_hooks_match_reference_on_both_ddps(world_size, hook):
         for rank in range(world_size):
             _check(result[rank], reference, TOLERANCE[hook],
                    f"shardwise.ddp.hooks.{hook} on {impl}'s DDP, rank {rank}")
+
+
+def _same_host_vs_gloo(ctx, hook_name: str, lib: str):
+    """The compression hook's training on the shared-memory path ([Note: compression on one
+    host]) and with the hook itself called over gloo; whether the first path was taken."""
+    results = []
+    for disabled in ("0", "1"):
+        os.environ[DISABLE_VAR] = disabled
+        try:
+            results.append(_train(ctx, "ours", hook_name, lib))
+        finally:
+            del os.environ[DISABLE_VAR]
+    torch.manual_seed(0)
+    probe = DistributedDataParallel(_Net(), bucket_cap_mb=0.001)
+    probe.register_comm_hook(None, getattr(default_hooks if lib == "torch" else our_hooks,
+                                           hook_name))
+    return results, probe._compressed is not None and probe._shm is not None
+
+
+@pytest.mark.parametrize("lib", ("torch", "ours"))
+@pytest.mark.parametrize("hook", ("fp16_compress_hook", "bf16_compress_hook"))
+@pytest.mark.parametrize("world_size", (2, 4))
+def test_compression_on_one_host_is_the_hooks_arithmetic(world_size, hook, lib):
+    out = run_on_ranks(world_size, _same_host_vs_gloo, hook, lib)
+    half = torch.float16 if hook.startswith("fp16") else torch.bfloat16
+    ulp = torch.finfo(half).eps
+    for rank in range(world_size):
+        (shm_grads, shm_state), (gloo_grads, gloo_state) = out[rank][0]
+        assert out[rank][1], "the shared-memory path was not taken"
+        for step, (a, b) in enumerate(zip(shm_grads, gloo_grads)):
+            for name in a:
+                if world_size == 2:  # the sum of two half values is exact in float32
+                    assert torch.equal(a[name], b[name]), (step, name)
+                else:  # gloo rounds after each add, we once: a few units in the last place
+                    # of the largest gradient (more, relative to a sum that nearly cancels)
+                    scale = float(torch.maximum(a[name].abs().max(), b[name].abs().max()))
+                    assert float((a[name] - b[name]).abs().max()) <= 4 * ulp * scale, \
+                        (step, name)
+        _check((shm_grads, shm_state), _reference(), TOLERANCE[hook], f"{hook} on shm")
 
 
 def _bucket_view_hook(state, bucket):

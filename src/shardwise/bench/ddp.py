@@ -6,10 +6,10 @@ Besides plain DDP: PowerSGD (rank 1, from step 2) on both DDPs, with our
 ``shardwise.ddp.hooks.powerSGD_hook``: torch's own hook, on torch's DDP as on ours, issues its
 second all-reduce from a callback and on gloo with several buckets the ranks' collectives
 mismatch (gloo aborts; see [Note: PowerSGD's second all-reduce]); and torch's
-``bf16_compress_hook`` on both (called through ``bf16_hook``: torch's DDP refuses the hook by
-name without CUDA and NCCL). ``local-adamw`` has no wrapper and no communication (each rank's
-world-size-1 step); rows of ours are then also compared with that step plus the communication
-they left exposed (the physical limit).
+``bf16_compress_hook`` on both (torch's DDP calls it through ``bf16_hook``, as it refuses the
+hook by name without CUDA and NCCL; ours is given the hook itself). ``local-adamw`` has no
+wrapper and no communication (each rank's world-size-1 step); rows of ours are then also
+compared with that step plus the communication they left exposed (the physical limit).
 
     shardwise bench ddp --nproc 2 --rounds 3 --steps 20
     shardwise bench ddp --n-layer 4 --d-model 512 --n-head 8 --seq-len 64 \
@@ -78,8 +78,10 @@ def _wrap(impl: str, model: torch.nn.Module, args, group) -> torch.nn.Module:
         state = hooks.PowerSGDState(process_group=group, matrix_approximation_rank=1,
                                     start_powerSGD_iter=2)
         wrapped.register_comm_hook(state, hooks.powerSGD_hook)
-    elif impl.endswith("-bf16"):
-        wrapped.register_comm_hook(group, bf16_hook)
+    elif impl.endswith("-bf16"):  # ours takes torch's hook itself (on one host it runs as
+        # its arithmetic on the shared-memory path: [Note: compression on one host])
+        wrapped.register_comm_hook(group, bf16_hook if impl.startswith("torch")
+                                   else default_hooks.bf16_compress_hook)
     return wrapped
 
 

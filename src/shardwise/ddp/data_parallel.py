@@ -24,6 +24,7 @@ from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable
 from torch.distributed.device_mesh import DeviceMesh
 
+from shardwise.ddp.compressed import compression_of, launch_compressed
 from shardwise.ddp.join import DDPJoinHook, active_ranks, announce_reduction, common_rank
 from shardwise.distributed.agree import check_same_model
 from shardwise.distributed.collectives import broadcast_coalesced
@@ -95,6 +96,7 @@ class DistributedDataParallel(nn.Module, Joinable):
             detached=True,
         )
         self._shm = self._shared_memory_buckets()
+        self._compressed: torch.dtype | None = None  # a compression hook run on self._shm
         if static_graph:
             self._set_static_graph()
 
@@ -138,6 +140,10 @@ class DistributedDataParallel(nn.Module, Joinable):
         all-reduce (torch's contract; see distributed/comm_hooks.py; torch's hooks and ours in
         ``shardwise.ddp.hooks`` both fit). Only one hook may be registered."""
         self._comm_hooks.register(state, hook)
+        self._compressed = compression_of(hook, state, self.process_group)
+        if self._compressed is not None and self._shm is not None:
+            return  # the hook's arithmetic on the shared-memory path ([Note: compression on
+            # one host] in compressed.py)
         # torch's bucket sizes: a hook pays per bucket (see BucketSizes.without_tail), and its
         # collectives are its own, so the shared-memory buckets are not used
         if not self.reducer.reductions:  # later, the buckets in use stay as they are
@@ -212,6 +218,10 @@ class DistributedDataParallel(nn.Module, Joinable):
 
     def _launch(self, bucket: Bucket) -> Waitable | None:
         if self._comm_hooks.hook is not None:
+            if self._compressed is not None and self._shm is not None \
+                    and not self._join_config.enable \
+                    and bucket.buffer is self._shm.buffer(bucket.index):
+                return launch_compressed(self._shm, bucket.index, self._compressed)
             return self._comm_hooks.run(bucket, len(self.reducer.buckets))
         if self.world_size == 1:
             return None

@@ -1,0 +1,72 @@
+"""torch's fp16/bf16 compression hooks, run through the same-host shared-memory reduction.
+
+[Note: compression on one host] ``fp16_compress_hook`` and ``bf16_compress_hook`` (torch's in
+``ddp_comm_hooks.default_hooks`` and ours in ``shardwise.ddp.hooks``) do three things to a
+bucket: round each rank's gradients to half precision and divide them by the world size, sum
+them over the group in half precision, and write the half-precision sum back into the bucket.
+They exist to halve the bytes on a slow link. Between the ranks of one host there is no link:
+the shared-memory reduction ([Note: same-host shared-memory reduction]) reads the other ranks'
+slots directly, at a fraction of gloo's cost, and halving the bytes would save nothing there.
+So when DDP's buckets live in shared memory and the registered hook is one of these four with
+DDP's own group (or ``None``, the world, when that is DDP's group), DDP does the hook's
+arithmetic itself on the shared-memory path instead of calling it:
+
+1. the rank's slot becomes ``slot.to(half).div_(world)``, stored back in the slot's float32
+   (what the hook would send, exactly);
+2. the shared-memory reduction sums the slots in float32; the sum of two half-precision values
+   is exact in float32, so with two ranks the result equals gloo's half-precision sum bit for
+   bit, and with more it is at least as close to the true sum (gloo rounds after every add);
+3. the sum is rounded to half precision once, as the hook's result is.
+
+Any other hook, or these with another group or across hosts, is called as registered.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+from shardwise.ddp import hooks as our_hooks
+from shardwise.distributed.shm_reduce import ShmReducer, ShmWork
+
+_HALF = {
+    default_hooks.fp16_compress_hook: torch.float16,
+    default_hooks.bf16_compress_hook: torch.bfloat16,
+    our_hooks.fp16_compress_hook: torch.float16,
+    our_hooks.bf16_compress_hook: torch.bfloat16,
+}
+
+
+def compression_of(hook: Any, state: Any, group: dist.ProcessGroup) -> torch.dtype | None:
+    """The half-precision dtype when ``hook`` is a compression hook reducing over ``group``
+    (its state is the group, or None for the world when ``group`` is the world), else None."""
+    dtype = _HALF.get(hook)
+    if dtype is None:
+        return None
+    if state is group or (state is None and group is dist.group.WORLD):
+        return dtype
+    return None
+
+
+class CompressedWork:
+    """A bucket's shared-memory reduction whose result is rounded to half precision."""
+
+    def __init__(self, work: ShmWork, slot: torch.Tensor, dtype: torch.dtype):
+        self.work, self.slot, self.dtype = work, slot, dtype
+
+    def wait(self) -> bool:
+        """Wait for the sum (every rank has read its parts then), and round it as the hook's
+        half-precision all-reduce would."""
+        done = self.work.wait()
+        self.slot.copy_(self.slot.to(self.dtype))
+        return done
+
+
+def launch_compressed(shm: ShmReducer, index: int, dtype: torch.dtype) -> CompressedWork:
+    """Steps 1 and 2 of [Note: compression on one host] for bucket ``index``."""
+    slot = shm.buffer(index)
+    slot.copy_(slot.to(dtype).div_(shm.world))
+    return CompressedWork(shm.launch(index), slot, dtype)
