@@ -24,11 +24,17 @@ class MixedPrecision:
     cast_forward_inputs: bool = True
 
     def __post_init__(self) -> None:
-        for name in ("param_dtype", "reduce_dtype", "buffer_dtype"):
-            value = getattr(self, name)
-            if value is not None and not (isinstance(value, torch.dtype)
-                                          and value.is_floating_point):
-                raise ValueError(f"MixedPrecision.{name} must be a floating dtype, got {value!r}")
+        _check_floating(self, ("param_dtype", "reduce_dtype", "buffer_dtype"))
+
+
+def _check_floating(policy: object, names: tuple[str, ...]) -> None:
+    """Each named field is None or a floating-point dtype (else a ValueError naming it)."""
+    for name in names:
+        value = getattr(policy, name)
+        if value is not None and not (isinstance(value, torch.dtype)
+                                      and value.is_floating_point):
+            raise ValueError(f"{type(policy).__name__}.{name} must be a floating dtype, got "
+                             f"{value!r}")
 
 
 @dataclass(frozen=True)
@@ -63,12 +69,7 @@ class MixedPrecisionPolicy:
     cast_forward_inputs: bool = True
 
     def __post_init__(self) -> None:
-        for name in ("param_dtype", "reduce_dtype", "output_dtype"):
-            value = getattr(self, name)
-            if value is not None and not (isinstance(value, torch.dtype)
-                                          and value.is_floating_point):
-                raise ValueError(f"MixedPrecisionPolicy.{name} must be a floating dtype, got "
-                                 f"{value!r}")
+        _check_floating(self, ("param_dtype", "reduce_dtype", "output_dtype"))
 
 
 @dataclass(frozen=True)
