@@ -128,3 +128,15 @@ def test_accepted_torch_arguments_without_effect_warn_once():
     assert counts["defaults"] == []
     assert len(counts["input_args"]) == 1 and "ignored" in counts["input_args"][0]
 
+
+
+def test_mixed_precision_policies_refuse_non_floating_dtypes():
+    import pytest
+
+    from shardwise.fsdp.mixed_precision import MixedPrecision, MixedPrecisionPolicy
+
+    for cls, field in ((MixedPrecision, "buffer_dtype"), (MixedPrecisionPolicy, "output_dtype"),
+                       (MixedPrecision, "param_dtype"), (MixedPrecisionPolicy, "reduce_dtype")):
+        with pytest.raises(ValueError, match=f"{cls.__name__}.{field} must be a floating"):
+            cls(**{field: torch.int32})
+        assert getattr(cls(**{field: torch.bfloat16}), field) is torch.bfloat16
