@@ -62,24 +62,44 @@ def _hook_is_registered_on(ctx):
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
     from shardwise.ddp import DistributedDataParallel
-    from shardwise.distributed.grad_buckets import MIB
 
-    torch.manual_seed(0)
-    model = nn.Sequential(*[nn.Linear(256, 256) for _ in range(12)])  # 3 MiB in all
-    ddp = DistributedDataParallel(model, process_group=ctx.group, bucket_cap_mb=25)
-    before = [b.numel for b in ddp.reducer.buckets]
+    def model():
+        torch.manual_seed(0)
+        return nn.Sequential(*[nn.Linear(256, 256) for _ in range(12)])  # 3 MiB in all
+
+    ddp = DistributedDataParallel(model(), process_group=ctx.group, bucket_cap_mb=1)
+    before = [b.numel * 4 for b in ddp.reducer.buckets]
     ddp.register_comm_hook(ctx.group, default_hooks.allreduce_hook)
-    after = [b.numel for b in ddp.reducer.buckets]
+    after = [b.numel * 4 for b in ddp.reducer.buckets]
     assert ddp._shm is None, "a hook's collectives are its own: no shared-memory buckets"
     ddp(torch.randn(2, 256)).sum().backward()
     with pytest.raises(RuntimeError, match="before the first backward"):
         ddp.reducer.replan(ddp._bucket_sizes)
-    return before, after, MIB
+    theirs = torch.nn.parallel.DistributedDataParallel(model(), process_group=ctx.group,
+                                                       bucket_cap_mb=1)
+    theirs.register_comm_hook(ctx.group, default_hooks.allreduce_hook)
+    for _ in range(2):  # torch rebuilds its buckets after the first step
+        theirs(torch.randn(2, 256)).sum().backward()
+    rebuilt = [b.buffer().numel() * 4 for b in theirs.reducer._get_zeros_like_grad_buckets()]
+    return before, after, rebuilt
 
 
-def test_a_comm_hook_gets_torchs_bucket_sizes_without_the_small_tail():
+def test_a_comm_hook_gets_the_buckets_torch_uses_after_its_first_step():
     from tests.harness import run_on_ranks
 
-    before, after, mib = run_on_ranks(2, _hook_is_registered_on)[0]
-    assert max(before) * 4 <= 2 * mib and len(before) > 2, before  # the small tail
-    assert len(after) == 2 and after[0] * 4 <= mib < after[1] * 4, after  # 1 MiB, then the rest
+    before, after, torch_sizes = run_on_ranks(2, _hook_is_registered_on)[0]
+    assert before != after, before  # the default plan closes buckets before the cap
+    assert after == torch_sizes, (after, torch_sizes)
+
+
+def test_close_at_cap_passes_the_cap_by_one_parameter_as_torch_does():
+    # torch closes a bucket once it holds at least the cap: 4+4 reaches 8, 4+4+4 passes 10
+    assert plan_buckets([4, 4, 4, 4], ["f"] * 4, cap_bytes=8, close_at_cap=True) == [
+        [3, 2], [1, 0]]
+    assert plan_buckets([4, 4, 4, 4, 4], ["f"] * 5, cap_bytes=10, close_at_cap=True) == [
+        [4, 3, 2], [1, 0]]
+    from shardwise.distributed.grad_buckets import BucketSizes
+
+    hooks = BucketSizes.default().for_hooks()
+    assert (hooks.first_cap, hooks.tail_bytes, hooks.close_at_cap) == (None, 0, True)
+    assert hooks.cap == BucketSizes.default().cap

@@ -97,6 +97,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         )
         self._shm = self._shared_memory_buckets()
         self._compressed: torch.dtype | None = None  # a compression hook run on self._shm
+        self._hook_buckets = False  # replanned for a communication hook
         if static_graph:
             self._set_static_graph()
 
@@ -144,10 +145,15 @@ class DistributedDataParallel(nn.Module, Joinable):
         if self._compressed is not None and self._shm is not None:
             return  # the hook's arithmetic on the shared-memory path ([Note: compression on
             # one host] in compressed.py)
-        # torch's bucket sizes: a hook pays per bucket (see BucketSizes.without_tail), and its
-        # collectives are its own, so the shared-memory buckets are not used
-        if not self.reducer.reductions:  # later, the buckets in use stay as they are
-            self.reducer.replan(self._bucket_sizes.without_tail())
+        self._use_hook_buckets()
+
+    def _use_hook_buckets(self) -> None:
+        """torch's bucket sizes for a hook, which pays per bucket (see BucketSizes.for_hooks);
+        its collectives are its own, so the shared-memory buckets are not used. Once only, and
+        not after the first backward (then the buckets in use stay as they are)."""
+        if not self._hook_buckets and not self.reducer.reductions:
+            self.reducer.replan(self._bucket_sizes.for_hooks())
+            self._hook_buckets = True
         if self._shm is not None:
             self._shm.close()
             self._shm = None

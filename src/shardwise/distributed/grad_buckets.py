@@ -167,6 +167,7 @@ class BucketSizes:
     first_cap: int | None = None
     tail_bytes: int = 0
     tail_cap: int | None = None
+    close_at_cap: bool = False  # close a bucket once it reaches the cap (torch's rebuilt plan)
 
     @classmethod
     def default(cls, bucket_cap_mb: float | None = None) -> BucketSizes:
@@ -176,11 +177,13 @@ class BucketSizes:
         return cls(cap, min(cap, int(FIRST_CAP_MB * MIB)), int(DEFAULT_CAP_MB * MIB),
                    min(cap, int(TAIL_CAP_MB * MIB)))
 
-    def without_tail(self) -> BucketSizes:
-        """The same caps with no tail of small buckets (torch's sizes): for communication
-        hooks, whose cost per bucket (several collectives, compression) outweighs what a small
-        last bucket saves at the end of backward."""
-        return replace(self, tail_bytes=0, tail_cap=None)
+    def for_hooks(self) -> BucketSizes:
+        """The buckets torch 2.13's DDP uses from its second step on (measured on CPU: it
+        rebuilds them in gradient-ready order, each closed once it reaches ``bucket_cap_mb``,
+        with no small first bucket) and no tail of small buckets: for communication hooks,
+        whose cost per bucket (several collectives, compression) outweighs what a small
+        bucket saves at either end of backward."""
+        return replace(self, first_cap=None, tail_bytes=0, tail_cap=None, close_at_cap=True)
 
 
 DEFAULT_CAP_MB = 25.0
@@ -190,14 +193,17 @@ TAIL_CAP_MB = 2.0
 
 def plan_buckets(sizes: Sequence[int], keys: Sequence[object], cap_bytes: int,
                  first_cap_bytes: int | None = None, tail_bytes: int = 0,
-                 tail_cap_bytes: int | None = None) -> list[list[int]]:
+                 tail_cap_bytes: int | None = None, close_at_cap: bool = False
+                 ) -> list[list[int]]:
     """Group parameter indices into buckets, walking the parameters in reverse order.
 
     ``sizes`` are bytes, ``keys`` (dtype, device) must match within a bucket. A bucket is closed
     when adding the next parameter would pass its cap (the first bucket may have a smaller cap,
     so the first collective starts early; the parameters in the first ``tail_bytes`` of
     registration order, whose gradients come last, have ``tail_cap_bytes``, so that the last
-    collective is small). A parameter larger than the cap gets a bucket alone.
+    collective is small). A parameter larger than the cap gets a bucket alone. With
+    ``close_at_cap`` a bucket is instead closed once it holds at least its cap (torch's rule),
+    so it may pass the cap by one parameter.
     """
     if cap_bytes <= 0:
         raise ValueError(f"bucket cap must be positive, got {cap_bytes} bytes")
@@ -208,7 +214,8 @@ def plan_buckets(sizes: Sequence[int], keys: Sequence[object], cap_bytes: int,
     for i in reversed(range(len(sizes))):
         tail = bool(tail_cap_bytes) and before[i] < tail_bytes
         current, used, cap, opened_in_tail = open_by_key.get(keys[i], ([], 0, 0, tail))
-        if current and (used + sizes[i] > cap or tail != opened_in_tail):
+        full = used >= cap if close_at_cap else used + sizes[i] > cap
+        if current and (full or tail != opened_in_tail):
             current, used = [], 0
         if not current:
             cap = cap_bytes
@@ -314,7 +321,8 @@ class GradBucketer:
     def _plan(self, sizes: BucketSizes) -> None:
         named = self._named
         plan = plan_buckets([p.numel() * p.element_size() for _, p in named], self._keys,
-                            sizes.cap, sizes.first_cap, sizes.tail_bytes, sizes.tail_cap)
+                            sizes.cap, sizes.first_cap, sizes.tail_bytes, sizes.tail_cap,
+                            sizes.close_at_cap)
         self.buckets = [self._make_bucket(k, [named[i] for i in idx])
                         for k, idx in enumerate(plan)]
         if not self.lazy_buffers:

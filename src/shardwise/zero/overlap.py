@@ -166,6 +166,7 @@ def _attach(hook: CommHook, ddp: Any, zero: Any, shard_buckets: bool) -> Overlap
             dist.get_rank(ddp.process_group) != zero.rank:
         raise ValueError("the ZeroRedundancyOptimizer and the DistributedDataParallel model "
                          "must use the same process group")
+    ddp._use_hook_buckets()  # the buckets the hook will see, before ownership follows them
     overlap = OverlapState(zero, ddp)
     zero._attach_overlap(overlap)
     return overlap
