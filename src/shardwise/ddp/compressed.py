@@ -16,7 +16,8 @@ arithmetic itself on the shared-memory path instead of calling it:
 2. the shared-memory reduction sums the slots in float32; the sum of two half-precision values
    is exact in float32, so with two ranks the result equals gloo's half-precision sum bit for
    bit, and with more it is at least as close to the true sum (gloo rounds after every add);
-3. the sum is rounded to half precision once, as the hook's result is.
+3. the sum is rounded to half precision once, as the hook's result is: by the rank that sums
+   that part, before the others copy it, so every rank ends with the same bits.
 
 Any other hook, or these with another group or across hosts, is called as registered.
 """
@@ -51,22 +52,16 @@ def compression_of(hook: Any, state: Any, group: dist.ProcessGroup) -> torch.dty
     return None
 
 
-class CompressedWork:
-    """A bucket's shared-memory reduction whose result is rounded to half precision."""
+def launch_compressed(shm: ShmReducer, index: int, dtype: torch.dtype) -> ShmWork:
+    """Bucket ``index`` reduced as the hook would (see the Note); the roundings run on the
+    reducer's worker thread, off backward's: each rank rounds its own slot before posting it,
+    and the part it sums before the others read it."""
+    world = shm.world
 
-    def __init__(self, work: ShmWork, slot: torch.Tensor, dtype: torch.dtype):
-        self.work, self.slot, self.dtype = work, slot, dtype
+    def prepare(slot: torch.Tensor) -> None:
+        slot.copy_(slot.to(dtype).div_(world))
 
-    def wait(self) -> bool:
-        """Wait for the sum (every rank has read its parts then), and round it as the hook's
-        half-precision all-reduce would."""
-        done = self.work.wait()
-        self.slot.copy_(self.slot.to(self.dtype))
-        return done
+    def finish(part: torch.Tensor) -> None:
+        part.copy_(part.to(dtype))
 
-
-def launch_compressed(shm: ShmReducer, index: int, dtype: torch.dtype) -> CompressedWork:
-    """Steps 1 and 2 of [Note: compression on one host] for bucket ``index``."""
-    slot = shm.buffer(index)
-    slot.copy_(slot.to(dtype).div_(shm.world))
-    return CompressedWork(shm.launch(index), slot, dtype)
+    return shm.launch(index, prepare, finish)

@@ -52,7 +52,7 @@ import shutil
 import socket
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import suppress
 from datetime import timedelta
 
@@ -64,6 +64,7 @@ from shardwise.distributed.env import flag_var, int_var
 from shardwise.distributed.timeouts import default_timeout
 
 DISABLE_VAR = "SHARDWISE_NO_SHM_REDUCE"
+Step = Callable[[torch.Tensor], object]  # element-wise work on a slot or part, in place
 NODE_VAR = "GROUP_RANK"  # the launch's node of this process
 SHM_DIR = "/dev/shm"
 _ALIGN = 64  # bytes: slots and words start on their own cache line
@@ -222,13 +223,20 @@ class ShmReducer:
         """This rank's slot of bucket ``index`` (1D, the bucket's numel)."""
         return self._views[index][self.rank]
 
-    def launch(self, index: int) -> ShmWork:
-        """Post bucket ``index`` (its slot is filled) and reduce it in the background."""
+    def launch(self, index: int, prepare: Step | None = None,
+               finish: Step | None = None) -> ShmWork:
+        """Post bucket ``index`` (its slot is filled) and reduce it in the background.
+
+        ``prepare(slot)`` (this rank's whole slot) runs on the worker thread before the
+        bucket is posted, ``finish(part)`` (the part this rank sums) after the sum and before
+        the others read it: element-wise work on the values sent or on the result, off the
+        thread that launches ([Note: compression on one host] in ddp/compressed.py)."""
         if self._closed:
             raise RuntimeError("shared-memory reducer used after close()")
         self._seq += 1
-        self._words[self.rank, _POSTED] = self._seq
-        work = ShmWork(self, index, self._seq)
+        work = ShmWork(self, index, self._seq, prepare, finish)
+        if prepare is None:
+            self._words[self.rank, _POSTED] = self._seq
         self._jobs.put(work)
         return work
 
@@ -249,18 +257,24 @@ class ShmReducer:
             if work is None:
                 return
             try:
-                self._reduce(work.index, work.seq)
+                self._reduce(work)
             except BaseException as exc:  # handed to the waiter, never lost on this thread
                 work.error = exc
             work.done.set()
 
-    def _reduce(self, index: int, seq: int) -> None:
+    def _reduce(self, work: ShmWork) -> None:
+        index, seq = work.index, work.seq
         slots, r = self._views[index], self.rank
+        if work.prepare is not None:
+            work.prepare(slots[r])
+            self._words[r, _POSTED] = seq
         self._await(_POSTED, seq, index)
         own = self._parts(slots[r])
         for k in range(self.world):
             if k != r:
                 own[r].add_(self._parts(slots[k])[r])
+        if work.finish is not None:
+            work.finish(own[r])
         self._words[r, _REDUCED] = seq
         self._await(_REDUCED, seq, index)
         for k in range(self.world):
@@ -324,8 +338,10 @@ def _alive(pid: int) -> bool:
 class ShmWork:
     """One launched bucket reduction; ``wait()`` returns when every rank has read it."""
 
-    def __init__(self, reducer: ShmReducer, index: int, seq: int):
+    def __init__(self, reducer: ShmReducer, index: int, seq: int, prepare: Step | None = None,
+                 finish: Step | None = None):
         self.reducer, self.index, self.seq = reducer, index, seq
+        self.prepare, self.finish = prepare, finish
         self.done = threading.Event()
         self.error: BaseException | None = None
 
