@@ -8,16 +8,14 @@ They exist to halve the bytes on a slow link. Between the ranks of one host ther
 the shared-memory reduction ([Note: same-host shared-memory reduction]) reads the other ranks'
 slots directly, at a fraction of gloo's cost, and halving the bytes would save nothing there.
 So when DDP's buckets live in shared memory and the registered hook is one of these four with
-DDP's own group (or ``None``, the world, when that is DDP's group), DDP does the hook's
-arithmetic itself on the shared-memory path instead of calling it:
-
-1. the rank's slot becomes ``slot.to(half).div_(world)``, stored back in the slot's float32
-   (what the hook would send, exactly);
-2. the shared-memory reduction sums the slots in float32; the sum of two half-precision values
-   is exact in float32, so with two ranks the result equals gloo's half-precision sum bit for
-   bit, and with more it is at least as close to the true sum (gloo rounds after every add);
-3. the sum is rounded to half precision once, as the hook's result is: by the rank that sums
-   that part, before the others copy it, so every rank ends with the same bits.
+DDP's own group (or ``None``, the world, when that is DDP's group), DDP computes what the hook
+computes, the mean in half precision, on the shared-memory path instead of calling it: the
+gradients are divided by the world size on their way into the bucket and summed in float32, as
+without a hook, and each part of the sum is rounded to half precision by the rank that summed it,
+on the reducer's worker thread, before the others copy it (so every rank ends with the same
+bits). The result is the float32 mean rounded once, the half-precision value nearest to it; the
+hook rounds each rank's gradients before the sum and gloo rounds after every add, so the hook's
+result can differ from it by about one unit in the last place.
 
 Any other hook, or these with another group or across hosts, is called as registered.
 """
@@ -53,15 +51,10 @@ def compression_of(hook: Any, state: Any, group: dist.ProcessGroup) -> torch.dty
 
 
 def launch_compressed(shm: ShmReducer, index: int, dtype: torch.dtype) -> ShmWork:
-    """Bucket ``index`` reduced as the hook would (see the Note); the roundings run on the
-    reducer's worker thread, off backward's: each rank rounds its own slot before posting it,
-    and the part it sums before the others read it."""
-    world = shm.world
-
-    def prepare(slot: torch.Tensor) -> None:
-        slot.copy_(slot.to(dtype).div_(world))
+    """Bucket ``index`` (already averaged on its way in) summed, each rank's part rounded to
+    ``dtype`` on the reducer's worker thread before the other ranks read it (see the Note)."""
 
     def finish(part: torch.Tensor) -> None:
         part.copy_(part.to(dtype))
 
-    return shm.launch(index, prepare, finish)
+    return shm.launch(index, finish=finish)

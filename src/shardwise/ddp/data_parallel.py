@@ -115,7 +115,9 @@ class DistributedDataParallel(nn.Module, Joinable):
             announce_reduction(self.process_group, will_reduce, self.device)
         self._sync_buffers_next = will_reduce
         # average on the way into the buckets, unless a hook or join decides the divisor
-        plain = self.world_size > 1 and self._comm_hooks.hook is None and not joining
+        compressed = self._compressed is not None and self._shm is not None
+        plain = self.world_size > 1 and not joining and (self._comm_hooks.hook is None
+                                                           or compressed)
         self.reducer.scale = 1.0 / self.world_size if plain else None
         if self.device_ids:
             device = torch.device("cuda", _index(self.device_ids[0]))
@@ -225,7 +227,7 @@ class DistributedDataParallel(nn.Module, Joinable):
     def _launch(self, bucket: Bucket) -> Waitable | None:
         if self._comm_hooks.hook is not None:
             if self._compressed is not None and self._shm is not None \
-                    and not self._join_config.enable \
+                    and self.reducer.scale is not None \
                     and bucket.buffer is self._shm.buffer(bucket.index):
                 return launch_compressed(self._shm, bucket.index, self._compressed)
             return self._comm_hooks.run(bucket, len(self.reducer.buckets))
