@@ -64,7 +64,7 @@ from shardwise.distributed.env import flag_var, int_var
 from shardwise.distributed.timeouts import default_timeout
 
 DISABLE_VAR = "SHARDWISE_NO_SHM_REDUCE"
-Step = Callable[[torch.Tensor], object]  # element-wise work on a slot or part, in place
+Step = Callable[[torch.Tensor], object]  # element-wise work on a part of the result, in place
 NODE_VAR = "GROUP_RANK"  # the launch's node of this process
 SHM_DIR = "/dev/shm"
 _ALIGN = 64  # bytes: slots and words start on their own cache line
@@ -223,20 +223,17 @@ class ShmReducer:
         """This rank's slot of bucket ``index`` (1D, the bucket's numel)."""
         return self._views[index][self.rank]
 
-    def launch(self, index: int, prepare: Step | None = None,
-               finish: Step | None = None) -> ShmWork:
+    def launch(self, index: int, finish: Step | None = None) -> ShmWork:
         """Post bucket ``index`` (its slot is filled) and reduce it in the background.
 
-        ``prepare(slot)`` (this rank's whole slot) runs on the worker thread before the
-        bucket is posted, ``finish(part)`` (the part this rank sums) after the sum and before
-        the others read it: element-wise work on the values sent or on the result, off the
-        thread that launches ([Note: compression on one host] in ddp/compressed.py)."""
+        ``finish(part)`` runs on the worker thread on the part this rank sums, after the sum
+        and before the others read it: element-wise work on the result, off the thread that
+        launches ([Note: compression on one host] in ddp/compressed.py)."""
         if self._closed:
             raise RuntimeError("shared-memory reducer used after close()")
         self._seq += 1
-        work = ShmWork(self, index, self._seq, prepare, finish)
-        if prepare is None:
-            self._words[self.rank, _POSTED] = self._seq
+        self._words[self.rank, _POSTED] = self._seq
+        work = ShmWork(self, index, self._seq, finish)
         self._jobs.put(work)
         return work
 
@@ -265,9 +262,6 @@ class ShmReducer:
     def _reduce(self, work: ShmWork) -> None:
         index, seq = work.index, work.seq
         slots, r = self._views[index], self.rank
-        if work.prepare is not None:
-            work.prepare(slots[r])
-            self._words[r, _POSTED] = seq
         self._await(_POSTED, seq, index)
         own = self._parts(slots[r])
         for k in range(self.world):
@@ -338,10 +332,9 @@ def _alive(pid: int) -> bool:
 class ShmWork:
     """One launched bucket reduction; ``wait()`` returns when every rank has read it."""
 
-    def __init__(self, reducer: ShmReducer, index: int, seq: int, prepare: Step | None = None,
-                 finish: Step | None = None):
+    def __init__(self, reducer: ShmReducer, index: int, seq: int, finish: Step | None = None):
         self.reducer, self.index, self.seq = reducer, index, seq
-        self.prepare, self.finish = prepare, finish
+        self.finish = finish
         self.done = threading.Event()
         self.error: BaseException | None = None
 
