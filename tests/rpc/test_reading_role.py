@@ -4,39 +4,13 @@ reader goes on reading; a second call while one runs goes to the pool (``defer``
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 
 import pytest
 import torch
 
-from shardwise.rpc import shm_channel
-from shardwise.rpc.transport import Connection
-
-
-def _tcp_pair(on_frame, defer):
-    a, b = socket.socketpair()
-    reader = Connection(b, 0, on_frame, lambda *_: None, defer=defer)
-    sender = Connection(a, 1, lambda *_: None, lambda *_: None)
-    return sender, reader
-
-
-def _shm_pair(on_frame, defer):
-    a, b = socket.socketpair()
-    links: dict = {}
-
-    def side(sock, acceptor) -> None:
-        links[acceptor] = shm_channel.negotiate(sock, "shm", acceptor, 5.0)
-
-    t = threading.Thread(target=side, args=(a, True))
-    t.start()
-    side(b, False)
-    t.join()
-    reader = shm_channel.ShmConnection(b, 0, links[False], on_frame, lambda *_: None,
-                                       defer=defer)
-    sender = shm_channel.ShmConnection(a, 1, links[True], lambda *_: None, lambda *_: None)
-    return sender, reader
+from tests.rpc.pairs import shm_pair, tcp_pair
 
 
 @pytest.fixture(params=["tcp", "shm"])
@@ -44,7 +18,8 @@ def make_pair(request):
     made = []
 
     def make(on_frame, defer=None):
-        pair = (_tcp_pair if request.param == "tcp" else _shm_pair)(on_frame, defer)
+        pair = (tcp_pair if request.param == "tcp" else shm_pair)(on_frame, lambda *_: None,
+                                                                   defer)
         made.append(pair)
         return pair
 

@@ -20,6 +20,7 @@ from shardwise.rpc import shm_channel, shm_ring, transport, wire
 from shardwise.rpc.current import get_agent
 from tests.rpc import helpers
 from tests.rpc.conftest import ROOT
+from tests.rpc.pairs import shm_pair
 
 
 @pytest.fixture
@@ -97,23 +98,6 @@ def test_frames_through_a_ring_smaller_than_them_arrive_in_order(shm_world):
     assert not errors, errors
 
 
-def _pair(on_frame, on_lost):
-    """Two shared-memory connections over a socket pair, in this process: (sender, reader)."""
-    a, b = socket.socketpair()
-    links: dict = {}
-
-    def side(sock, acceptor) -> None:
-        links[acceptor] = shm_channel.negotiate(sock, "shm", acceptor, 5.0)
-
-    t = threading.Thread(target=side, args=(a, True))
-    t.start()
-    side(b, False)
-    t.join()
-    reader = shm_channel.ShmConnection(b, 0, links[False], on_frame, on_lost)
-    sender = shm_channel.ShmConnection(a, 1, links[True], lambda *_: None, lambda *_: None)
-    return sender, reader
-
-
 def _inject(sender, raw: bytes) -> None:
     """Write raw bytes into the sender's ring, as a broken or hostile peer could."""
     sender._written = sender.tx.copy_in(sender._written, memoryview(raw))
@@ -124,7 +108,7 @@ def _inject(sender, raw: bytes) -> None:
 def test_frames_from_the_ring_are_checked_like_socket_frames():
     lost: list = []
     done = threading.Event()
-    sender, reader = _pair(lambda *_: None, lambda peer, exc, clean: (lost.append(exc),
+    sender, reader = shm_pair(lambda *_: None, lambda peer, exc, clean: (lost.append(exc),
                                                                         done.set()))
     _inject(sender, b"XXXX" + bytes(12))
     assert done.wait(10)
@@ -138,7 +122,7 @@ def test_frames_from_the_ring_are_checked_like_socket_frames():
 def test_a_huge_claimed_payload_allocates_nothing_until_its_bytes_arrive():
     got: list = []
     lost: list = []
-    sender, reader = _pair(lambda peer, payload, bufs: got.append(bytes(payload)),
+    sender, reader = shm_pair(lambda peer, payload, bufs: got.append(bytes(payload)),
                            lambda peer, exc, clean: lost.append((exc, clean)))
     blob = bytes(range(256)) * 40_000  # 10 MB through a 4 MB ring
     sender.send(blob, [])
