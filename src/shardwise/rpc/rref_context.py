@@ -6,8 +6,8 @@ stays in the owner's table (and so the value stays alive) while any fork exists;
 RRef objects hold the entry directly, so once the forks are gone the value lives exactly as long
 as the owner's own references.
 
-- remote(): the caller makes the RRef id and its own fork id; the owner's reader thread creates
-  the entry with that fork before anything later on the same connection is read.
+- remote(): the caller makes the RRef id and its own fork id; the owner's thread reading the
+  connection creates the entry with that fork before anything later on it is read.
 - Sending an RRef to a worker other than its owner creates a fork for the receiver *before* the
   message leaves: the owner adds it locally, or a user asks the owner (FORK_ADD) and waits for
   the acknowledgement. So the owner has counted the receiver before the sender can drop its

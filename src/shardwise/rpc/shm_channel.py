@@ -342,7 +342,7 @@ class ShmConnection(QueuedConnection):
     def _send_queued(self) -> None:
         queue, ring = self._queue, self.tx
         try:
-            if self.closed:  # the reader thread may have unmapped the ring
+            if self.closed:  # the last reader may have unmapped the ring
                 raise ShmClosed(f"connection to rank {self.peer} is closed")
             while queue:
                 parts, temps = queue.popleft()
