@@ -115,9 +115,8 @@ class DistributedDataParallel(nn.Module, Joinable):
             announce_reduction(self.process_group, will_reduce, self.device)
         self._sync_buffers_next = will_reduce
         # average on the way into the buckets, unless a hook or join decides the divisor
-        compressed = self._compressed is not None and self._shm is not None
         plain = self.world_size > 1 and not joining and (self._comm_hooks.hook is None
-                                                           or compressed)
+                                                           or self._compressing())
         self.reducer.scale = 1.0 / self.world_size if plain else None
         if self.device_ids:
             device = torch.device("cuda", _index(self.device_ids[0]))
@@ -144,10 +143,15 @@ class DistributedDataParallel(nn.Module, Joinable):
         ``shardwise.ddp.hooks`` both fit). Only one hook may be registered."""
         self._comm_hooks.register(state, hook)
         self._compressed = compression_of(hook, state, self.process_group)
-        if self._compressed is not None and self._shm is not None:
+        if self._compressing():
             return  # the hook's arithmetic on the shared-memory path ([Note: compression on
             # one host] in compressed.py)
         self._use_hook_buckets()
+
+    def _compressing(self) -> bool:
+        """A compression hook computed on the shared-memory buckets ([Note: compression on
+        one host])."""
+        return self._compressed is not None and self._shm is not None
 
     def _use_hook_buckets(self) -> None:
         """torch's bucket sizes for a hook, which pays per bucket (see BucketSizes.for_hooks);
@@ -225,17 +229,16 @@ class DistributedDataParallel(nn.Module, Joinable):
         return shm
 
     def _launch(self, bucket: Bucket) -> Waitable | None:
+        shm = self._shm  # (open only without a hook, or with a compression hook)
+        if shm is not None and self.reducer.scale is not None \
+                and bucket.buffer is shm.buffer(bucket.index):  # averaged on the way in
+            if self._compressed is not None:  # [Note: compression on one host]
+                return launch_compressed(shm, bucket.index, self._compressed)
+            return shm.launch(bucket.index)
         if self._comm_hooks.hook is not None:
-            if self._compressed is not None and self._shm is not None \
-                    and self.reducer.scale is not None \
-                    and bucket.buffer is self._shm.buffer(bucket.index):
-                return launch_compressed(self._shm, bucket.index, self._compressed)
             return self._comm_hooks.run(bucket, len(self.reducer.buckets))
         if self.world_size == 1:
             return None
-        if self._shm is not None and self.reducer.scale is not None \
-                and bucket.buffer is self._shm.buffer(bucket.index):
-            return self._shm.launch(bucket.index)  # averaged on the way in, same host
         if self.reducer.scale is None:  # not averaged on the way in (join decides the divisor)
             bucket.buffer.div_(self._divisor())
         return dist.all_reduce(bucket.buffer, group=self.process_group, async_op=True)

@@ -199,11 +199,19 @@ class QueuedConnection:
                 break
             if not frames:
                 os.sched_yield()  # (lets go of the GIL)
-            for payload, buffers in frames:
-                if call is not None:
-                    self._defer(call)
-                call = self._on_frame(self.peer, payload, buffers)
-                del payload, buffers
+            call = self._hand_on(frames, call)
+        return call
+
+    def _hand_on(self, frames: list, call: Callable[[], None] | None
+                 ) -> Callable[[], None] | None:
+        """Hand ``frames`` to ``on_frame`` in order; returns the last call they asked for
+        (``call`` if none), each earlier one (``call`` included) going to ``defer``."""
+        for payload, buffers in frames:
+            if call is not None:
+                self._defer(call)
+            call = self._on_frame(self.peer, payload, buffers)
+            del payload, buffers
+        frames.clear()  # (no reference keeps a frame's buffers alive)
         return call
 
     def _pump(self, keep_last: bool) -> Callable[[], None] | None:
@@ -213,11 +221,7 @@ class QueuedConnection:
         try:
             self._woken()
             while not self.closed:
-                for payload, buffers in self._drain():
-                    if call is not None:
-                        self._defer(call)
-                    call = self._on_frame(self.peer, payload, buffers)
-                    del payload, buffers
+                call = self._hand_on(self._drain(), call)
                 if self._may_sleep():
                     break
         except Exception as exc:  # noqa: BLE001 - a broken peer or frame: the connection ends

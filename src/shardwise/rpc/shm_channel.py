@@ -425,10 +425,8 @@ class ShmConnection(QueuedConnection):
                 data = self.sock.recv(64, socket.MSG_DONTWAIT)
             except BlockingIOError:
                 return
-            if not data:
-                self._eof = True  # frames written before the peer left are still read
+            if not self._bells(data):
                 return
-            self._bells(data)
 
     def _next_frame(self) -> tuple[bytes | bytearray, list[np.ndarray]]:
         """Read one frame, checked exactly as the socket reader checks it (wire.py)."""
@@ -554,19 +552,20 @@ class ShmConnection(QueuedConnection):
             ring.reader_awake()
 
     def _wait_bell(self) -> None:
-        data = self.sock.recv(64)
+        self._bells(self.sock.recv(64))
+
+    def _bells(self, data: bytes) -> bool:
+        """Act on doorbell bytes; False at the peer's close (no bytes: ``recv`` saw EOF)."""
         if not data:
             self._eof = True  # frames written before the peer left are still read
-            return
-        self._bells(data)
-
-    def _bells(self, data: bytes) -> None:
+            return False
         for byte in data:
             if byte == _SPACE[0]:
                 self._space.set()
             elif byte != _DATA[0]:
                 raise FrameError(f"unexpected byte {byte} on a shared-memory connection's "
                                  "doorbell")
+        return True
 
     # ------------------------------------------------------------------ closing
     def close(self) -> None:

@@ -116,11 +116,8 @@ class FrameReader:
     def next_batch(self) -> list[tuple[bytes, list[np.ndarray]]]:
         """Block until at least one whole frame arrived; return all whole frames buffered."""
         while True:
-            batch = []
-            size = self._head_size()
-            while size is not None and size <= self._end - self._start:
-                batch.append(self._take(size))
-                size = self._head_size()
+            batch: list = []
+            size = self._take_buffered(batch)
             if batch:
                 return batch
             if size is not None and size > LARGE:
@@ -130,17 +127,23 @@ class FrameReader:
     def ready_batch(self) -> list[tuple[bytes, list[np.ndarray]]]:
         """Every whole frame that has arrived, without waiting for one that has not (a large
         frame whose header is here is read to its end); [] when none has."""
-        batch = []
+        batch: list = []
         while True:
-            size = self._head_size()
-            while size is not None and size <= self._end - self._start:
-                batch.append(self._take(size))
-                size = self._head_size()
+            size = self._take_buffered(batch)
             if size is not None and size > LARGE:
                 batch.append(self._read_large())
                 continue
             if not self._fill(size or _FIXED.size, wait=False):
                 return batch
+
+    def _take_buffered(self, batch: list) -> int | None:
+        """Append every whole frame in the buffer to ``batch``; returns the size of the frame
+        left at its head (None: the buffer is empty), as :meth:`_head_size`."""
+        size = self._head_size()
+        while size is not None and size <= self._end - self._start:
+            batch.append(self._take(size))
+            size = self._head_size()
+        return size
 
     def _head_size(self) -> int | None:
         """Bytes of the frame at the head of the buffer, once its header is buffered."""
