@@ -26,6 +26,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from shardwise.ddp.compressed import compression_of, launch_compressed
 from shardwise.ddp.join import DDPJoinHook, active_ranks, announce_reduction, common_rank
+from shardwise.ddp.powersgd import BucketPowerSGD
 from shardwise.distributed.agree import check_same_model
 from shardwise.distributed.collectives import broadcast_coalesced
 from shardwise.distributed.comm_hooks import CommHook, CommHookSlot
@@ -97,6 +98,8 @@ class DistributedDataParallel(nn.Module, Joinable):
         )
         self._shm = self._shared_memory_buckets()
         self._compressed: torch.dtype | None = None  # a compression hook run on self._shm
+        self._powersgd: BucketPowerSGD | None = None  # our powerSGD_hook, run on the buckets
+        self._powersgd_step = False  # the coming backward runs it ([Note: PowerSGD inside DDP])
         self._hook_buckets = False  # replanned for a communication hook
         if static_graph:
             self._set_static_graph()
@@ -118,6 +121,8 @@ class DistributedDataParallel(nn.Module, Joinable):
         plain = self.world_size > 1 and not joining and (self._comm_hooks.hook is None
                                                            or self._compressing())
         self.reducer.scale = 1.0 / self.world_size if plain else None
+        if self._powersgd is not None:
+            self._prepare_powersgd(will_reduce and not joining)
         if self.device_ids:
             device = torch.device("cuda", _index(self.device_ids[0]))
             inputs, kwargs = _to_device(inputs, device), _to_device(kwargs, device)
@@ -143,6 +148,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         ``shardwise.ddp.hooks`` both fit). Only one hook may be registered."""
         self._comm_hooks.register(state, hook)
         self._compressed = compression_of(hook, state, self.process_group)
+        self._powersgd = BucketPowerSGD.of(hook, state, self.process_group)
         if self._compressing():
             return  # the hook's arithmetic on the shared-memory path ([Note: compression on
             # one host] in compressed.py)
@@ -210,6 +216,23 @@ class DistributedDataParallel(nn.Module, Joinable):
             tensors += buffers_to_sync(self.module)
         broadcast_coalesced(tensors, src, self.process_group)
 
+    def _prepare_powersgd(self, enable: bool) -> None:
+        """Whether the coming backward runs PowerSGD on the buckets, and so adds each bucket's
+        error to the gradients on their way in ([Note: PowerSGD inside DDP])."""
+        self._powersgd_step = enable
+        for bucket in self.reducer.buckets:
+            bucket.addend = self._powersgd.addend(bucket) if enable else None
+
+    def _launch_powersgd(self, bucket: Bucket) -> Waitable | None:
+        """Our powerSGD_hook's round on ``bucket`` itself, when this step runs it (not on a
+        joined rank's all-zero copies of the buckets, which go to the hook)."""
+        buckets = self.reducer.buckets
+        if not self._powersgd_step or buckets[bucket.index] is not bucket:
+            return None
+        into_grads = not (self.gradient_as_bucket_view or self.find_unused_parameters
+                          or self.static_graph or self.reducer.detached_pass)
+        return self._powersgd.launch(bucket, bucket.index == len(buckets) - 1, into_grads)
+
     def _divisor(self) -> int:
         if self._join_work is not None:
             self._join_divisor, self._join_work = active_ranks(self._join_work), None
@@ -236,7 +259,8 @@ class DistributedDataParallel(nn.Module, Joinable):
                 return launch_compressed(shm, bucket.index, self._compressed)
             return shm.launch(bucket.index)
         if self._comm_hooks.hook is not None:
-            return self._comm_hooks.run(bucket, len(self.reducer.buckets))
+            work = self._launch_powersgd(bucket) if self._powersgd is not None else None
+            return work or self._comm_hooks.run(bucket, len(self.reducer.buckets))
         if self.world_size == 1:
             return None
         if self.reducer.scale is None:  # not averaged on the way in (join decides the divisor)
@@ -244,6 +268,8 @@ class DistributedDataParallel(nn.Module, Joinable):
         return dist.all_reduce(bucket.buffer, group=self.process_group, async_op=True)
 
     def _finish(self, bucket: Bucket) -> None:
+        if getattr(bucket.work, "in_grads", False):
+            return  # the mean is already in .grad ([Note: PowerSGD inside DDP])
         skip = bucket.unused  # no rank used them: .grad stays as it is (torch's rule)
         for i, param in enumerate(bucket.params):
             if skip and i in skip:

@@ -109,9 +109,9 @@ class PowerSGDState:
         self.q_memory_dict: dict[int, list[torch.Tensor]] = {}
         self._generator = torch.Generator().manual_seed(random_seed)
 
-    def count(self, bucket: Any) -> None:
+    def count(self, is_last: bool) -> None:
         """One step is over when its last bucket has been handled."""
-        if bucket.is_last():
+        if is_last:
             self.iter += 1
 
     def random_q(self, m: int, rank: int, like: torch.Tensor) -> torch.Tensor:
@@ -130,54 +130,96 @@ def _compressible(shape: torch.Size, state: PowerSGDState) -> tuple[int, int, in
 
 
 def powerSGD_hook(state: PowerSGDState, bucket: Bucket) -> Result:  # noqa: N802 (torch's name)
-    """Low-rank compressed mean of the bucket (see the module docstring)."""
+    """Low-rank compressed mean of the bucket (see the module docstring): last step's error is
+    added to the bucket, :func:`compress_bucket` runs the round in place."""
     group = _group(state.process_group)
     buffer = bucket.buffer()
     if state.iter < state.start_powerSGD_iter:
-        state.count(bucket)
+        state.count(bucket.is_last())
         return _average(buffer, group)
-    index = bucket.index()
-    if state.use_error_feedback:
-        if index in state.error_dict:
-            buffer.add_(state.error_dict[index])
-        original = buffer.clone()
     grads = bucket.gradients()
-    shapes = [_compressible(g.shape, state) for g in grads]
-    matrices = [g.view(s[0], s[1]) for g, s in zip(grads, shapes) if s is not None]
-    plain = [g for g, s in zip(grads, shapes) if s is None]
-    qs = _initial_qs(state, index, matrices, [s[2] for s in shapes if s is not None])
-    ps = [m @ q for m, q in zip(matrices, qs)]
-    first = torch.cat([t.reshape(-1) for t in plain + ps]) if plain or ps else buffer[:0]
-    world = group.size()
-    result: Future = Future()
-    bases: list[torch.Tensor] = []
+    errors = None
+    if state.use_error_feedback:
+        error = state.error_dict.get(bucket.index())
+        if error is not None and error.shape == buffer.shape:
+            buffer.add_(error)
+        else:  # the first compressed step (or buckets that changed): no error yet
+            error = state.error_dict[bucket.index()] = torch.zeros_like(buffer)
+        errors = [error[o : o + g.numel()].view_as(g)
+                  for o, g in zip(_offsets(grads, buffer), grads)]
+    return compress_bucket(state, group, bucket.index(), bucket.is_last(), grads, grads,
+                           errors, buffer)
 
-    def after_ps() -> None:
-        _unpack(first[: sum(t.numel() for t in plain)], plain, world)
-        _unpack(first[sum(t.numel() for t in plain):], ps, 1)
-        for p, m, q in zip(ps, matrices, qs):
-            bases.append(_orthonormal(p))
-            torch.matmul(m.t(), bases[-1], out=q)
-        flat_q = torch.cat([q.reshape(-1) for q in qs]) if qs else buffer[:0]
-        fut = dist.all_reduce(flat_q, group=group, async_op=True).get_future()
-        fut.then(lambda f: _settle(result, f, finish, flat_q))
 
-    def finish(flat_q: torch.Tensor) -> torch.Tensor:
-        _unpack(flat_q, qs, world)
-        for basis, m, q in zip(bases, matrices, qs):
-            torch.matmul(basis, q.t(), out=m)
-        if state.use_error_feedback:
-            state.error_dict[index] = original - buffer
-        state.q_memory_dict[index] = qs if state.warm_start else []
-        state.count(bucket)
-        return buffer
-
-    p_work = dist.all_reduce(first, group=group, async_op=True)
+def compress_bucket(state: PowerSGDState, group: dist.ProcessGroup, index: int, is_last: bool,
+                    grads: list[torch.Tensor], outs: list[torch.Tensor],
+                    errors: list[torch.Tensor] | None, value: Any) -> Result:
+    """One bucket's PowerSGD round. ``grads`` hold this rank's gradients with last step's error
+    already added (M); the mean over ``group`` lands in ``outs`` (``grads`` themselves, or
+    other tensors of the same shapes) and, with error feedback, what this rank's M loses to it
+    in ``errors`` (in place: the error of the next step). Two all-reduces over ``group``: the
+    uncompressed tensors with every P, then every Q, issued from this thread in bucket order
+    (see [Note: PowerSGD's second all-reduce]). The future's value is ``value``."""
+    round_ = _Round(state, group, index, is_last, grads, outs, errors, value)
+    p_work = dist.all_reduce(round_.first, group=group, async_op=True)
     _start_q_stages(state)  # earlier buckets' Q all-reduces, in bucket order
-    state.pending.append(lambda: _settle(result, p_work.get_future(), after_ps))
-    if bucket.is_last():
+    state.pending.append(lambda: _settle(round_.result, p_work.get_future(), round_.second))
+    if is_last:
         _start_q_stages(state)
-    return result
+    return round_.result
+
+
+class _Round:
+    """The tensors of one bucket's round and its two local stages (see compress_bucket)."""
+
+    def __init__(self, state: PowerSGDState, group: dist.ProcessGroup, index: int,
+                 is_last: bool, grads: list[torch.Tensor], outs: list[torch.Tensor],
+                 errors: list[torch.Tensor] | None, value: Any):
+        self.state, self.group, self.index, self.is_last = state, group, index, is_last
+        layout = [_compressible(g.shape, state) for g in grads]
+        errors = errors if errors is not None else [None] * len(grads)
+        # (M, where the mean goes, where the error goes), as matrices or as they are
+        self.matrices = list(zip(*(_pick(t, layout, True) for t in (grads, outs, errors))))
+        self.plain = list(zip(*(_pick(t, layout, False) for t in (grads, outs, errors))))
+        ms = [m for m, _, _ in self.matrices]
+        self.qs = _initial_qs(state, index, ms, [s[2] for s in layout if s is not None])
+        self.first = torch.cat([t.reshape(-1) for t, _, _ in self.plain]
+                               + [(m @ q).reshape(-1) for m, q in zip(ms, self.qs)])
+        self.bases: list[torch.Tensor] = []
+        self.result: Future = Future()
+        self.value = value
+
+    def second(self) -> None:
+        """Once the first all-reduce is done: the means of the uncompressed tensors, an
+        orthonormal basis of each summed P, Q = M^T basis, and the Q all-reduce."""
+        world = self.group.size()
+        shapes = [t.shape for t, _, _ in self.plain]
+        shapes += [(m.shape[0], q.shape[1]) for (m, _, _), q in zip(self.matrices, self.qs)]
+        pieces = _pieces(self.first, shapes)
+        for (t, out, err), piece in zip(self.plain, pieces):
+            mean = piece / world
+            if err is not None:
+                torch.sub(t, mean, out=err)
+            out.copy_(mean)
+        for (m, _, _), p, q in zip(self.matrices, pieces[len(self.plain):], self.qs):
+            self.bases.append(_orthonormal(p))
+            torch.matmul(m.t(), self.bases[-1], out=q)
+        flat_q = torch.cat([q.reshape(-1) for q in self.qs]) if self.qs else self.first[:0]
+        fut = dist.all_reduce(flat_q, group=self.group, async_op=True).get_future()
+        fut.then(lambda f: _settle(self.result, f, self.finish, flat_q))
+
+    def finish(self, flat_q: torch.Tensor) -> Any:
+        """Once the Q all-reduce is done (on its thread): the mean ``basis @ Q.T`` of each
+        matrix, and what it drops from this rank's M."""
+        for q, piece in zip(self.qs, _pieces(flat_q, [q.shape for q in self.qs])):
+            torch.div(piece, self.group.size(), out=q)
+        for (m, out, err), basis, q in zip(self.matrices, self.bases, self.qs):
+            if err is not None:
+                _residual(m, basis, q, out=err)
+            torch.matmul(basis, q.t(), out=out)
+        self.state.q_memory_dict[self.index] = self.qs if self.state.warm_start else []
+        self.state.count(self.is_last)
+        return self.value
 
 
 def _start_q_stages(state: PowerSGDState) -> None:
@@ -214,10 +256,34 @@ def _orthonormal(p: torch.Tensor) -> torch.Tensor:
     return q.to(p.dtype)
 
 
-def _unpack(flat: torch.Tensor, tensors: list[torch.Tensor], divisor: int) -> None:
-    """Copy consecutive pieces of ``flat`` (divided by ``divisor``) back into ``tensors``."""
-    offset = 0
-    for t in tensors:
-        piece = flat[offset : offset + t.numel()].view_as(t)
-        t.copy_(piece / divisor if divisor != 1 else piece)
-        offset += t.numel()
+def _residual(m: torch.Tensor, basis: torch.Tensor, q: torch.Tensor, out: torch.Tensor) -> None:
+    """``out = m - basis @ q.T`` in one pass over ``m`` (an outer product for rank 1)."""
+    if basis.shape[1] == 1:
+        torch.addcmul(m, basis, q.t(), value=-1, out=out)
+    else:
+        torch.addmm(m, basis, q.t(), alpha=-1, out=out)
+
+
+def _pick(tensors: list[Any], layout: list[tuple[int, int, int] | None],
+          matrices: bool) -> list[Any]:
+    """The compressed ones among ``tensors`` as ``n x m`` matrices, or the others as they are
+    (``layout`` says which is which, position by position)."""
+    if matrices:
+        return [t if t is None else t.view(s[0], s[1])
+                for t, s in zip(tensors, layout) if s is not None]
+    return [t for t, s in zip(tensors, layout) if s is None]
+
+
+def _pieces(flat: torch.Tensor, shapes: list[Any]) -> list[torch.Tensor]:
+    """Consecutive pieces of ``flat``, one of each shape."""
+    out, offset = [], 0
+    for shape in shapes:
+        n = math.prod(shape)
+        out.append(flat[offset : offset + n].view(shape))
+        offset += n
+    return out
+
+
+def _offsets(grads: list[torch.Tensor], buffer: torch.Tensor) -> list[int]:
+    """Where each gradient view starts in the bucket's flat buffer."""
+    return [g.storage_offset() - buffer.storage_offset() for g in grads]

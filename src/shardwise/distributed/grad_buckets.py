@@ -105,6 +105,9 @@ class Bucket:
     # positions of parameters that no rank used in this reduction (set before finish when
     # globally unused parameters are tracked; see the module docstring)
     unused: frozenset[int] = frozenset()
+    # added to every gradient on its way into the buffer (flat, `numel`; PowerSGD's error
+    # feedback, ddp/powersgd.py); None adds nothing
+    addend: torch.Tensor | None = field(default=None, repr=False)
 
     def allocate(self) -> torch.Tensor:
         """The buffer, allocated if absent (padding zeroed; slots are written by copies)."""
@@ -136,6 +139,13 @@ class Bucket:
         assert self.views is not None, "bucket buffer not allocated"
         return self.views[i]
 
+    def addend_slot(self, i: int) -> torch.Tensor | None:
+        """Parameter ``i``'s view of :attr:`addend`, in its shape (None without an addend)."""
+        if self.addend is None:
+            return None
+        o, p = self.offsets[i], self.params[i]
+        return self.addend[o : o + p.numel()].view_as(p)
+
     def is_full(self) -> bool:
         return self.filled == len(self.params)
 
@@ -151,7 +161,8 @@ class Bucket:
     def zeros_like(self) -> Bucket:
         """A copy of this bucket (same parameters and layout) over a new all-zero buffer."""
         ghost = replace(self, buffer=None, views=None, ready=[True] * len(self.params),
-                        filled=len(self.params), state=BucketState.FILLING, work=None)
+                        filled=len(self.params), state=BucketState.FILLING, work=None,
+                        addend=None)
         ghost.allocate().zero_()
         return ghost
 
@@ -298,6 +309,9 @@ class GradBucketer:
         self.enabled = True
         self.static = False
         self.reductions = 0  # completed reductions (backward passes that synchronised)
+        # whether the reduction in progress came from reduce_detached (its gradients are not in
+        # ``.grad``)
+        self.detached_pass = False
         # seconds the last backward spent at its end launching, waiting for and finishing the
         # buckets: the communication that did not overlap backward's compute (benchmarks)
         self.last_finalize_s = 0.0
@@ -408,19 +422,24 @@ class GradBucketer:
                 "static_graph=True (or call _set_static_graph() before training)."
             )
         bucket.allocate()
-        slot = bucket.slot(i)
-        if bucket.ready[i] and self.release_grads:
-            slot.add_(param.grad, alpha=self.scale or 1)  # the first part was released
+        if bucket.ready[i] and self.release_grads:  # the first part was released
+            bucket.slot(i).add_(param.grad, alpha=self.scale or 1)
         else:
-            self._copy_in(slot, param.grad)  # a second firing: .grad holds the accumulated sum
+            self._copy_in(bucket, i, param.grad)  # a second firing: .grad holds the sum
         if self.release_grads:
             param.grad = None
         bucket.mark_ready(i)
         self._guarded(self._launch_in_order)
 
-    def _copy_in(self, slot: torch.Tensor, grad: torch.Tensor) -> None:
-        """``slot = grad * scale`` in one pass (a plain copy without a scale)."""
-        if self.scale is None:
+    def _copy_in(self, bucket: Bucket, i: int, grad: torch.Tensor | None) -> None:
+        """Slot ``i`` of ``bucket`` = ``grad * scale + addend`` in one pass (``scale`` and the
+        bucket's addend when set; ``grad`` None counts as zeros)."""
+        slot, extra = bucket.slot(i), bucket.addend_slot(i)
+        if grad is None:
+            slot.copy_(extra) if extra is not None else slot.zero_()
+        elif extra is not None:
+            torch.add(extra, grad, alpha=1 if self.scale is None else self.scale, out=slot)
+        elif self.scale is None:
             slot.copy_(grad)
         else:
             torch.mul(grad, self.scale, out=slot)
@@ -486,7 +505,7 @@ class GradBucketer:
         for param in self._fired:
             bucket, i = self._where[param]
             bucket.allocate()
-            self._copy_in(bucket.slot(i), param.grad)
+            self._copy_in(bucket, i, param.grad)
             if self.release_grads:
                 param.grad = None
             bucket.mark_ready(i)
@@ -549,9 +568,7 @@ class GradBucketer:
         for bucket, i in unused:
             param = bucket.params[i]
             bucket.allocate()
-            slot = bucket.slot(i)
-            grad = param.grad if from_grad_attr else None
-            self._copy_in(slot, grad) if grad is not None else slot.zero_()
+            self._copy_in(bucket, i, param.grad if from_grad_attr else None)
             if self.release_grads and from_grad_attr:
                 param.grad = None
             bucket.mark_ready(i)
@@ -586,7 +603,7 @@ class GradBucketer:
         for param, grad in grads.items():
             bucket, i = self._where[param]
             bucket.allocate()
-            self._copy_in(bucket.slot(i), grad)
+            self._copy_in(bucket, i, grad)
             bucket.mark_ready(i)
         out: dict[nn.Parameter, torch.Tensor] = {}
 
@@ -595,7 +612,11 @@ class GradBucketer:
                 if i not in bucket.unused:
                     out[param] = bucket.slot(i).clone()
 
-        self._guarded(lambda: self._complete(collect, from_grad_attr=False))
+        self.detached_pass = True
+        try:
+            self._guarded(lambda: self._complete(collect, from_grad_attr=False))
+        finally:
+            self.detached_pass = False
         return out
 
     def shadow_reduction(self) -> None:
