@@ -2,7 +2,8 @@
 
 A program is a module run as ``python -m MODULE IMPL OUT_DIR``, with IMPL ``torch`` or
 ``shardwise``; every rank saves what it computed to ``OUT_DIR/IMPL_rank<r>.pt``. Ranks get
-RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT as a launcher sets them, or run under torchrun
+RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT as a launcher sets them (each rank a process of
+its own, forked from a zygote that has imported torch: see zygote.py), or run under torchrun
 itself (``torchrun=True``), whose agent then hosts the store on MASTER_PORT.
 """
 
@@ -14,6 +15,8 @@ import sys
 from pathlib import Path
 
 import torch
+
+from tests.rpc import zygote
 
 IMPLS = ("torch", "shardwise")
 
@@ -27,15 +30,13 @@ def run_program(module: str, impl: str, world: int, out_dir: Path, torchrun: boo
                TP_SOCKET_IFNAME="lo", GLOO_SOCKET_IFNAME="lo")
     args = [module, impl, str(out_dir)]
     if torchrun:
-        cmds = [[sys.executable, "-m", "torch.distributed.run", "--standalone",
-                 f"--nproc-per-node={world}", "-m", *args]]
-        envs = [env]
-    else:
+        procs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                   f"--nproc-per-node={world}", "-m", *args], cwd=ROOT, env=env,
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)]
+    else:  # `python -m module impl out_dir` per rank, forked from a zygote that imported torch
         env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(world))
-        cmds = [[sys.executable, "-m", *args]] * world
-        envs = [dict(env, RANK=str(r), LOCAL_RANK=str(r)) for r in range(world)]
-    procs = [subprocess.Popen(c, cwd=ROOT, env=e, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for c, e in zip(cmds, envs)]
+        procs = [zygote.start(module, args[1:], dict(env, RANK=str(r), LOCAL_RANK=str(r)), ROOT)
+                 for r in range(world)]
     outputs = []
     try:
         for p in procs:

@@ -1,0 +1,227 @@
+"""Start test programs (``python -m MODULE ARGS``) without each one importing torch again.
+
+The RPC tests run small multi-process programs (tests/compat's side-by-side runs, the scenarios
+of tests/rpc), a few processes per test; importing torch costs each one about 3 s of CPU, most
+of what such a test takes on two cores. A zygote process imports torch's modules once (torch,
+its RPC, distributed autograd and optimizer, DTensor: not shardwise, so that a run of torch's
+RPC holds torch's modules only), then forks one child per program. The child is a separate
+process as before: it takes the program's environment, working directory and argv, runs the
+module as ``__main__`` as ``python -m`` does, writes its output to a file, and exits through the
+interpreter's own shutdown (threads joined, atexit handlers run); its exit code or signal is
+reported like ``subprocess.Popen``'s ``returncode``.
+
+The zygote itself runs no torch op and starts no thread, so forking it is safe (checked at
+start: it refuses to serve with a second thread).
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import importlib
+import itertools
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+PRELOAD = ("torch", "torch.distributed", "torch.distributed.rpc", "torch.distributed.autograd",
+           "torch.distributed.optim", "torch.distributed.nn", "torch.nn.parallel",
+           "torch.distributed.tensor", "torch.optim",
+           "torch._dynamo")  # what an optimizer's first construction imports (0.5 s)
+
+
+# ---------------------------------------------------------------- the zygote process
+def serve() -> None:
+    """The zygote's main loop (``python -c "from tests.rpc.zygote import serve; serve()"``):
+    one JSON request per line on stdin; replies ``pid ID PID`` and ``exit PID CODE`` lines."""
+    for name in PRELOAD:
+        importlib.import_module(name)
+    if threading.active_count() != 1 or len(os.listdir("/proc/self/task")) != 1:
+        raise SystemExit("zygote: a thread started while importing; forking would be unsafe")
+    replies = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)  # stray prints go to stderr, never into the replies
+    replies.write("ready\n")
+    pending, children = b"", set()
+    while True:
+        readable, _, _ = select.select([0], [], [], 0.02 if children else None)
+        _reap(children, replies)
+        if not readable:
+            continue
+        data = os.read(0, 65536)
+        if not data:  # the test process is gone: so are its programs
+            for pid in children:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            return
+        pending += data
+        while b"\n" in pending:
+            line, pending = pending.split(b"\n", 1)
+            request = json.loads(line)
+            replies.flush()
+            sys.stderr.flush()
+            pid = os.fork()
+            if pid == 0:
+                replies.close()
+                _become(request)  # never returns: the program ends the process
+            children.add(pid)
+            replies.write(f"pid {request['id']} {pid}\n")
+
+
+def _reap(children: set, replies) -> None:
+    while children:
+        pid, status = os.waitpid(-1, os.WNOHANG)
+        if pid == 0:
+            return
+        children.discard(pid)
+        replies.write(f"exit {pid} {os.waitstatus_to_exitcode(status)}\n")
+
+
+def _become(request: dict) -> None:
+    """In the forked child: become ``python -m MODULE ARGS`` with the request's environment."""
+    import runpy
+
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    log = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    os.close(null)
+    os.close(log)
+    # unbuffered, as the programs' stdout was (PYTHONUNBUFFERED or a line at a time)
+    sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115
+    sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
+    os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update(request["env"])
+    sys.path[0] = request["cwd"]  # what `python -m` puts first
+    sys.argv = ["-m", *request["argv"]]
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    runpy._run_module_as_main(request["module"], alter_argv=True)
+    sys.exit(0)
+
+
+# ---------------------------------------------------------------- the test process's side
+class Program:
+    """A started program, with the part of ``subprocess.Popen``'s interface the tests use."""
+
+    def __init__(self, zygote: Zygote, pid: int, log: Path, args: list[str]):
+        self._zygote, self.pid, self.log, self.args = zygote, pid, log, args
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self._zygote.pump(0)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.returncode is None:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            self._zygote.pump(left)
+        return self.returncode
+
+    def communicate(self, timeout: float | None = None) -> tuple[str, None]:
+        """(stdout and stderr together, None), as with ``stderr=subprocess.STDOUT``."""
+        self.wait(timeout)
+        return self.output(), None
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def kill(self) -> None:
+        if self.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signal.SIGKILL)
+
+
+class Zygote:
+    def __init__(self, env: dict, cwd: Path):
+        self.cwd = cwd
+        self.logs = Path(tempfile.mkdtemp(prefix="shardwise-zygote-"))
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", "from tests.rpc.zygote import serve; serve()"], cwd=cwd,
+            env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0)
+        self.lock = threading.Lock()
+        self.ids = itertools.count()
+        self.started: dict[int, int] = {}  # request id -> pid
+        self.exits: dict[int, int] = {}  # pid -> exit code, not yet claimed by a Program
+        self.programs: dict[int, Program] = {}
+        self.buffer = b""
+        if self.proc.stdout.readline() != b"ready\n":
+            raise RuntimeError(f"the zygote did not start (exit code {self.proc.wait()})")
+
+    def start(self, module: str, argv: list[str], env: dict) -> Program:
+        with self.lock:
+            rid = next(self.ids)
+            log = self.logs / f"{rid}.log"
+            request = {"id": rid, "module": module, "argv": argv, "env": env,
+                       "cwd": str(self.cwd), "log": str(log)}
+            self.proc.stdin.write(json.dumps(request).encode() + b"\n")
+            self.proc.stdin.flush()
+            while rid not in self.started:
+                self._read_line(None)
+            pid = self.started.pop(rid)
+            program = self.programs[pid] = Program(self, pid, log, [module, *argv])
+            if pid in self.exits:
+                program.returncode = self.exits.pop(pid)
+            return program
+
+    def pump(self, timeout: float | None) -> None:
+        """Read the zygote's replies that arrive within ``timeout`` seconds (one at least, if
+        any comes)."""
+        with self.lock:
+            self._read_line(timeout)
+
+    def _read_line(self, timeout: float | None) -> None:
+        if b"\n" not in self.buffer:
+            fd = self.proc.stdout.fileno()
+            ready, _, _ = select.select([fd], [], [], timeout)
+            if not ready:
+                return
+            data = os.read(fd, 65536)
+            if not data:
+                raise RuntimeError(f"the zygote died (exit code {self.proc.wait()})")
+            self.buffer += data
+            if b"\n" not in self.buffer:
+                return
+        line, self.buffer = self.buffer.split(b"\n", 1)
+        kind, a, b = line.decode().split()
+        if kind == "pid":
+            self.started[int(a)] = int(b)
+        elif int(a) in self.programs:
+            self.programs.pop(int(a)).returncode = int(b)
+        else:
+            self.exits[int(a)] = int(b)
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+_zygote: Zygote | None = None
+
+
+def start(module: str, argv: list[str], env: dict, cwd: Path) -> Program:
+    """Start ``python -m module *argv`` with ``env`` (forked from the session's zygote, which
+    starts on first use with the first caller's environment: what torch reads while it is
+    imported, PYTHONPATH and OMP_NUM_THREADS=1, must be the same for every program)."""
+    global _zygote
+    if env.get("OMP_NUM_THREADS") != "1":  # (with more, importing torch starts a thread)
+        raise ValueError("programs forked from the zygote run with OMP_NUM_THREADS=1")
+    if _zygote is None or _zygote.proc.poll() is not None:
+        _zygote = Zygote(env, cwd)
+        atexit.register(_zygote.close)
+    return _zygote.start(module, argv, env)
