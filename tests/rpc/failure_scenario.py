@@ -7,12 +7,10 @@ of a new call to the dead worker, and what graceful shutdown raised (WorkerDied,
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import shardwise.rpc as rpc
-from tests.rpc import helpers
-from tests.rpc.conftest import ROOT, free_port, python_path
+from tests.rpc import helpers, zygote
+from tests.rpc.conftest import free_port
 
 
 def victim() -> None:
@@ -22,12 +20,8 @@ def victim() -> None:
 
 
 def main() -> None:
-    if sys.argv[1:] == ["victim"]:
-        victim()
-        return
     init = f"tcp://127.0.0.1:{free_port()}"
-    proc = subprocess.Popen([sys.executable, "-m", "tests.rpc.failure_scenario", "victim"],
-                            cwd=ROOT, env=dict(os.environ, INIT=init, PYTHONPATH=python_path()))
+    proc = zygote.fork_call(victim, {"INIT": init})  # the victim: a process of its own
     opts = rpc.TensorPipeRpcBackendOptions(init_method=init, rpc_timeout=30)
     rpc.init_rpc("survivor", rank=0, world_size=2, rpc_backend_options=opts)
     pending = rpc.rpc_async("victim", helpers.die_soon, args=(0.5,))

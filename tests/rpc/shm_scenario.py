@@ -10,7 +10,6 @@ segments under the prefix that exist once both processes are gone.
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 import time
 
@@ -19,8 +18,8 @@ import torch
 import shardwise.rpc as rpc
 from shardwise.rpc import shm_ring
 from shardwise.rpc.current import get_agent
-from tests.rpc import helpers
-from tests.rpc.conftest import ROOT, free_port, python_path
+from tests.rpc import helpers, zygote
+from tests.rpc.conftest import free_port
 
 TIMEOUT = 30.0
 
@@ -36,9 +35,7 @@ def callee() -> None:
 
 def main(mode: str) -> None:
     init = f"tcp://127.0.0.1:{free_port()}"
-    proc = subprocess.Popen([sys.executable, "-m", "tests.rpc.shm_scenario", "callee"],
-                            cwd=ROOT, env=dict(os.environ, INIT=init, MODE=mode,
-                                               PYTHONPATH=python_path()))
+    proc = zygote.fork_call(callee, {"INIT": init, "MODE": mode})  # the callee: a process too
     opts = rpc.TensorPipeRpcBackendOptions(init_method=init, rpc_timeout=TIMEOUT)
     rpc.init_rpc("caller", rank=0, world_size=2, rpc_backend_options=opts)
     conn = get_agent().transport.conns[1]
@@ -73,7 +70,4 @@ def main(mode: str) -> None:
 
 
 if __name__ == "__main__":
-    if sys.argv[1] == "callee":
-        callee()
-    else:
-        main(sys.argv[1])
+    main(sys.argv[1])

@@ -2,17 +2,22 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
+import os
 
-from tests.rpc.conftest import ROOT
+from tests.rpc import zygote
+from tests.rpc.conftest import ROOT, python_path
 
 
 def test_dead_worker_fails_pending_calls_and_shutdown_names_it():
-    out = subprocess.run([sys.executable, "-m", "tests.rpc.failure_scenario"], cwd=ROOT,
-                         capture_output=True, text=True, timeout=90)
-    assert out.returncode == 0, out.stdout + out.stderr
-    lines = out.stdout.splitlines()
+    # `python -m tests.rpc.failure_scenario`, forked from the zygote that imported torch
+    program = zygote.start("tests.rpc.failure_scenario", [], dict(
+        os.environ, PYTHONPATH=python_path(), OMP_NUM_THREADS="1"), ROOT, merge_stderr=False)
+    try:
+        stdout, stderr = program.communicate(timeout=90)
+    finally:
+        program.kill()
+    assert program.returncode == 0, stdout + stderr
+    lines = stdout.splitlines()
     # WorkerDied, not TimeoutError: the call failed when the connection went, before its 30 s
     pending = next(line for line in lines if line.startswith("pending:"))
     assert pending.startswith("pending: WorkerDied") and "'victim' (rank 1) died" in pending
@@ -21,4 +26,4 @@ def test_dead_worker_fails_pending_calls_and_shutdown_names_it():
     assert ("shutdown: WorkerDied: shutdown on 'survivor': worker 'victim' (rank 1) died "
             "before calling shutdown(); this worker has shut down") in lines
     assert "agent cleared: True" in lines
-    assert "lost worker 'victim'" in out.stderr  # logged on the survivor
+    assert "lost worker 'victim'" in stderr  # logged on the survivor

@@ -7,8 +7,6 @@ import gc
 import os
 import resource
 import socket
-import subprocess
-import sys
 import threading
 import time
 
@@ -18,8 +16,8 @@ import torch
 import shardwise.rpc as rpc
 from shardwise.rpc import shm_channel, shm_ring, transport, wire
 from shardwise.rpc.current import get_agent
-from tests.rpc import helpers
-from tests.rpc.conftest import ROOT
+from tests.rpc import helpers, zygote
+from tests.rpc.conftest import ROOT, python_path
 from tests.rpc.pairs import shm_pair
 
 
@@ -197,11 +195,16 @@ def test_a_segment_that_is_not_private_is_refused(tmp_path):
 
 
 def _scenario(mode: str, pool_mb: str = "256") -> dict[str, str]:
-    out = subprocess.run([sys.executable, "-m", "tests.rpc.shm_scenario", mode], cwd=ROOT,
-                         capture_output=True, text=True, timeout=120,
-                         env=dict(os.environ, SHARDWISE_RPC_SHM_POOL_MB=pool_mb))
-    assert out.returncode == 0, out.stdout + out.stderr
-    return dict(line.split(": ", 1) for line in out.stdout.splitlines() if ": " in line)
+    # `python -m tests.rpc.shm_scenario MODE`, forked from the zygote that imported torch
+    program = zygote.start("tests.rpc.shm_scenario", [mode], dict(
+        os.environ, SHARDWISE_RPC_SHM_POOL_MB=pool_mb, PYTHONPATH=python_path(),
+        OMP_NUM_THREADS="1"), ROOT, merge_stderr=False)
+    try:
+        stdout, stderr = program.communicate(timeout=120)
+    finally:
+        program.kill()
+    assert program.returncode == 0, stdout + stderr
+    return dict(line.split(": ", 1) for line in stdout.splitlines() if ": " in line)
 
 
 def test_clean_shutdown_leaves_no_segment(rpc_channel):

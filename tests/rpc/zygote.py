@@ -11,7 +11,9 @@ interpreter's own shutdown (threads joined, atexit handlers run); its exit code 
 reported like ``subprocess.Popen``'s ``returncode``.
 
 The zygote itself runs no torch op and starts no thread, so forking it is safe (checked at
-start: it refuses to serve with a second thread).
+start: it refuses to serve with a second thread). A program that starts a second process of its
+own (a callee, a victim) forks it with :func:`fork_call` before it starts any thread, for the
+same reason.
 """
 
 from __future__ import annotations
@@ -89,11 +91,11 @@ def _become(request: dict) -> None:
 
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
-    log = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    os.dup2(log, 1)
-    os.dup2(log, 2)
+    for fd, path in ((1, request["log"]), (2, request.get("err") or request["log"])):
+        log = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        os.dup2(log, fd)
+        os.close(log)
     os.close(null)
-    os.close(log)
     # unbuffered, as the programs' stdout was (PYTHONUNBUFFERED or a line at a time)
     sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115
     sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
@@ -111,8 +113,8 @@ def _become(request: dict) -> None:
 class Program:
     """A started program, with the part of ``subprocess.Popen``'s interface the tests use."""
 
-    def __init__(self, zygote: Zygote, pid: int, log: Path, args: list[str]):
-        self._zygote, self.pid, self.log, self.args = zygote, pid, log, args
+    def __init__(self, zygote: Zygote, pid: int, log: Path, err: Path | None, args: list[str]):
+        self._zygote, self.pid, self.log, self.err, self.args = zygote, pid, log, err, args
         self.returncode: int | None = None
 
     def poll(self) -> int | None:
@@ -129,13 +131,12 @@ class Program:
             self._zygote.pump(left)
         return self.returncode
 
-    def communicate(self, timeout: float | None = None) -> tuple[str, None]:
-        """(stdout and stderr together, None), as with ``stderr=subprocess.STDOUT``."""
+    def communicate(self, timeout: float | None = None) -> tuple[str, str | None]:
+        """(stdout, stderr), or (stdout and stderr together, None) as with
+        ``stderr=subprocess.STDOUT``."""
         self.wait(timeout)
-        return self.output(), None
-
-    def output(self) -> str:
-        return self.log.read_text(errors="replace")
+        return self.log.read_text(errors="replace"), (
+            None if self.err is None else self.err.read_text(errors="replace"))
 
     def kill(self) -> None:
         if self.returncode is None:
@@ -159,18 +160,18 @@ class Zygote:
         if self.proc.stdout.readline() != b"ready\n":
             raise RuntimeError(f"the zygote did not start (exit code {self.proc.wait()})")
 
-    def start(self, module: str, argv: list[str], env: dict) -> Program:
+    def start(self, module: str, argv: list[str], env: dict, merge_stderr: bool) -> Program:
         with self.lock:
             rid = next(self.ids)
-            log = self.logs / f"{rid}.log"
+            log, err = self.logs / f"{rid}.out", None if merge_stderr else self.logs / f"{rid}.err"
             request = {"id": rid, "module": module, "argv": argv, "env": env,
-                       "cwd": str(self.cwd), "log": str(log)}
+                       "cwd": str(self.cwd), "log": str(log), "err": err and str(err)}
             self.proc.stdin.write(json.dumps(request).encode() + b"\n")
             self.proc.stdin.flush()
             while rid not in self.started:
                 self._read_line(None)
             pid = self.started.pop(rid)
-            program = self.programs[pid] = Program(self, pid, log, [module, *argv])
+            program = self.programs[pid] = Program(self, pid, log, err, [module, *argv])
             if pid in self.exits:
                 program.returncode = self.exits.pop(pid)
             return program
@@ -214,14 +215,60 @@ class Zygote:
 _zygote: Zygote | None = None
 
 
-def start(module: str, argv: list[str], env: dict, cwd: Path) -> Program:
+def start(module: str, argv: list[str], env: dict, cwd: Path, merge_stderr: bool = True
+          ) -> Program:
     """Start ``python -m module *argv`` with ``env`` (forked from the session's zygote, which
     starts on first use with the first caller's environment: what torch reads while it is
-    imported, PYTHONPATH and OMP_NUM_THREADS=1, must be the same for every program)."""
+    imported, PYTHONPATH and OMP_NUM_THREADS=1, must be the same for every program). Its
+    stderr goes with its stdout, or apart (``merge_stderr=False``)."""
     global _zygote
     if env.get("OMP_NUM_THREADS") != "1":  # (with more, importing torch starts a thread)
         raise ValueError("programs forked from the zygote run with OMP_NUM_THREADS=1")
     if _zygote is None or _zygote.proc.poll() is not None:
         _zygote = Zygote(env, cwd)
         atexit.register(_zygote.close)
-    return _zygote.start(module, argv, env)
+    return _zygote.start(module, argv, env, merge_stderr)
+
+
+# ---------------------------------------------------------------- a program's own second process
+class Forked:
+    """A child forked by a program, with ``wait`` and ``returncode`` as ``subprocess.Popen``'s
+    (see :func:`fork_call`)."""
+
+    def __init__(self, pid: int):
+        self.pid = pid
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(str(self.pid), timeout)
+            time.sleep(0.01)
+        return self.returncode
+
+
+def fork_call(fn, env: dict) -> Forked:
+    """Run ``fn()`` in a forked child of this program, with ``env`` added to its environment,
+    in place of starting the same module again with ``subprocess.Popen`` (which imports torch
+    again): the child has the program's modules, stdout and stderr, and ends through the
+    interpreter's shutdown (a SystemExit that unwinds the caller's frames, so call this where
+    no ``finally`` or ``except`` of the caller encloses it). This process must run no Python
+    thread yet (no RPC agent, no process group)."""
+    if threading.active_count() != 1:
+        raise RuntimeError("fork_call: this process already runs threads")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:
+        os.environ.update(env)
+        fn()
+        sys.exit(0)
+    return Forked(pid)
