@@ -185,8 +185,9 @@ class Zygote:
     def _read_line(self, timeout: float | None) -> None:
         if b"\n" not in self.buffer:
             fd = self.proc.stdout.fileno()
-            ready, _, _ = select.select([fd], [], [], timeout)
-            if not ready:
+            poller = select.poll()  # (not select(): the test process may hold 1,024 fds)
+            poller.register(fd, select.POLLIN)
+            if not poller.poll(None if timeout is None else max(0, int(timeout * 1000))):
                 return
             data = os.read(fd, 65536)
             if not data:
