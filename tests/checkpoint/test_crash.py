@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from shardwise.checkpoint import CheckpointError, load, save
+from tests.harness import zygote
 
 SCRIPT = Path(__file__).with_name("crash_save.py")
 POINTS = [("chunk", 0, "sync"), ("chunk", 1, "sync"), ("parts", 0, "sync"),
@@ -19,9 +20,9 @@ POINTS = [("chunk", 0, "sync"), ("chunk", 1, "sync"), ("parts", 0, "sync"),
 
 
 def _crash(directory: Path, point: str, index: int, mode: str) -> None:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    proc = subprocess.run([sys.executable, str(SCRIPT), str(directory), point, str(index), mode],
-                          env=env, capture_output=True, text=True, timeout=120)
+    # `python crash_save.py ...`, forked from the zygote that imported torch (tests/harness)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "OMP_NUM_THREADS": "1"}
+    proc = zygote.run([str(SCRIPT), str(directory), point, str(index), mode], env, timeout=120)
     assert proc.returncode == 17, proc.stderr
 
 

@@ -163,16 +163,17 @@ def test_a_disk_that_fills_during_a_save_leaves_the_previous_checkpoint_to_resum
 def test_a_run_killed_during_a_save_resumes_from_the_previous_checkpoint(
         tmp_path, uninterrupted, point, index, mode):
     import os
-    import subprocess
     import sys
     from pathlib import Path
 
+    from tests.harness import zygote
+
     ck = tmp_path / "ck"
     script = Path(__file__).with_name("crash_train.py")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    proc = subprocess.run([sys.executable, str(script), str(ck), str(tmp_path / "store"), point,
-                           str(index), mode], env=env, capture_output=True, text=True,
-                          timeout=300)
+    # `python crash_train.py ...`, forked from the zygote that imported torch (tests/harness)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "OMP_NUM_THREADS": "1"}
+    proc = zygote.run([str(script), str(ck), str(tmp_path / "store"), point, str(index), mode],
+                      env, timeout=300)
     assert proc.returncode == 17, proc.stderr
     assert (ck / "latest").read_text() == "step_000002"
     assert not (ck / "step_000004").exists() and (ck / "step_000004.tmp").exists()

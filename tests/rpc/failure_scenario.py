@@ -9,7 +9,8 @@ from __future__ import annotations
 import os
 
 import shardwise.rpc as rpc
-from tests.rpc import helpers, zygote
+from tests.harness import zygote
+from tests.rpc import helpers
 from tests.rpc.conftest import free_port
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from tests.rpc import zygote
+from tests.harness import zygote
 
 IMPLS = ("torch", "shardwise")
 
@@ -35,7 +35,7 @@ def run_program(module: str, impl: str, world: int, out_dir: Path, torchrun: boo
                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)]
     else:  # `python -m module impl out_dir` per rank, forked from a zygote that imported torch
         env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(world))
-        procs = [zygote.start(module, args[1:], dict(env, RANK=str(r), LOCAL_RANK=str(r)), ROOT)
+        procs = [zygote.start(["-m", *args], dict(env, RANK=str(r), LOCAL_RANK=str(r)), ROOT)
                  for r in range(world)]
     outputs = []
     try:

@@ -30,14 +30,14 @@ STEPS, PAUSE = 6, 0.5
 
 def run(mode: str, world: int, timeout: float = 120, extra_env=None) -> list[tuple[int, str]]:
     """Start ``world`` ranks of ``mode``; returns (exit code, stdout + stderr) per rank."""
-    from tests.rpc import zygote
+    from tests.harness import zygote
     from tests.rpc.conftest import ROOT, free_port, python_path
 
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
                WORLD_SIZE=str(world), PYTHONPATH=python_path(), OMP_NUM_THREADS="1",
                **(extra_env or {}))
     # each rank a process of its own, forked from a zygote that has imported torch (zygote.py)
-    procs = [zygote.start("tests.rpc.scenarios", [mode], dict(env, RANK=str(r)), ROOT)
+    procs = [zygote.start(["-m", "tests.rpc.scenarios", mode], dict(env, RANK=str(r)), ROOT)
              for r in range(world)]
     out = []
     for p in procs:

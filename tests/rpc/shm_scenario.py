@@ -18,7 +18,8 @@ import torch
 import shardwise.rpc as rpc
 from shardwise.rpc import shm_ring
 from shardwise.rpc.current import get_agent
-from tests.rpc import helpers, zygote
+from tests.harness import zygote
+from tests.rpc import helpers
 from tests.rpc.conftest import free_port
 
 TIMEOUT = 30.0

@@ -16,7 +16,8 @@ import torch
 import shardwise.rpc as rpc
 from shardwise.rpc import shm_channel, shm_ring, transport, wire
 from shardwise.rpc.current import get_agent
-from tests.rpc import helpers, zygote
+from tests.harness import zygote
+from tests.rpc import helpers
 from tests.rpc.conftest import ROOT, python_path
 from tests.rpc.pairs import shm_pair
 
@@ -196,7 +197,7 @@ def test_a_segment_that_is_not_private_is_refused(tmp_path):
 
 def _scenario(mode: str, pool_mb: str = "256") -> dict[str, str]:
     # `python -m tests.rpc.shm_scenario MODE`, forked from the zygote that imported torch
-    program = zygote.start("tests.rpc.shm_scenario", [mode], dict(
+    program = zygote.start(["-m", "tests.rpc.shm_scenario", mode], dict(
         os.environ, SHARDWISE_RPC_SHM_POOL_MB=pool_mb, PYTHONPATH=python_path(),
         OMP_NUM_THREADS="1"), ROOT, merge_stderr=False)
     try:

@@ -1,14 +1,17 @@
-"""Start test programs (``python -m MODULE ARGS``) without each one importing torch again.
+"""Start test programs (``python -m MODULE``, ``python SCRIPT``, ``python -c CODE``) without
+each one importing torch again.
 
-The RPC tests run small multi-process programs (tests/compat's side-by-side runs, the scenarios
-of tests/rpc), a few processes per test; importing torch costs each one about 3 s of CPU, most
-of what such a test takes on two cores. A zygote process imports torch's modules once (torch,
-its RPC, distributed autograd and optimizer, DTensor: not shardwise, so that a run of torch's
-RPC holds torch's modules only), then forks one child per program. The child is a separate
-process as before: it takes the program's environment, working directory and argv, runs the
-module as ``__main__`` as ``python -m`` does, writes its output to a file, and exits through the
-interpreter's own shutdown (threads joined, atexit handlers run); its exit code or signal is
-reported like ``subprocess.Popen``'s ``returncode``.
+Tests that run small programs as processes of their own (tests/compat's side-by-side RPC runs,
+the scenarios of tests/rpc, the crash scripts of tests/checkpoint and tests/cli) pay about 3 s
+of CPU per process to import torch, most of what such a test takes on two cores. A zygote
+process imports torch's modules once (torch, its RPC, distributed autograd and optimizer,
+DTensor: not shardwise, so that a run of torch's RPC holds torch's modules only), then forks one
+child per program. The child is a separate process as before: it takes the program's
+environment (os.environ; sys.path from its PYTHONPATH), working directory and argv, runs the
+module, script or code as ``__main__`` as ``python`` does, writes its output to files, and exits
+through the interpreter's own shutdown (threads joined, atexit handlers run); its exit code or
+signal is reported like ``subprocess.Popen``'s ``returncode``. What torch read from the
+environment while it was imported is the zygote's: programs run with OMP_NUM_THREADS=1.
 
 The zygote itself runs no torch op and starts no thread, so forking it is safe (checked at
 start: it refuses to serve with a second thread). A program that starts a second process of its
@@ -24,6 +27,7 @@ import importlib
 import itertools
 import json
 import os
+import runpy
 import select
 import signal
 import subprocess
@@ -39,10 +43,20 @@ PRELOAD = ("torch", "torch.distributed", "torch.distributed.rpc", "torch.distrib
            "torch._dynamo")  # what an optimizer's first construction imports (0.5 s)
 
 
+ROOT = Path(__file__).resolve().parents[2]
+_site_path: list[str] = []  # the zygote's sys.path less its script's and PYTHONPATH's entries
+
+
+def _pythonpath(env: dict) -> list[str]:
+    return [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+
+
 # ---------------------------------------------------------------- the zygote process
 def serve() -> None:
-    """The zygote's main loop (``python -c "from tests.rpc.zygote import serve; serve()"``):
+    """The zygote's main loop (``python -c "from tests.harness.zygote import serve; serve()"``):
     one JSON request per line on stdin; replies ``pid ID PID`` and ``exit PID CODE`` lines."""
+    own = {os.path.abspath(p) for p in _pythonpath(os.environ)}
+    _site_path[:] = [p for p in sys.path[1:] if os.path.abspath(p) not in own]
     for name in PRELOAD:
         importlib.import_module(name)
     if threading.active_count() != 1 or len(os.listdir("/proc/self/task")) != 1:
@@ -86,9 +100,7 @@ def _reap(children: set, replies) -> None:
 
 
 def _become(request: dict) -> None:
-    """In the forked child: become ``python -m MODULE ARGS`` with the request's environment."""
-    import runpy
-
+    """In the forked child: become ``python *cmd`` with the request's environment and cwd."""
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
     for fd, path in ((1, request["log"]), (2, request.get("err") or request["log"])):
@@ -102,11 +114,32 @@ def _become(request: dict) -> None:
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
-    sys.path[0] = request["cwd"]  # what `python -m` puts first
-    sys.argv = ["-m", *request["argv"]]
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    runpy._run_module_as_main(request["module"], alter_argv=True)
+    cmd = request["cmd"]
+    path = _pythonpath(os.environ) + _site_path
+    if cmd[0] == "-m":
+        sys.path[:] = [os.getcwd(), *path]
+        sys.argv = ["-m", *cmd[2:]]
+        runpy._run_module_as_main(cmd[1], alter_argv=True)
+    elif cmd[0] == "-c":
+        sys.path[:] = ["", *path]
+        sys.argv = ["-c", *cmd[2:]]
+        _run_as_main(compile(cmd[1], "<string>", "exec"), None)
+    else:
+        script = os.path.abspath(cmd[0])
+        sys.path[:] = [os.path.dirname(os.path.realpath(script)), *path]
+        sys.argv = list(cmd)
+        _run_as_main(compile(Path(script).read_text(), script, "exec"), script)
     sys.exit(0)
+
+
+def _run_as_main(code, file: str | None) -> None:
+    namespace = sys.modules["__main__"].__dict__
+    namespace.pop("serve", None)  # the zygote's own name there
+    namespace.update(__name__="__main__", __package__=None, __spec__=None, __cached__=None)
+    if file is not None:
+        namespace["__file__"] = file
+    exec(code, namespace)
 
 
 # ---------------------------------------------------------------- the test process's side
@@ -145,11 +178,10 @@ class Program:
 
 
 class Zygote:
-    def __init__(self, env: dict, cwd: Path):
-        self.cwd = cwd
+    def __init__(self, env: dict):
         self.logs = Path(tempfile.mkdtemp(prefix="shardwise-zygote-"))
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", "from tests.rpc.zygote import serve; serve()"], cwd=cwd,
+            [sys.executable, "-c", "from tests.harness.zygote import serve; serve()"], cwd=ROOT,
             env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0)
         self.lock = threading.Lock()
         self.ids = itertools.count()
@@ -160,18 +192,18 @@ class Zygote:
         if self.proc.stdout.readline() != b"ready\n":
             raise RuntimeError(f"the zygote did not start (exit code {self.proc.wait()})")
 
-    def start(self, module: str, argv: list[str], env: dict, merge_stderr: bool) -> Program:
+    def start(self, cmd: list[str], env: dict, cwd: str, merge_stderr: bool) -> Program:
         with self.lock:
             rid = next(self.ids)
             log, err = self.logs / f"{rid}.out", None if merge_stderr else self.logs / f"{rid}.err"
-            request = {"id": rid, "module": module, "argv": argv, "env": env,
-                       "cwd": str(self.cwd), "log": str(log), "err": err and str(err)}
+            request = {"id": rid, "cmd": cmd, "env": env, "cwd": cwd, "log": str(log),
+                       "err": err and str(err)}
             self.proc.stdin.write(json.dumps(request).encode() + b"\n")
             self.proc.stdin.flush()
             while rid not in self.started:
                 self._read_line(None)
             pid = self.started.pop(rid)
-            program = self.programs[pid] = Program(self, pid, log, err, [module, *argv])
+            program = self.programs[pid] = Program(self, pid, log, err, cmd)
             if pid in self.exits:
                 program.returncode = self.exits.pop(pid)
             return program
@@ -216,19 +248,33 @@ class Zygote:
 _zygote: Zygote | None = None
 
 
-def start(module: str, argv: list[str], env: dict, cwd: Path, merge_stderr: bool = True
+def start(cmd: list[str], env: dict, cwd: str | Path | None = None, merge_stderr: bool = True
           ) -> Program:
-    """Start ``python -m module *argv`` with ``env`` (forked from the session's zygote, which
-    starts on first use with the first caller's environment: what torch reads while it is
-    imported, PYTHONPATH and OMP_NUM_THREADS=1, must be the same for every program). Its
-    stderr goes with its stdout, or apart (``merge_stderr=False``)."""
+    """Start ``python *cmd`` (``["-m", module, *args]``, ``["-c", code, *args]`` or
+    ``[script, *args]``) with the environment ``env`` in ``cwd`` (default: this process's),
+    forked from the session's zygote. Its stderr goes with its stdout, or apart
+    (``merge_stderr=False``). The zygote starts on first use, with the first caller's ``env``:
+    what torch reads while it is imported must be the same for every program, and
+    OMP_NUM_THREADS=1 (with more, importing torch starts a thread)."""
     global _zygote
-    if env.get("OMP_NUM_THREADS") != "1":  # (with more, importing torch starts a thread)
+    if env.get("OMP_NUM_THREADS") != "1":
         raise ValueError("programs forked from the zygote run with OMP_NUM_THREADS=1")
     if _zygote is None or _zygote.proc.poll() is not None:
-        _zygote = Zygote(env, cwd)
+        _zygote = Zygote(dict(env, PYTHONPATH=os.pathsep.join([str(ROOT), *_pythonpath(env)])))
         atexit.register(_zygote.close)
-    return _zygote.start(module, argv, env, merge_stderr)
+    return _zygote.start(list(cmd), dict(env), str(cwd or os.getcwd()), merge_stderr)
+
+
+def run(cmd: list[str], env: dict, cwd: str | Path | None = None, timeout: float | None = None
+        ) -> subprocess.CompletedProcess:
+    """As ``subprocess.run([sys.executable, *cmd], capture_output=True, text=True, ...)``, the
+    program forked from the zygote (see :func:`start`); killed if it runs past ``timeout``."""
+    program = start(cmd, env, cwd, merge_stderr=False)
+    try:
+        stdout, stderr = program.communicate(timeout)
+    finally:
+        program.kill()
+    return subprocess.CompletedProcess(program.args, program.returncode, stdout, stderr)
 
 
 # ---------------------------------------------------------------- a program's own second process
