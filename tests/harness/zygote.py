@@ -44,7 +44,7 @@ PRELOAD = ("torch", "torch.distributed", "torch.distributed.rpc", "torch.distrib
 
 
 ROOT = Path(__file__).resolve().parents[2]
-_site_path: list[str] = []  # the zygote's sys.path less its script's and PYTHONPATH's entries
+_site_path: list[str] = []  # the interpreter's own sys.path (stdlib, site): no PYTHONPATH's
 
 
 def _pythonpath(env: dict) -> list[str]:
@@ -55,8 +55,7 @@ def _pythonpath(env: dict) -> list[str]:
 def serve() -> None:
     """The zygote's main loop (``python -c "from tests.harness.zygote import serve; serve()"``):
     one JSON request per line on stdin; replies ``pid ID PID`` and ``exit PID CODE`` lines."""
-    own = {os.path.abspath(p) for p in _pythonpath(os.environ)}
-    _site_path[:] = [p for p in sys.path[1:] if os.path.abspath(p) not in own]
+    _site_path[:] = sys.path[1:]  # (started without PYTHONPATH, in ROOT)
     for name in PRELOAD:
         importlib.import_module(name)
     if threading.active_count() != 1 or len(os.listdir("/proc/self/task")) != 1:
@@ -253,14 +252,15 @@ def start(cmd: list[str], env: dict, cwd: str | Path | None = None, merge_stderr
     """Start ``python *cmd`` (``["-m", module, *args]``, ``["-c", code, *args]`` or
     ``[script, *args]``) with the environment ``env`` in ``cwd`` (default: this process's),
     forked from the session's zygote. Its stderr goes with its stdout, or apart
-    (``merge_stderr=False``). The zygote starts on first use, with the first caller's ``env``:
-    what torch reads while it is imported must be the same for every program, and
-    OMP_NUM_THREADS=1 (with more, importing torch starts a thread)."""
+    (``merge_stderr=False``). The zygote starts on first use, with the first caller's ``env``
+    less PYTHONPATH (each program's own builds its sys.path): what torch reads while it is
+    imported must be the same for every program, and OMP_NUM_THREADS=1 (with more, importing
+    torch starts a thread)."""
     global _zygote
     if env.get("OMP_NUM_THREADS") != "1":
         raise ValueError("programs forked from the zygote run with OMP_NUM_THREADS=1")
     if _zygote is None or _zygote.proc.poll() is not None:
-        _zygote = Zygote(dict(env, PYTHONPATH=os.pathsep.join([str(ROOT), *_pythonpath(env)])))
+        _zygote = Zygote({k: v for k, v in env.items() if k != "PYTHONPATH"})
         atexit.register(_zygote.close)
     return _zygote.start(list(cmd), dict(env), str(cwd or os.getcwd()), merge_stderr)
 
