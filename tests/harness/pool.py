@@ -1,10 +1,11 @@
 """A pool of persistent rank processes per world size, reused across tests.
 
 Spawning a process and importing torch costs seconds; a suite of hundreds of distributed tests
-cannot pay that per test on two cores. Each pool spawns its ranks once, initialises a gloo default
-group over a TCPStore hosted by the test process (port picked by the OS), then runs one test body
-after another. Any failure or timeout tears the pool down so that no later test inherits a group
-left mid-collective.
+cannot pay that per test on two cores. Each pool starts its ranks once (forked from a server
+that imported torch and shardwise: forkserver.py), initialises a gloo default group over a
+TCPStore hosted by the test process (port picked by the OS), then runs one test body after
+another. Any failure or timeout tears the pool down so that no later test inherits a group left
+mid-collective.
 """
 
 from __future__ import annotations
@@ -21,6 +22,12 @@ from multiprocessing.connection import Connection, wait
 from typing import Any
 
 import torch.distributed as dist
+
+from tests.harness import forkserver
+
+# Ranks fork from a server that imported these once (not spawned, each importing them again);
+# each test module's bodies are imported by the ranks that run them, as before.
+forkserver.set_preload(["torch", "torch.distributed", "shardwise", "tests.harness.pool"])
 
 WORLD_SIZES = (1, 2, 4)
 TEST_TIMEOUT_S = float(os.environ.get("SHARDWISE_TEST_TIMEOUT", "120"))
@@ -84,13 +91,13 @@ class _Pool:
         self.world_size = world_size
         self.store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True,
                                    wait_for_workers=False)
-        ctx = mp.get_context("spawn")
         self.conns: list[Connection] = []
         self.procs = []
         for rank in range(world_size):
-            parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_worker_main, args=(rank, world_size, self.store.port, child),
-                               daemon=True, name=f"shardwise-test-rank{rank}")
+            parent, child = mp.Pipe()
+            proc = forkserver.Process(target=_worker_main,
+                                      args=(rank, world_size, self.store.port, child),
+                                      daemon=True, name=f"shardwise-test-rank{rank}")
             proc.start()
             child.close()
             self.conns.append(parent)
