@@ -5,13 +5,12 @@ import json
 import os
 import re
 import struct
-import subprocess
-import sys
 
 import pytest
 
 from shardwise.cli.curves import SIZE_PX, read_metrics
 from shardwise.cli.main import main
+from tests.harness import zygote
 
 MODEL = ["--n-layer", "1", "--d-model", "32", "--n-head", "2", "--seq-len", "16",
          "--batch-size", "4", "--eval-batches", "1", "--corpus-bytes", "200000"]
@@ -27,11 +26,13 @@ def png_size(path):
 def logged_run(tmp_path_factory):
     log_dir = tmp_path_factory.mktemp("run") / "ddp-run"
     ckpt = tmp_path_factory.mktemp("ckpt")
-    proc = subprocess.run(
-        [sys.executable, "-m", "shardwise", "train", "--nproc", "2", *MODEL, "--steps", "6",
+    # the launcher forked from the zygote that imported torch (tests/harness/zygote.py); its
+    # ranks get OMP_NUM_THREADS=1 as the launcher gave them on two cores (2 // nproc)
+    proc = zygote.run(
+        ["-m", "shardwise", "train", "--nproc", "2", *MODEL, "--steps", "6",
          "--log-every", "2", "--no-progress", "--log-dir", str(log_dir),
          "--checkpoint-dir", str(ckpt), "--checkpoint-every", "3"],
-        capture_output=True, text=True, timeout=300, env=dict(os.environ))
+        dict(os.environ, OMP_NUM_THREADS="1"), timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return log_dir, proc.stdout
 

@@ -5,7 +5,7 @@ dimension's group must give exactly the ranks that the pure rank-order rules nam
 """
 
 import io
-import subprocess
+import os
 import sys
 from pathlib import Path
 
@@ -16,7 +16,7 @@ from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 from shardwise.distributed import DeviceMesh, InvalidMeshError, init_device_mesh, launch
 from shardwise.distributed.topology import coordinate, group_of, mesh_ranks
-from tests.harness import WORLD_SIZES, run_on_ranks
+from tests.harness import WORLD_SIZES, run_on_ranks, zygote
 
 SCRIPTS = Path(__file__).parent / "scripts"
 
@@ -223,10 +223,12 @@ def test_mesh_groups_carry_the_given_timeout_and_a_world_wide_dim_reuses_the_wor
 
 
 def test_the_mesh_starts_the_world_group_under_torchrun():
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+    cmd = ["-m", "torch.distributed.run", "--nproc-per-node", "2",
            "--master-addr", "127.0.0.1", "--master-port", "0", "--rdzv-backend", "c10d",
            "--rdzv-endpoint", "127.0.0.1:0", str(SCRIPTS / "mesh_ranks.py")]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    # torchrun forked from the zygote that imported torch (tests/harness/zygote.py); its ranks
+    # get OMP_NUM_THREADS=1, as torchrun sets by default
+    done = zygote.run(cmd, dict(os.environ, OMP_NUM_THREADS="1"), timeout=240)
     report = f"exit code {done.returncode}\nstdout:\n{done.stdout}\nstderr:\n{done.stderr[-4000:]}"
     assert done.returncode == 0, report
     for rank in range(2):  # torchrun sets LOCAL_WORLD_SIZE=2: one node of two ranks

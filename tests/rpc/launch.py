@@ -10,8 +10,6 @@ itself (``torchrun=True``), whose agent then hosts the store on MASTER_PORT.
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import torch
@@ -29,10 +27,9 @@ def run_program(module: str, impl: str, world: int, out_dir: Path, torchrun: boo
     env = dict(os.environ, PYTHONPATH=python_path(), OMP_NUM_THREADS="1",
                TP_SOCKET_IFNAME="lo", GLOO_SOCKET_IFNAME="lo")
     args = [module, impl, str(out_dir)]
-    if torchrun:
-        procs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                                   f"--nproc-per-node={world}", "-m", *args], cwd=ROOT, env=env,
-                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)]
+    if torchrun:  # torchrun forked from the zygote that imported torch; its ranks are not
+        procs = [zygote.start(["-m", "torch.distributed.run", "--standalone",
+                               f"--nproc-per-node={world}", "-m", *args], env, ROOT)]
     else:  # `python -m module impl out_dir` per rank, forked from a zygote that imported torch
         env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(world))
         procs = [zygote.start(["-m", *args], dict(env, RANK=str(r), LOCAL_RANK=str(r)), ROOT)

@@ -5,9 +5,9 @@ the secret comes without user action on one host, and nothing prints an error li
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 
+from tests.harness import zygote
 from tests.rpc.conftest import ROOT, free_port, python_path
 
 PROGRAM = str(ROOT / "tests" / "rpc" / "launched_program.py")
@@ -29,8 +29,9 @@ def _check(outputs: list[str], world: int) -> None:
 
 
 def _run(cmds: list[list[str]]) -> list[str]:
-    procs = [subprocess.Popen(c, cwd=ROOT, env=_env(), stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for c in cmds]
+    # each launcher forked from the zygote that imported torch (tests/harness/zygote.py); the
+    # ranks they start are fresh interpreters, as always
+    procs = [zygote.start(c[1:], _env(), ROOT) for c in cmds]
     outs = []
     try:
         for p in procs:
