@@ -4,10 +4,10 @@ metadata, leftovers, --keep)."""
 
 import dataclasses
 import json
+import os
 import re
 import signal
 import subprocess
-import sys
 
 import pytest
 import torch
@@ -15,7 +15,7 @@ import torch
 from shardwise.cli.main import main
 from shardwise.cli.train_args import ConfigError, validate
 from tests.cli.test_train import TINY
-from tests.harness import RankFailure, run_on_ranks
+from tests.harness import RankFailure, run_on_ranks, zygote
 
 CLI_MODEL = ["--n-layer", "2", "--n-head", "2", "--d-model", "32", "--seq-len", "32",
              "--batch-size", "8", "--lr", "0.003", "--warmup", "5", "--eval-batches", "1",
@@ -52,9 +52,10 @@ def _train(ctx, cfg, preempt_after=None):
 
 
 def _cli(*argv):
-    return subprocess.Popen([sys.executable, "-m", "shardwise", "train", "--nproc", "2",
-                             *CLI_MODEL, *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+    # the launcher forked from the zygote that imported torch (tests/harness/zygote.py), read
+    # as it runs; its ranks get OMP_NUM_THREADS=1 as the launcher gave them on two cores
+    return zygote.start(["-m", "shardwise", "train", "--nproc", "2", *CLI_MODEL, *argv],
+                        dict(os.environ, OMP_NUM_THREADS="1"), merge_stderr=False, streams=True)
 
 
 def _losses(lines):

@@ -9,14 +9,19 @@ from pathlib import Path
 
 import pytest
 
+from tests.harness import zygote
+
 SCRIPTS = Path(__file__).parent / "scripts"
 GRACE = 2.0
 
 
 def _start_job(*script_args):
-    cmd = [sys.executable, "-m", "shardwise", "run", "--nproc", "2", "--grace-seconds",
-           str(GRACE), str(SCRIPTS / "forever.py"), *script_args]
-    launcher = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    cmd = ["-m", "shardwise", "run", "--nproc", "2", "--grace-seconds", str(GRACE),
+           str(SCRIPTS / "forever.py"), *script_args]
+    # the launcher forked from the zygote that imported torch (tests/harness/zygote.py), read
+    # as it runs; its ranks get OMP_NUM_THREADS=1 as the launcher gave them on two cores
+    launcher = zygote.start(cmd, dict(os.environ, OMP_NUM_THREADS="1"), merge_stderr=False,
+                            streams=True)
     pids = {}
     while len(pids) < 2:
         line = launcher.stdout.readline()

@@ -81,10 +81,15 @@ def serve() -> None:
             request = json.loads(line)
             replies.flush()
             sys.stderr.flush()
+            # opened here, so that the test process, reading from a FIFO, sees a writer at once
+            outs = [os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+                    for path in (request["log"], request.get("err") or request["log"])]
             pid = os.fork()
             if pid == 0:
                 replies.close()
-                _become(request)  # never returns: the program ends the process
+                _become(request, outs)  # never returns: the program ends the process
+            for fd in outs:
+                os.close(fd)
             children.add(pid)
             replies.write(f"pid {request['id']} {pid}\n")
 
@@ -98,15 +103,15 @@ def _reap(children: set, replies) -> None:
         replies.write(f"exit {pid} {os.waitstatus_to_exitcode(status)}\n")
 
 
-def _become(request: dict) -> None:
-    """In the forked child: become ``python *cmd`` with the request's environment and cwd."""
+def _become(request: dict, outs: list[int]) -> None:
+    """In the forked child: become ``python *cmd`` with the request's environment and cwd,
+    writing to ``outs`` (stdout, stderr)."""
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
-    for fd, path in ((1, request["log"]), (2, request.get("err") or request["log"])):
-        log = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-        os.dup2(log, fd)
-        os.close(log)
-    os.close(null)
+    os.dup2(outs[0], 1)
+    os.dup2(outs[1], 2)
+    for fd in (null, *outs):
+        os.close(fd)
     # unbuffered, as the programs' stdout was (PYTHONUNBUFFERED or a line at a time)
     sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115
     sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
@@ -143,11 +148,16 @@ def _run_as_main(code, file: str | None) -> None:
 
 # ---------------------------------------------------------------- the test process's side
 class Program:
-    """A started program, with the part of ``subprocess.Popen``'s interface the tests use."""
+    """A started program, with the part of ``subprocess.Popen``'s interface the tests use:
+    ``stdout`` and ``stderr`` are streams to read while it runs where it was started with
+    ``streams=True`` (as with ``stdout=PIPE, stderr=PIPE, text=True``), else None and its
+    output comes from ``communicate``."""
 
-    def __init__(self, zygote: Zygote, pid: int, log: Path, err: Path | None, args: list[str]):
+    def __init__(self, zygote: Zygote, pid: int, log: Path, err: Path | None, args: list[str],
+                 streams: tuple | None):
         self._zygote, self.pid, self.log, self.err, self.args = zygote, pid, log, err, args
         self.returncode: int | None = None
+        self.stdout, self.stderr = streams or (None, None)
 
     def poll(self) -> int | None:
         if self.returncode is None:
@@ -165,15 +175,34 @@ class Program:
 
     def communicate(self, timeout: float | None = None) -> tuple[str, str | None]:
         """(stdout, stderr), or (stdout and stderr together, None) as with
-        ``stderr=subprocess.STDOUT``."""
-        self.wait(timeout)
-        return self.log.read_text(errors="replace"), (
-            None if self.err is None else self.err.read_text(errors="replace"))
+        ``stderr=subprocess.STDOUT``: what is left to read of them, with streams."""
+        if self.stdout is None:
+            self.wait(timeout)
+            return self.log.read_text(errors="replace"), (
+                None if self.err is None else self.err.read_text(errors="replace"))
+        deadline = None if timeout is None else time.monotonic() + timeout
+        texts: dict = {}
+        readers = [threading.Thread(target=lambda s=s: texts.__setitem__(s, s.read()),
+                                    daemon=True) for s in (self.stdout, self.stderr) if s]
+        for reader in readers:
+            reader.start()
+        for reader in readers:
+            reader.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+            if reader.is_alive():
+                raise subprocess.TimeoutExpired(self.args, timeout)
+        self.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        for stream in (self.stdout, self.stderr):
+            if stream:
+                stream.close()
+        return texts[self.stdout], texts.get(self.stderr)
 
-    def kill(self) -> None:
+    def send_signal(self, sig: int) -> None:
         if self.returncode is None:
             with contextlib.suppress(ProcessLookupError):
-                os.kill(self.pid, signal.SIGKILL)
+                os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
 
 
 class Zygote:
@@ -191,10 +220,13 @@ class Zygote:
         if self.proc.stdout.readline() != b"ready\n":
             raise RuntimeError(f"the zygote did not start (exit code {self.proc.wait()})")
 
-    def start(self, cmd: list[str], env: dict, cwd: str, merge_stderr: bool) -> Program:
+    def start(self, cmd: list[str], env: dict, cwd: str, merge_stderr: bool, streams: bool
+              ) -> Program:
         with self.lock:
             rid = next(self.ids)
             log, err = self.logs / f"{rid}.out", None if merge_stderr else self.logs / f"{rid}.err"
+            readers = tuple(_fifo_reader(p) if p else None for p in (log, err)) if streams \
+                else None
             request = {"id": rid, "cmd": cmd, "env": env, "cwd": cwd, "log": str(log),
                        "err": err and str(err)}
             self.proc.stdin.write(json.dumps(request).encode() + b"\n")
@@ -202,7 +234,7 @@ class Zygote:
             while rid not in self.started:
                 self._read_line(None)
             pid = self.started.pop(rid)
-            program = self.programs[pid] = Program(self, pid, log, err, cmd)
+            program = self.programs[pid] = Program(self, pid, log, err, cmd, readers)
             if pid in self.exits:
                 program.returncode = self.exits.pop(pid)
             return program
@@ -244,25 +276,35 @@ class Zygote:
             self.proc.kill()
 
 
+def _fifo_reader(path: Path):
+    """A text stream reading from a new FIFO at ``path`` (the zygote opens its write end before
+    it forks the program, so that reading never sees an end-of-file before the program's)."""
+    os.mkfifo(path, 0o600)
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # (a blocking open waits for a writer)
+    os.set_blocking(fd, True)
+    return open(fd, errors="replace")  # noqa: SIM115
+
+
 _zygote: Zygote | None = None
 
 
-def start(cmd: list[str], env: dict, cwd: str | Path | None = None, merge_stderr: bool = True
-          ) -> Program:
+def start(cmd: list[str], env: dict, cwd: str | Path | None = None, merge_stderr: bool = True,
+          streams: bool = False) -> Program:
     """Start ``python *cmd`` (``["-m", module, *args]``, ``["-c", code, *args]`` or
     ``[script, *args]``) with the environment ``env`` in ``cwd`` (default: this process's),
     forked from the session's zygote. Its stderr goes with its stdout, or apart
-    (``merge_stderr=False``). The zygote starts on first use, with the first caller's ``env``
-    less PYTHONPATH (each program's own builds its sys.path): what torch reads while it is
-    imported must be the same for every program, and OMP_NUM_THREADS=1 (with more, importing
-    torch starts a thread)."""
+    (``merge_stderr=False``); with ``streams=True``, ``Program.stdout`` and ``.stderr`` are
+    read while it runs (see Program). The zygote starts on first use, with the first caller's
+    ``env`` less PYTHONPATH (each program's own builds its sys.path): what torch reads while it
+    is imported must be the same for every program, and OMP_NUM_THREADS=1 (with more,
+    importing torch starts a thread)."""
     global _zygote
     if env.get("OMP_NUM_THREADS") != "1":
         raise ValueError("programs forked from the zygote run with OMP_NUM_THREADS=1")
     if _zygote is None or _zygote.proc.poll() is not None:
         _zygote = Zygote({k: v for k, v in env.items() if k != "PYTHONPATH"})
         atexit.register(_zygote.close)
-    return _zygote.start(list(cmd), dict(env), str(cwd or os.getcwd()), merge_stderr)
+    return _zygote.start(list(cmd), dict(env), str(cwd or os.getcwd()), merge_stderr, streams)
 
 
 def run(cmd: list[str], env: dict, cwd: str | Path | None = None, timeout: float | None = None
