@@ -78,14 +78,16 @@ def test_pipeline_flags_are_checked_before_start(capsys, argv, message):
 
 
 def test_pipeline_example_matches_unsplit_model():
+    import os
     import re
-    import subprocess
-    import sys
 
+    from tests.harness import zygote
     from tests.rpc.conftest import ROOT
 
-    out = subprocess.run([sys.executable, "examples/pipeline_gpt.py", "--steps", "5"], cwd=ROOT,
-                         capture_output=True, text=True, timeout=120)
+    # the example's parent forked from the zygote that imported torch (tests/harness/zygote.py);
+    # the stages it spawns are fresh interpreters
+    out = zygote.run(["examples/pipeline_gpt.py", "--steps", "5"],
+                     dict(os.environ, OMP_NUM_THREADS="1"), cwd=ROOT, timeout=120)
     assert out.returncode == 0, out.stderr
     pairs = re.findall(r"pipeline loss ([\d.]+)\s+unsplit ([\d.]+)", out.stdout)
     assert len(pairs) == 5, out.stdout
