@@ -29,6 +29,7 @@ import json
 import os
 import runpy
 import select
+import shutil
 import signal
 import subprocess
 import sys
@@ -274,6 +275,7 @@ class Zygote:
             self.proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
             self.proc.kill()
+        shutil.rmtree(self.logs, ignore_errors=True)  # the programs' output files
 
 
 def _fifo_reader(path: Path):
