@@ -74,11 +74,10 @@ class BucketPowerSGD:
             return PowerSGDWork(hooks._average(bucket.buffer, self.group), in_grads=False)
         errors = None
         if state.use_error_feedback:
-            error = bucket.addend  # added on the way in; from here on, this step's error
-            if error is None:
-                error = state.error_dict[bucket.index] = torch.zeros_like(bucket.buffer)
-            errors = [error[o : o + p.numel()].view_as(p)
-                      for o, p in zip(bucket.offsets, bucket.params)]
+            if bucket.addend is None:  # the first error (else: added on the way in)
+                bucket.addend = state.error_dict[bucket.index] = torch.zeros_like(bucket.buffer)
+            # from here on, the addend's slots take this step's error
+            errors = [bucket.addend_slot(i) for i in range(len(bucket.params))]
         in_grads = into_grads and all(_fits(p) for p in bucket.params)
         outs = [p.grad for p in bucket.params] if in_grads else bucket.views
         future = hooks.compress_bucket(state, self.group, bucket.index, is_last, bucket.views,
