@@ -29,10 +29,10 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def _node(port, node_rank, nnodes, script, *extra, nnodes_flag=None, timeout=SHORT):
+def _node(port, node_rank, nnodes, script, *extra, nnodes_flag=None, timeout=SHORT, args=()):
     cmd = [sys.executable, "-m", "shardwise", "run", "--nproc", "2", "--nnodes",
            str(nnodes_flag or nnodes), "--node-rank", str(node_rank), "--rdzv-endpoint",
-           f"127.0.0.1:{port}", "--grace-seconds", "3", *extra, str(SCRIPTS / script)]
+           f"127.0.0.1:{port}", "--grace-seconds", "3", *extra, str(SCRIPTS / script), *args]
     env = {**os.environ, "SHARDWISE_TIMEOUT": timeout}
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=env)
@@ -81,13 +81,17 @@ def _wait_for_pids(proc, count):
     raise AssertionError(proc.stderr.read())
 
 
+@pytest.mark.parametrize("args", [(), ("--abort-on-error",)], ids=["raise", "abort"])
 @pytest.mark.parametrize(("lost", "says"), [
     (1, r"node\(s\) 1 lost: no word from their launcher for more than 5 s"),
     (0, r"node 1:? lost contact with node 0 \(the host of the rendezvous store\)"),
 ])
-def test_a_lost_node_stops_the_others_with_an_error_naming_it(lost, says):
+def test_a_lost_node_stops_the_others_with_an_error_naming_it(lost, says, args):
+    # "abort": the survivors' ranks die of SIGABRT when the peer goes away, as gloo's or the
+    # store's native code sometimes makes them (no Python error, no failure record): the node
+    # must still name the lost node, not blame its own rank
     port = _free_port()
-    nodes = [_node(port, k, 2, "forever.py") for k in (0, 1)]
+    nodes = [_node(port, k, 2, "forever.py", args=args) for k in (0, 1)]
     _wait_for_pids(nodes[1 - lost], 2)
     nodes[lost].send_signal(signal.SIGKILL)
     nodes[lost].wait()
@@ -96,6 +100,22 @@ def test_a_lost_node_stops_the_others_with_an_error_naming_it(lost, says):
     assert survivor.returncode == 1, err
     assert re.search(says, err), err
     assert "restarting" not in err
+
+
+def test_a_native_crash_with_every_node_alive_is_blamed_on_its_rank_without_waiting():
+    # rank 3 (node 1) aborts while the other ranks wait in a barrier: node 1 sees every other
+    # node's launcher beat, so the crash is its rank's own and it says so at once; node 0's
+    # ranks lose their peer and node 0 repeats node 1's report. The timeout (120 s) is longer
+    # than the test waits: waiting it out for a remote cause would fail the test.
+    port = _free_port()
+    nodes = [_node(port, k, 2, "die_hard.py", timeout="120", args=("3", "abort"))
+             for k in (0, 1)]
+    errs = [p.communicate(timeout=90)[1] for p in nodes]
+    assert [p.returncode for p in nodes] == [1, 128 + signal.SIGABRT], errs
+    assert "shardwise: rank 3 was killed by SIGABRT" in errs[1], errs[1]
+    assert "lost" not in errs[1]
+    assert "shardwise: node 1 failed; this node's ranks were stopped." in errs[0], errs[0]
+    assert "rank 3 was killed by SIGABRT" in errs[0]
 
 
 def test_a_running_nodes_launcher_is_not_replaced_and_a_signal_ends_every_node():

@@ -252,3 +252,87 @@ def test_watchdog_is_patient_with_a_rank_that_said_it_is_exiting():
     dog.observe(0, {"seq": 3, "beats": 0, "t": 0.0, "exiting": False}, 0.0)
     dog.exited(1, 0, 1.0)
     assert dog.verdict(6.5).ranks == [0]
+
+
+# -- a node's report when its rank crashed in native code (several nodes) ----------------------
+
+class _FakeLink:
+    """The NodeLink calls the launcher makes while it reports, over a store whose host is gone
+    (``store_gone``), or with node 1 alive (its beat moves) or silent (declared lost on the
+    third look)."""
+
+    def __init__(self, store_gone=False, peer_alive=True):
+        self.store_gone, self.peer_alive, self.looks, self.reported = store_gone, peer_alive, 0, []
+
+    def _store(self):
+        if self.store_gone:
+            raise RuntimeError("Failed to recv, got 0 bytes. Connection was likely closed.")
+
+    def beat(self):
+        self._store()
+        self.looks += 1
+
+    def stopped(self):
+        return None
+
+    def remote_failure(self, attempt):
+        return None
+
+    def lost_nodes(self, now):
+        return [] if self.peer_alive or self.looks < 3 else [1]
+
+    def beats(self):
+        self._store()
+        return {1: str(self.looks if self.peer_alive else 0)}
+
+    def report_failure(self, attempt, text):
+        self._store()
+        self.reported.append(text)
+
+
+def _job(link):
+    import io
+
+    from shardwise.distributed.launcher import _Job
+
+    return _Job(argv=[], base_env={}, stdout=io.StringIO(), stderr=io.StringIO(),
+                max_restarts=1, grace=1.0, timeout=30.0, link=link, nnodes=2, node_rank=1)
+
+
+def _aborted():
+    found = blame([RankExit(2, -6, 10.0, False, None, output=["terminate called"]),
+                   RankExit(3, 1, 10.1, True, None)])
+    assert found.native and not found.consequence
+    return found
+
+
+def test_a_native_crash_when_the_store_host_is_gone_reports_the_lost_store_and_restarts():
+    job = _job(_FakeLink(store_gone=True))
+    assert job._report(0, _aborted()) == 1  # not the rank's SIGABRT: node 0 went away
+    assert "node 1 lost contact with node 0 (the host of the rendezvous store)" in \
+        job.stderr.getvalue()
+    assert job.store_lost  # the next attempt connects to node 0's new launcher
+
+
+def test_a_native_crash_while_a_node_is_silent_names_that_node():
+    link = _FakeLink(peer_alive=False)
+    job = _job(link)
+    assert job._report(0, _aborted()) == 1
+    assert "node(s) 1 lost: no word from their launcher" in job.stderr.getvalue()
+    assert job.lost_nodes == [1] and link.reported == [job.stderr.getvalue().strip()]
+
+
+def test_a_native_crash_with_every_node_beating_is_the_ranks_own():
+    link = _FakeLink()
+    job = _job(link)
+    assert job._report(0, _aborted()) == 128 + 6
+    assert job.stderr.getvalue().strip().startswith("shardwise: rank 2 was killed by SIGABRT")
+    assert link.looks <= 3 and not job.store_lost  # it did not wait for the timeout
+
+
+def test_a_python_error_of_its_own_is_reported_without_waiting_for_other_nodes():
+    link = _FakeLink(peer_alive=False)
+    job = _job(link)
+    found = blame([RankExit(2, 1, 10.0, False, _record(2, 9.9, message="rank two broke"))])
+    assert job._report(0, found) == 1
+    assert "rank two broke" in job.stderr.getvalue() and link.looks <= 1  # no waiting

@@ -33,6 +33,10 @@ class Blame:
     # no failure of its own was found: the cause may be elsewhere (ranks that never arrived
     # may sit on another node)
     consequence: bool = False
+    # killed by a signal it did not get from the launcher, with no Python error: a crash in
+    # native code, which is also how some ranks die when a peer node goes away (gloo's or the
+    # store's client aborting); the launcher looks for a remote cause before blaming the rank
+    native: bool = False
 
 
 _TORCH_PREFIX = re.compile(r"^\[rank\d+\]: ")  # torch's excepthook prefixes a rank's traceback
@@ -80,7 +84,7 @@ def _blame_one(e: RankExit) -> Blame:
                      1 if e.stopped else _status(e.code), e.record.consequence)
     if e.code is not None and e.code < 0:
         return Blame([e.rank], f"shardwise: rank {e.rank} was killed by {signal_name(-e.code)}"
-                     f"{stopped}\n{_output(e)}", _status(e.code))
+                     f"{stopped}\n{_output(e)}", _status(e.code), native=True)
     trace = last_traceback(e.stderr) if any(
         line.startswith("Traceback (most recent") for line in e.stderr) else ""
     if trace:

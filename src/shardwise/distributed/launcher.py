@@ -389,26 +389,50 @@ class _Job:
         return self._report(attempt, found)
 
     def _report(self, attempt: int, found: Blame) -> int:
-        text = found.text
+        text, code = found.text, found.code
         if self.link is not None:
-            text = self._with_remote_cause(attempt, found)
+            remote = self._remote_cause(attempt, found)
+            if remote is not None:  # the exit status of a node stopped from elsewhere
+                text, code = remote, 1
             with contextlib.suppress(*_STORE_ERRORS):
                 self.link.report_failure(attempt, text)
         self._say("\n" + text)
-        return found.code
+        return code
 
-    def _with_remote_cause(self, attempt: int, found: Blame) -> str:
-        """When this node's failures only followed from elsewhere, wait (up to the timeout) for
-        another node's report or for a node to be declared lost, and say that instead."""
-        if not found.consequence:
-            return found.text
+    def _remote_cause(self, attempt: int, found: Blame) -> str | None:
+        """When this node's failures may have followed from elsewhere, the remote cause to say
+        instead (another node's report, a node declared lost, or the store's host gone), else
+        None.
+
+        The store is looked at once whatever the failure (so that a restart knows whether node
+        0 must be found again). A failure that only followed from elsewhere waits (up to the
+        timeout) for the cause to show; a rank that crashed in native code waits only while
+        some other node's launcher has not beaten since (a launcher that runs beats twice a
+        second): a node that has gone silent is declared lost within the timeout, and when
+        every node is alive the crash is this rank's own.
+        """
+        maybe_remote = found.consequence or found.native
+        remote = self._remote_trouble(attempt, time.monotonic())
+        if remote is not None and (maybe_remote or self.store_lost):
+            return remote
+        if not maybe_remote:
+            return None
         deadline = time.monotonic() + self.timeout + 1.0
+        before: dict[int, str] = {}
+        with contextlib.suppress(*_STORE_ERRORS):
+            before = self.link.beats()
         while time.monotonic() < deadline:
-            remote = self._remote_trouble(attempt, time.monotonic())
-            if remote is not None:
-                return remote
             time.sleep(0.25)
-        return found.text
+            remote = self._remote_trouble(attempt, time.monotonic())
+            if remote is not None or found.native and self._all_beat_since(before):
+                return remote
+        return None
+
+    def _all_beat_since(self, before: dict[int, str]) -> bool:
+        with contextlib.suppress(*_STORE_ERRORS):
+            now = self.link.beats()
+            return all(now[k] != before.get(k) for k in now)
+        return False
 
     def _on_hang(self, attempt: int, ranks: list[_Rank], hang: Hang) -> int:
         hung = [r for r in ranks if r.rank in hang.ranks]

@@ -193,6 +193,11 @@ class NodeLink:
         self._beats += 1
         self.store.set(f"{_BEAT}{self.node_rank}", str(self._beats))
 
+    def beats(self) -> dict[int, str]:
+        """Every other node's beat as it is now (a launcher that runs bumps it twice a
+        second)."""
+        return {k: self._value(f"{_BEAT}{k}") for k in range(self.nnodes) if k != self.node_rank}
+
     def lost_nodes(self, now: float) -> list[int]:
         """Nodes whose beat has not changed for the timeout (judged by this launcher's clock)."""
         lost = []

@@ -1,5 +1,6 @@
 """Every rank prints its pid; then rank ARGV[1] dies at once (ARGV[2]: 'kill' = SIGKILL to
-itself, 'exit3' = os._exit(3)) while the others wait in a barrier."""
+itself, 'abort' = os.abort(), as a crash in native code, 'exit3' = os._exit(3)) while the others
+wait in a barrier."""
 
 import os
 import signal
@@ -15,5 +16,7 @@ dist.barrier(group=group)  # every pid is printed before anyone dies
 if dist.get_rank() == int(sys.argv[1]):
     if sys.argv[2] == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
+    if sys.argv[2] == "abort":
+        os.abort()
     os._exit(3)
 dist.barrier(group=group)

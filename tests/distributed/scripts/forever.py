@@ -1,4 +1,7 @@
-"""Every rank prints its pid, then all-reduces forever: only a signal ends it."""
+"""Every rank prints its pid, then all-reduces forever: only a signal ends it.
+
+``--abort-on-error``: a collective that fails aborts the process (SIGABRT, no Python error), as
+a rank does whose native code (gloo, the store's client) gives up when a peer goes away."""
 
 import os
 import sys
@@ -15,5 +18,10 @@ if ignore:
 
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
 while True:
-    dist.all_reduce(torch.ones(1))
+    try:
+        dist.all_reduce(torch.ones(1))
+    except RuntimeError:
+        if "--abort-on-error" in sys.argv:
+            os.abort()
+        raise
     time.sleep(0.05)
