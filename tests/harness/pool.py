@@ -6,6 +6,11 @@ that imported torch and shardwise: forkserver.py), initialises a gloo default gr
 TCPStore hosted by the test process (port picked by the OS), then runs one test body after
 another. Any failure or timeout tears the pool down so that no later test inherits a group left
 mid-collective.
+
+Messages go through the pipes as plain pickles, so tensors travel by value: multiprocessing's
+own pickler would hand each tensor over as a shared-memory file descriptor that the test process
+holds for as long as the tensor lives, and tests that cache ranks' results (a module's saved
+states) held over a thousand of them.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import atexit
 import contextlib
 import multiprocessing as mp
 import os
+import pickle
 import time
 import traceback
 from collections.abc import Callable
@@ -57,6 +63,14 @@ class RankContext:
         return dist.group.WORLD
 
 
+def _send(conn: Connection, message: Any) -> None:
+    conn.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def _recv(conn: Connection) -> Any:
+    return pickle.loads(conn.recv_bytes())
+
+
 def _worker_main(rank: int, world_size: int, port: int, conn: Connection) -> None:
     import torch
 
@@ -67,16 +81,16 @@ def _worker_main(rank: int, world_size: int, port: int, conn: Connection) -> Non
          store=dist.TCPStore("127.0.0.1", port, world_size, is_master=False,
                              timeout=_td(GROUP_TIMEOUT_S)))
     ctx = RankContext(rank, world_size)
-    conn.send(("ready", None))
+    _send(conn, ("ready", None))
     while True:
-        job = conn.recv()
+        job = _recv(conn)
         if job is None:
             break
         fn, args, kwargs = job
         try:
-            conn.send(("ok", fn(ctx, *args, **kwargs)))
+            _send(conn, ("ok", fn(ctx, *args, **kwargs)))
         except BaseException:  # noqa: BLE001 - everything goes back to the test process
-            conn.send(("error", traceback.format_exc()))
+            _send(conn, ("error", traceback.format_exc()))
     dist.destroy_process_group()
 
 
@@ -106,7 +120,7 @@ class _Pool:
 
     def run(self, fn: Callable, args: tuple, kwargs: dict, timeout: float) -> list[Any]:
         for conn in self.conns:
-            conn.send((fn, args, kwargs))
+            _send(conn, (fn, args, kwargs))
         return self._collect(getattr(fn, "__qualname__", repr(fn)), timeout)
 
     def _collect(self, what: str, timeout: float) -> list[Any]:
@@ -144,7 +158,7 @@ class _Pool:
     @staticmethod
     def _receive(rank: int, conn: Connection, results: dict, errors: dict) -> None:
         try:
-            status, payload = conn.recv()
+            status, payload = _recv(conn)
         except EOFError:
             errors[rank] = f"rank {rank} closed its pipe (process died)"
             return
@@ -165,7 +179,7 @@ class _Pool:
         if graceful:
             for conn in self.conns:
                 with contextlib.suppress(BrokenPipeError, OSError):
-                    conn.send(None)
+                    _send(conn, None)
             for proc in self.procs:
                 proc.join(timeout=5)
         for proc in self.procs:
