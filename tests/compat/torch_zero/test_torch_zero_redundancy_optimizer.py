@@ -40,8 +40,8 @@
 #     (warm-up included) against a one-process reference. Its GPU skips are kept.
 #  6. Kept as in torch: the skips of test_zero_join_gpu (an accelerator backend),
 #     test_zero_model_parallel (4 GPUs) and test_ddp_zero_overlap (GPUs).
-#  7. The suite-time switch below the imports (`_full_suite`): see its comment for which tests
-#     the default `python -m pytest` runs and why; SHARDWISE_TORCH_ZERO_ALL=1 runs them all.
+#  7. Every test runs in the default `python -m pytest` (once a subset, behind a switch, while
+#     each test's ranks imported torch afresh; change 8 made the whole file take ~13 s).
 #  8. On CPU the ranks of each test are forked from a forkserver that has imported this file
 #     once, not spawned afresh (see _rank_process_class): the same fresh processes per test,
 #     without each one importing torch again.
@@ -53,7 +53,6 @@
 # -------------------------------------------------------------------------------------------------
 
 import copy
-import os
 import sys
 import unittest
 from contextlib import contextmanager, nullcontext
@@ -1492,47 +1491,12 @@ instantiate_parametrized_tests(TestZeroRedundancyOptimizerSingleRank)
 instantiate_parametrized_tests(TestZeroRedundancyOptimizerDistributed)
 
 
-# shardwise (change 7): torch's MultiProcessTestCase starts fresh processes for every test,
-# each importing torch: about 5 s of two cores per test, 2-10 times that on a busy machine, so
-# the whole file is too slow for the default suite. By default it runs the tests where
-# implementations differ: the single-rank API tests (state dict, step with kwargs, without
-# closure, extra inner keys, constructor, dtype/sparse checks, LR scheduler), the sharding and
-# add_param_group partitions, step with closure (with and without bucket view), the join hook,
-# and one DDP parity run (AdamW, with the state-dict cross-loading). The tests below repeat
-# what those cover (other optimizers and `maximize` in the parity run, the distributed
-# LR-scheduler and step checks, zero_grad, param-group parity, state consolidation, and the
-# non-default group test, which returns at once below 4 ranks); SHARDWISE_TORCH_ZERO_ALL=1
-# runs them too. test_zero_model_parallel's own 4-GPU check runs only inside the spawned
-# processes, so without 4 GPUs it is skipped here first, for the same reason, unspawned.
-_FULL_SUITE_ONLY = {
-    TestZeroRedundancyOptimizerSingleRank: ["test_zero_grad"],
-    TestZeroRedundancyOptimizerDistributed: [
-        "test_step",
-        "test_lr_scheduler",
-        "test_multiple_param_groups",
-        "test_collect_shards",
-        "test_nondefault_process_group",
-    ] + [
-        f"test_local_optimizer_parity_optimizer_class_str_{name}_maximize_{maximize}"
-        for name in ("Adam", "AdamW", "SGD")
-        for maximize in (False, True)
-        if (name, maximize) != ("AdamW", False)
-    ],
-}
-if os.environ.get("SHARDWISE_TORCH_ZERO_ALL") != "1":
-    _skip = unittest.skip("not in the default subset; SHARDWISE_TORCH_ZERO_ALL=1 runs it")
-    for _test_class, _names in _FULL_SUITE_ONLY.items():
-        for _name in _names:
-            setattr(_test_class, _name, _skip(getattr(_test_class, _name)))
-    del _test_class
 if torch.cuda.device_count() < 4:
     for _name in dir(TestZeroRedundancyOptimizerDistributed):
         if _name.startswith("test_zero_model_parallel"):
             _method = getattr(TestZeroRedundancyOptimizerDistributed, _name)
             _skip = unittest.skip("Need at least 4 CUDA devices")
             setattr(TestZeroRedundancyOptimizerDistributed, _name, _skip(_method))
-# (a module-level name bound to a TestCase class would be collected again by pytest)
-del _FULL_SUITE_ONLY
 
 if __name__ == "__main__":
     # ! unittest should not be used here, else the tests are not properly registered
