@@ -281,9 +281,8 @@ class _FakeLink:
     def lost_nodes(self, now):
         return [] if self.peer_alive or self.looks < 3 else [1]
 
-    def beats(self):
-        self._store()
-        return {1: str(self.looks if self.peer_alive else 0)}
+    def beaten_since(self, t):
+        return self.peer_alive
 
     def report_failure(self, attempt, text):
         self._store()
@@ -336,3 +335,21 @@ def test_a_python_error_of_its_own_is_reported_without_waiting_for_other_nodes()
     found = blame([RankExit(2, 1, 10.0, False, _record(2, 9.9, message="rank two broke"))])
     assert job._report(0, found) == 1
     assert "rank two broke" in job.stderr.getvalue() and link.looks <= 1  # no waiting
+
+
+def test_the_link_sees_whether_every_other_node_beat_since_a_moment():
+    import torch.distributed as dist
+
+    from shardwise.distributed.nodes import NodeLink
+
+    store = dist.HashStore()
+    links = [NodeLink(store, k, 3, 1, 0, 30.0) for k in range(3)]
+    for link in links:
+        link.beat()
+    links[0].lost_nodes(now=1.0)  # node 0's first look at the others' beats
+    links[1].beat()
+    links[0].lost_nodes(now=2.0)
+    assert not links[0].beaten_since(1.5)  # node 2 has not beaten since
+    links[2].beat()
+    links[0].lost_nodes(now=3.0)
+    assert links[0].beaten_since(1.5) and not links[0].beaten_since(2.5)

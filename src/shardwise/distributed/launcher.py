@@ -417,22 +417,14 @@ class _Job:
             return remote
         if not maybe_remote:
             return None
-        deadline = time.monotonic() + self.timeout + 1.0
-        before: dict[int, str] = {}
-        with contextlib.suppress(*_STORE_ERRORS):
-            before = self.link.beats()
+        since = time.monotonic()  # the look above put every node's beat in the link's view
+        deadline = since + self.timeout + 1.0
         while time.monotonic() < deadline:
             time.sleep(0.25)
             remote = self._remote_trouble(attempt, time.monotonic())
-            if remote is not None or found.native and self._all_beat_since(before):
+            if remote is not None or found.native and self.link.beaten_since(since):
                 return remote
         return None
-
-    def _all_beat_since(self, before: dict[int, str]) -> bool:
-        with contextlib.suppress(*_STORE_ERRORS):
-            now = self.link.beats()
-            return all(now[k] != before.get(k) for k in now)
-        return False
 
     def _on_hang(self, attempt: int, ranks: list[_Rank], hang: Hang) -> int:
         hung = [r for r in ranks if r.rank in hang.ranks]

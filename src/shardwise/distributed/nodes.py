@@ -193,10 +193,11 @@ class NodeLink:
         self._beats += 1
         self.store.set(f"{_BEAT}{self.node_rank}", str(self._beats))
 
-    def beats(self) -> dict[int, str]:
-        """Every other node's beat as it is now (a launcher that runs bumps it twice a
-        second)."""
-        return {k: self._value(f"{_BEAT}{k}") for k in range(self.nnodes) if k != self.node_rank}
+    def beaten_since(self, t: float) -> bool:
+        """Whether ``lost_nodes`` saw every other node's beat change after ``t`` (this
+        launcher's clock; a launcher that runs bumps its beat twice a second)."""
+        return all(k in self._seen and self._seen[k][1] > t
+                   for k in range(self.nnodes) if k != self.node_rank)
 
     def lost_nodes(self, now: float) -> list[int]:
         """Nodes whose beat has not changed for the timeout (judged by this launcher's clock)."""
