@@ -115,3 +115,43 @@ def test_backward_outside_a_known_context_is_a_clear_error(rpc_world):
 
     with pytest.raises(RuntimeError, match="no distributed autograd context"):
         dist_autograd.backward(123456789, [torch.ones(1, requires_grad=True).sum()])
+
+
+def test_a_release_racing_with_another_returns_only_once_the_graph_is_freed():
+    # a pipeline's middle stage gets two releases of one context at once: the one its neighbour
+    # forwards and the owner's own. The first pops the context and tells its peers (a slow send
+    # here); the second finds nothing and returns at once, and the stage then counts its live
+    # activations: the graph must already be gone, not held by the first call while it sends.
+    import threading
+    import types
+    import weakref
+
+    from shardwise.rpc.autograd.container import AutogradContainer
+
+    sending, go_on = threading.Event(), threading.Event()
+
+    def request(*args, **kwargs):
+        sending.set()
+        go_on.wait(30)
+        return torch.futures.Future()
+
+    agent = types.SimpleNamespace(rank=0, name="w", dead=set(), request=request,
+                                  options=types.SimpleNamespace(rpc_timeout=30))
+    contexts = AutogradContainer(agent)
+    ctx = contexts.new_context()
+    saved = torch.full((3,), 2.0)
+    out = torch.ones(3, requires_grad=True) * saved  # the graph keeps ``saved`` for backward
+    ctx.record_send(1, [out], peer=1)
+    graph = weakref.ref(saved)  # alive exactly as long as the graph
+    cid = ctx.context_id
+    del ctx, out, saved
+    assert graph() is not None
+    first = threading.Thread(target=contexts.release, args=(cid,))
+    first.start()
+    try:
+        assert sending.wait(30)
+        assert contexts.release(cid) == []
+        assert graph() is None  # freed before the first call began telling its peers
+    finally:
+        go_on.set()
+        first.join(30)

@@ -55,15 +55,22 @@ class AutogradContainer:
             return ctx
 
     def release(self, context_id: int, origin: int | None = None) -> list[torch.futures.Future]:
-        """Forget a context here and tell every peer it touched (they forward it on)."""
+        """Forget a context here and tell every peer it touched (they forward it on).
+
+        The context (this worker's part of the graph, its saved activations) is dropped under
+        the lock, before the peers are told: a release of the same id racing with this one (a
+        peer's forwarded release and the owner's own, as a pipeline sends them) finds nothing
+        and returns, and must not return while this call still holds the graph."""
         with self._lock:
             ctx = self._contexts.pop(context_id, None)
-        if ctx is None:
-            return []
+            if ctx is None:
+                return []
+            peers = sorted(ctx.peers)
+            del ctx
         return [self._agent.request(p, Kind.CTX_RELEASE, (context_id,),
                                     self._agent.options.rpc_timeout, "autograd context release",
                                     ctx_id=None)
-                for p in sorted(ctx.peers) if p != origin and p not in self._agent.dead]
+                for p in peers if p != origin and p not in self._agent.dead]
 
     # ---------------------------------------------------------------- current context
     def current_id(self) -> int | None:
