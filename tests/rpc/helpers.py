@@ -7,6 +7,7 @@ import os
 import threading
 import time
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -272,6 +273,19 @@ def remote_module_forward(remote_module, x):
 
 def remote_module_owner(remote_module) -> str:
     return remote_module.get_module_rref().owner_name()
+
+
+# ---------------------------------------------------------------- method allow-list
+def write_marker(*args) -> None:
+    """Writes "ran" to the path in its last argument: what an attacker wants a worker to run
+    (test_method_allow_list names it where a class is expected)."""
+    with open(args[-1], "w") as f:
+        f.write("ran")
+
+
+def ndarray_of(n: int) -> np.ndarray:
+    """A library object (numpy array) owned by this worker, for RRef method tests."""
+    return np.arange(n, dtype=np.uint8)
 
 
 def local_backward_of_owned(x):

@@ -12,7 +12,7 @@ import torch
 from shardwise.distributed.env import int_var
 from shardwise.rpc import current
 from shardwise.rpc.agent import start_agent
-from shardwise.rpc.callables import qualified_name, register_module
+from shardwise.rpc.callables import qualified_name, register_module, set_program_roots
 from shardwise.rpc.device_maps import normalize_device_map, validate_device_maps
 from shardwise.rpc.messages import Kind
 from shardwise.rpc.options import UNSET_RPC_TIMEOUT, TensorPipeRpcBackendOptions, WorkerInfo
@@ -43,6 +43,7 @@ def init_rpc(name: str, backend: Any = None, rank: int = -1, world_size: int | N
     options = rpc_backend_options or TensorPipeRpcBackendOptions()
     for module in allowed_modules:
         register_module(module)
+    set_program_roots()  # the script's and this working directory ([Note: allow-list] rule 2)
     if current.maybe_agent() is not None:
         raise RuntimeError(f"RPC is already initialised in this process (as "
                            f"{current.maybe_agent().name!r}); call shutdown() first")

@@ -1,20 +1,32 @@
-"""Which functions and classes a peer may name, and how a local function is named for a peer.
+"""Which functions, classes and methods a peer may name, and how a local function is named.
 
-[Note: allow-list] A request names its function as ``module:qualname`` and every global inside
-a pickled argument or reply is a ``(module, qualname)`` pair. A worker resolves such a name only
-when it is, exactly, one of:
+[Note: allow-list] This is the one rule by which a worker resolves a name a peer sent: a
+request's function (``module:qualname``), every global inside a pickled argument or reply (a
+``(module, qualname)`` pair), and the method an RRef proxy, RemoteModule or DistributedOptimizer
+call names on a value the worker owns. A worker resolves such a name only when it is, exactly,
+one of:
 
-1. a callable or class registered with :func:`register` (also a decorator);
-2. a function or class *defined* in a module the user allowed (``init_rpc(...,
-   allowed_modules=[...])`` or :func:`register_module`), or in ``__main__`` (the script every
-   worker runs, as torch's pickler names its functions): ``name`` or ``Class.name``, found in
-   the module's (and the class's) own ``__dict__`` and whose own ``__module__`` and
-   ``__qualname__`` are the name asked for, so a name imported into the module (``os``,
-   ``subprocess.run``) or reached through an attribute path never resolves;
+1. a callable or class registered with :func:`register` (also a decorator), or defined in a
+   module the user allowed (``init_rpc(..., allowed_modules=[...])``, :func:`register_module`);
+2. the program's own code: a function or class defined in ``__main__`` / ``__mp_main__`` (the
+   script every worker runs) or in an *already imported* module whose file (links resolved)
+   lies under the script's directory or the working directory of ``init_rpc``, and not under
+   the interpreter's trees (``sys.prefix``, ``sys.base_prefix``, ``sys.exec_prefix``, the
+   ``sysconfig`` paths, any ``site-packages`` / ``dist-packages``, the user site) nor in
+   shardwise or torch. For 1 and 2, ``name`` or ``Class.name`` is found in the module's (and
+   the class's) own ``__dict__`` and the object's own ``__module__`` and ``__qualname__`` must
+   be the name asked for, so a name a module imported (``os``, ``subprocess.run``) or an
+   attribute path (``sibling:os.system``, ``fn.__globals__``) never resolves;
 3. one of shardwise's own RPC entry points (RRefs, remote modules, the distributed optimizer,
    autograd, the pipeline), registered by their modules;
-4. a default pure tensor operation (``DEFAULT_OPS``: ``torch.add``, ``torch.matmul``, ...), an
-   ``nn.Module`` class of ``torch.nn`` or an optimizer class of ``torch.optim``.
+4. a pure library operation: ``DEFAULT_OPS`` (``torch.add``, ``torch.matmul``, ...), an
+   ``nn.Module`` class of ``torch.nn`` or an optimizer class of ``torch.optim`` (constructors);
+5. a method of a value the worker owns (methods.py): a public name found in a class dict
+   along the value's MRO (never the instance's dict), either a function defined in a class
+   that 1 or 2 allows, or one of the pure methods of tensors, modules and optimizers
+   (``methods.PURE_METHODS``). RemoteModule's ``module_cls`` and DistributedOptimizer's
+   ``optimizer_class`` must be ``nn.Module`` / ``Optimizer`` subclasses, checked
+   (:func:`require_class`) before anything is constructed.
 
 The unpickler (serialization.py) also accepts data-only globals (dtypes, ``torch.device``,
 ``torch.Size``, layouts, ``collections.OrderedDict``, builtin containers and scalars) and
@@ -27,7 +39,11 @@ from __future__ import annotations
 
 import builtins
 import collections
+import contextlib
+import os
+import site
 import sys
+import sysconfig
 import threading
 from collections.abc import Callable
 from types import ModuleType
@@ -64,7 +80,13 @@ _TORCH_CLASS_ROOTS = (("torch.nn.modules.", nn.Module), ("torch.optim.", torch.o
 _DATA_BUILTINS = {"complex": complex, "slice": slice}
 _HOW = ("register it on this worker: @shardwise.rpc.register on the function or class, or "
         "init_rpc(..., allowed_modules=[{module!r}]) for that module's own functions and "
-        "classes")
+        "classes (a module of the program itself, beside the script or in the working "
+        "directory, is allowed once the worker has imported it)")
+# rule 2: the program's directories, and what is never the program under them
+_LIBRARY_DIRS = ("site-packages", "dist-packages")
+_NOT_PROGRAM = ("shardwise", "torch")
+_program: dict[str, Any] = {"roots": None, "library": ()}
+_program_modules: dict[str, tuple[ModuleType, bool]] = {}  # name -> (module, is program)
 
 
 class ForbiddenCallable(RuntimeError):
@@ -136,7 +158,7 @@ def resolve_global(module: str, qualname: str) -> Any:
     found = _registry.get(key)
     if found is None:
         found = _DEFAULTS.get(key)
-    if found is None and module in _modules:
+    if found is None and (module in _modules or is_program_module(module)):
         found = _own_member(module, qualname)
     if found is None:
         found = _torch_class(module, qualname)
@@ -145,6 +167,100 @@ def resolve_global(module: str, qualname: str) -> Any:
             f"RPC never resolves {module}.{qualname} on this worker: it is not a registered "
             f"function or class; to allow it, {_HOW.format(module=module)}")
     return found
+
+
+def set_program_roots(roots: list[str] | None = None) -> None:
+    """Fix the directories of the program (rule 2 of [Note: allow-list]): ``roots``, or the
+    main script's directory and the working directory now (``init_rpc`` calls this)."""
+    if roots is None:
+        roots = []
+        main_file = vars(sys.modules.get("__main__", sys)).get("__file__")
+        if isinstance(main_file, str):
+            roots.append(os.path.dirname(os.path.abspath(main_file)))
+        with contextlib.suppress(OSError):  # (a deleted working directory)
+            roots.append(os.getcwd())
+    library = _library_trees()
+    real = {os.path.realpath(r) for r in roots}
+    kept = tuple(sorted(r for r in real
+                        if os.path.dirname(r) != r and not _is_library(r, library)))
+    with _lock:
+        _program["roots"], _program["library"] = kept, library
+        _program_modules.clear()
+
+
+def program_roots() -> tuple[str, ...]:
+    if _program["roots"] is None:
+        set_program_roots()
+    return _program["roots"]
+
+
+def is_program_module(name: str) -> bool:
+    """``name`` is an imported module of the program itself (rule 2); never imports it."""
+    if name in MAIN_MODULES:
+        return name in sys.modules
+    if name.partition(".")[0] in _NOT_PROGRAM:
+        return False
+    mod = sys.modules.get(name)
+    if not isinstance(mod, ModuleType):
+        return False
+    cached = _program_modules.get(name)
+    if cached is not None and cached[0] is mod:
+        return cached[1]
+    roots = program_roots()
+    path = vars(mod).get("__file__")  # (the module's dict: a module __getattr__ never runs)
+    answer = False
+    if isinstance(path, str) and path:
+        real = os.path.realpath(path)
+        answer = any(_under(real, root) for root in roots) \
+            and not _is_library(real, _program["library"])
+    with _lock:
+        _program_modules[name] = (mod, answer)
+    return answer
+
+
+def _library_trees() -> tuple[str, ...]:
+    """The interpreter's, the installed packages' and shardwise's and torch's directories."""
+    trees = [sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix,
+             *sysconfig.get_paths().values(), *site.getsitepackages()]
+    user_site = site.getusersitepackages()
+    trees += [user_site] if isinstance(user_site, str) else list(user_site)
+    for name in _NOT_PROGRAM:
+        mod = sys.modules.get(name)
+        path = vars(mod).get("__file__") if mod is not None else None
+        if isinstance(path, str):
+            trees.append(os.path.dirname(path))
+    return tuple(sorted({os.path.realpath(t) for t in trees if t}))
+
+
+def _is_library(real_path: str, library: tuple[str, ...]) -> bool:
+    parts = real_path.split(os.sep)
+    return any(d in parts for d in _LIBRARY_DIRS) or any(_under(real_path, t) for t in library)
+
+
+def _under(path: str, root: str) -> bool:
+    return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
+
+
+def is_allowed_class(cls: type) -> bool:
+    """``cls`` is registered, defined in an allowed module or in the program (rules 1 and 2;
+    not rule 4: torch's classes are reached through the pure methods of methods.py)."""
+    module, qualname = getattr(cls, "__module__", None), getattr(cls, "__qualname__", None)
+    if not isinstance(module, str) or not isinstance(qualname, str):
+        return False
+    if _registry.get(f"{module}:{qualname}") is cls:
+        return True
+    if module in _modules or is_program_module(module):
+        return _own_member(module, qualname) is cls
+    return False
+
+
+def require_class(obj: Any, base: type, what: str) -> type:
+    """``obj`` if it is a subclass of ``base``; else ForbiddenCallable (nothing was called)."""
+    if not (isinstance(obj, type) and issubclass(obj, base)):
+        raise ForbiddenCallable(f"{what} must be a subclass of {base.__module__}."
+                                f"{base.__qualname__}; got {obj!r:.100}, refused before "
+                                "anything was constructed or called")
+    return obj
 
 
 def resolve_data(module: str, qualname: str) -> Any:

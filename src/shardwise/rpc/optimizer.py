@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from shardwise.rpc import api
-from shardwise.rpc.callables import register
+from shardwise.rpc.callables import ForbiddenCallable, register, require_class
 from shardwise.rpc.current import get_agent
 from shardwise.rpc.rref import RRef
 
@@ -40,14 +40,26 @@ class _LocalOptimizer:
                     p.grad = g
 
 
+_WHAT = "DistributedOptimizer's optimizer_class"
+
+
 @register
 def _new_local_optimizer(optimizer_class, param_rrefs, args, kwargs) -> _LocalOptimizer:
-    return _LocalOptimizer(optimizer_class, param_rrefs, args, kwargs)
+    """Runs on the owner of ``param_rrefs``. The class must be an optimizer class, checked
+    before anything runs ([Note: allow-list] rule 5)."""
+    require_class(optimizer_class, torch.optim.Optimizer, _WHAT)
+    if not isinstance(param_rrefs, list) or not all(isinstance(r, RRef) for r in param_rrefs):
+        raise ForbiddenCallable("DistributedOptimizer needs a list of parameter RRefs")
+    return _LocalOptimizer(optimizer_class, param_rrefs, tuple(args), dict(kwargs))
 
 
 @register
 def _step_local(opt_rref: RRef, context_id: int) -> None:
-    opt_rref.local_value().step(context_id)
+    opt = opt_rref.local_value() if isinstance(opt_rref, RRef) else None
+    if not isinstance(opt, _LocalOptimizer):
+        raise ForbiddenCallable(f"DistributedOptimizer steps only the local optimizers it "
+                                f"created; this RRef holds a {type(opt).__name__}")
+    opt.step(context_id)
 
 
 class DistributedOptimizer:
@@ -55,6 +67,7 @@ class DistributedOptimizer:
 
     def __init__(self, optimizer_class: type[torch.optim.Optimizer], params_rref: list[RRef],
                  *args: Any, **kwargs: Any):
+        require_class(optimizer_class, torch.optim.Optimizer, _WHAT)
         by_owner: dict[str, list[RRef]] = {}
         for rref in params_rref:
             by_owner.setdefault(rref.owner_name(), []).append(rref)

@@ -20,8 +20,9 @@ import torch
 from torch import nn
 
 from shardwise.rpc import api
-from shardwise.rpc.callables import register
+from shardwise.rpc.callables import register, require_class
 from shardwise.rpc.current import get_agent
+from shardwise.rpc.methods import resolve_method
 from shardwise.rpc.rref import RRef
 from shardwise.rpc.serialization import current_session
 
@@ -61,7 +62,9 @@ def _is_device(text: str) -> bool:
 
 @register
 def _create_module(module_cls: type, args: tuple, kwargs: dict, device: str) -> nn.Module:
-    """Runs on the owner: build the module and move it to its device."""
+    """Runs on the owner: build the module and move it to its device. ``module_cls`` must be
+    an ``nn.Module`` class, checked before anything runs ([Note: allow-list] rule 5)."""
+    require_class(module_cls, nn.Module, "RemoteModule's module_cls")
     module = module_cls(*args, **kwargs)
     if not isinstance(module, nn.Module):
         raise ValueError(f"RemoteModule: module_cls(*args, **kwargs) must return an nn.Module, "
@@ -72,7 +75,8 @@ def _create_module(module_cls: type, args: tuple, kwargs: dict, device: str) -> 
 @register
 def _param_rrefs(module_rref: RRef, recurse: bool) -> list[RRef]:
     """Runs on the owner: one owner RRef per parameter (the parameters themselves)."""
-    return [RRef(p) for p in module_rref.local_value().parameters(recurse)]
+    parameters = resolve_method(module_rref.local_value(), "parameters")
+    return [RRef(p) for p in parameters(recurse)]
 
 
 def _to(value: Any, device: torch.device) -> Any:
@@ -91,11 +95,11 @@ def _remote_forward(module_rref: RRef, device: str, is_device_map_set: bool, arg
     """Runs on the owner: ``module.forward`` on the module's device. Without a device map to
     the caller only CPU tensors may travel, so CUDA results come back on the CPU (torch's
     rule)."""
-    module = module_rref.local_value()
+    forward = resolve_method(module_rref.local_value(), "forward")
     dev = torch.device(device)
     if dev.type != "cuda":
-        return module.forward(*args, **kwargs)
-    out = module.forward(*_to(args, dev), **_to(kwargs, dev))
+        return forward(*args, **kwargs)
+    out = forward(*_to(args, dev), **_to(kwargs, dev))
     return out if is_device_map_set else _to(out, torch.device("cpu"))
 
 
@@ -122,6 +126,7 @@ class RemoteModule(nn.Module):
         if _module_interface_cls is not None:
             raise NotImplementedError("RemoteModule: scripted module interfaces "
                                       "(_module_interface_cls) are not supported")
+        require_class(module_cls, nn.Module, "RemoteModule's module_cls")
         on, device = parse_remote_device(remote_device)
         agent = get_agent()
         rref = api.remote(on, _create_module,

@@ -13,6 +13,7 @@ from shardwise.rpc.callables import ForbiddenCallable, register
 from shardwise.rpc.current import get_agent
 from shardwise.rpc.functions import check_async_result
 from shardwise.rpc.messages import Kind
+from shardwise.rpc.methods import check_method_name, resolve_method
 from shardwise.rpc.options import UNSET_RPC_TIMEOUT, WorkerInfo
 from shardwise.rpc.serialization import current_session
 
@@ -133,18 +134,16 @@ class _Proxy:
         return invoke
 
 
-_DUNDERS = frozenset({"__call__", "__getitem__", "__len__"})
-
-
 @register
 def invoke_method(method: str, rref: RRef, args: tuple, kwargs: dict) -> Any:
     """Runs on the owner: ``rref.local_value().method(*args, **kwargs)`` (a future returned by
-    an ``@async_execution`` method is answered when it completes, see functions.py). Special
-    names other than ``__call__`` / ``__getitem__`` / ``__len__`` are refused: a peer does not
-    reach ``__class__``, ``__setattr__`` or ``__reduce_ex__`` of the owner's objects."""
-    if not isinstance(method, str) or (method.startswith("__") and method not in _DUNDERS):
-        raise ForbiddenCallable(f"RRef proxy calls cannot name the special method {method!r}")
-    target = getattr(rref.local_value(), method)
+    an ``@async_execution`` method is answered when it completes, see functions.py), for a
+    method that rule 5 of [Note: allow-list] allows (methods.py): a peer does not reach
+    ``__reduce_ex__``, ``numpy``, ``tofile`` or an attribute of the instance."""
+    check_method_name(method)
+    if not isinstance(rref, RRef):
+        raise ForbiddenCallable(f"RRef proxy calls need an RRef, got {type(rref).__name__}")
+    target = resolve_method(rref.local_value(), method)
     result = target(*args, **kwargs)
     check_async_result(target, result)
     return result
