@@ -123,11 +123,13 @@ def _defined_in(entry: Any, owner: type, name: str) -> bool:
 
 
 def _library_method(entry: Any, owner: type) -> bool:
-    """A method written in C for ``owner``, or a function of ``owner``'s own module (torch's
-    ``Module.__call__`` is ``_wrapped_call_impl``); not a function a class body borrowed."""
+    """A method written in C for ``owner``, or a function of ``owner``'s own package (torch's
+    ``Module.__call__`` is ``_wrapped_call_impl``, ``Tensor.__len__`` is in ``torch._tensor``);
+    not a function of another package that a class body borrowed."""
     if isinstance(entry, _DESCRIPTORS):
         return True
-    return isinstance(entry, types.FunctionType) and entry.__module__ == owner.__module__
+    return (isinstance(entry, types.FunctionType) and isinstance(entry.__module__, str)
+            and entry.__module__.partition(".")[0] == owner.__module__.partition(".")[0])
 
 
 def _name(cls: type) -> str:
