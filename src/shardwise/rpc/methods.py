@@ -75,9 +75,13 @@ def check_method_name(name: Any) -> str:
     if not isinstance(name, str) or not name.isidentifier() or len(name) > 200:
         raise ForbiddenMethod(f"RRef proxy calls need a method name, got {name!r:.80}")
     if name.startswith("__") and name.endswith("__") and name not in _SPECIAL:
-        raise ForbiddenMethod(f"RRef proxy calls cannot name the special method {name!r}")
+        raise ForbiddenMethod(f"RRef proxy calls cannot name the special method {name!r}, "
+                              "of any class (only __call__, __getitem__ and __len__); call it "
+                              "in a function of the program on the owner instead")
     if name.startswith("_") and name not in _SPECIAL:
-        raise ForbiddenMethod(f"RRef proxy calls cannot name the private method {name!r}")
+        raise ForbiddenMethod(f"RRef proxy calls cannot name the private method {name!r}, of "
+                              "any class (a name with a leading underscore); call it in a "
+                              "function of the program on the owner instead")
     return name
 
 
