@@ -17,11 +17,12 @@ import torch
 import torch.distributed as dist
 
 from shardwise.checkpoint import boxes, exchange
+from shardwise.checkpoint.errors import CheckpointError
 from shardwise.checkpoint.flatten import Leaf, flatten, is_tensor_like
-from shardwise.checkpoint.format import checkpoint_dir, read_metadata
+from shardwise.checkpoint.format import checkpoint_dir
 from shardwise.checkpoint.reader import BlockReader
 from shardwise.checkpoint.saver import wait_previous
-from shardwise.checkpoint.train_state import CheckpointError
+from shardwise.checkpoint.validate import read_metadata
 
 _SHOW = 20  # names listed in an error
 
@@ -39,7 +40,6 @@ def load(state_dict: dict[str, Any], *, checkpoint_id: str | Path,
     meta = read_metadata(root)
     flat = flatten(state_dict)
     check_request(root, meta, flat, process_group if strict else None, strict)
-    check_files(root, meta, flat)
     reader = BlockReader(root)
     try:
         with torch.no_grad():
@@ -89,23 +89,6 @@ def _parts(missing: list, mismatched: list, unexpected: list) -> list[str]:
 def _few(names: list[str]) -> str:
     more = f" and {len(names) - _SHOW} more" if len(names) > _SHOW else ""
     return f"{names[:_SHOW]}{more}"
-
-
-def check_files(root: Path, meta: dict, flat: dict[str, Leaf]) -> None:
-    """Every data file this rank reads exists and has the size the metadata records."""
-    needed: dict[str, str] = {}
-    for key, leaf in flat.items():
-        if is_tensor_like(leaf.value):
-            for rec in meta["tensors"][key]["chunks"]:
-                needed.setdefault(rec["file"], key)
-    for name, key in needed.items():
-        path = root / name
-        want = meta["files"].get(name)
-        have = path.stat().st_size if path.is_file() else None
-        if have != want:
-            state = "missing" if have is None else f"{have} bytes, expected {want}"
-            raise CheckpointError(f"checkpoint file {path} (holding tensor {key}, among others) "
-                                  f"is truncated or damaged: {state}")
 
 
 def _load_tensor(reader: BlockReader, key: str, entry: dict, value: Any) -> None:

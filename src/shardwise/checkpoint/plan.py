@@ -18,9 +18,9 @@ from typing import Any
 import torch.distributed as dist
 
 from shardwise.checkpoint import boxes, exchange
+from shardwise.checkpoint.errors import CheckpointError
 from shardwise.checkpoint.flatten import Leaf, is_tensor_like
 from shardwise.checkpoint.format import dtype_name
-from shardwise.checkpoint.train_state import CheckpointError
 
 
 @dataclass

@@ -23,10 +23,11 @@ import torch.distributed as dist
 from shardwise.checkpoint import commit as commit_mod
 from shardwise.checkpoint import exchange
 from shardwise.checkpoint.boxes import LocalChunk
+from shardwise.checkpoint.errors import CheckpointError
 from shardwise.checkpoint.flatten import flatten
-from shardwise.checkpoint.format import checkpoint_dir, rank_file, read_metadata, tmp_dir
+from shardwise.checkpoint.format import checkpoint_dir, rank_file, tmp_dir
 from shardwise.checkpoint.plan import SavePlan, WriteItem, make_plan
-from shardwise.checkpoint.train_state import CheckpointError
+from shardwise.checkpoint.validate import read_metadata
 from shardwise.checkpoint.writer import write_file
 
 ASYNC_COMMIT_TIMEOUT_S = 1800.0
@@ -111,6 +112,10 @@ def _prepare(state_dict: dict[str, Any], checkpoint_id: Any, group
 
 
 def _fresh_dir(tmp: Path) -> None:
+    """Empty ``<id>.tmp`` (a leftover of a failed save) and make it anew; a link planted there
+    is refused, never followed or emptied."""
+    if tmp.is_symlink():
+        raise CheckpointError(f"{tmp} is a symbolic link; refusing to save through it")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
 
