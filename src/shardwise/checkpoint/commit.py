@@ -130,7 +130,7 @@ def build_metadata(plan: SavePlan, parts: list[dict]) -> dict[str, Any]:
             tensors[rec["name"]]["chunks"].append(entry)
     meta = {"format": FORMAT, "version": VERSION, "token": plan.token,
             "world_size": plan.world, "files": {p["file"]: p["size"] for p in parts},
-            "tensors": tensors, "values": plan.values}
+            "tensors": tensors, "values": plan.values, "paths": plan.paths}
     meta[DIGEST] = digest_of(meta)
     return meta
 

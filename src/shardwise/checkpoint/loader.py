@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from shardwise.checkpoint import boxes, exchange
+from shardwise.checkpoint import boxes, exchange, stateful
 from shardwise.checkpoint.errors import CheckpointError
 from shardwise.checkpoint.flatten import Leaf, flatten, is_tensor_like
 from shardwise.checkpoint.format import checkpoint_dir
@@ -28,16 +28,22 @@ _SHOW = 20  # names listed in an error
 
 
 def load(state_dict: dict[str, Any], *, checkpoint_id: str | Path,
-         process_group: dist.ProcessGroup | None = None, strict: bool = False) -> None:
+         process_group: dist.ProcessGroup | None = None, strict: bool = False,
+         no_dist: bool = False) -> None:
     """Load the checkpoint at ``checkpoint_id`` into ``state_dict`` in place. Every requested
     key must be in the checkpoint with the same global shape (else one error lists every
     missing key and every mismatch with both shapes). ``strict=True`` also rejects checkpoint
-    keys that no rank requested (collective then: every rank calls it)."""
+    keys that no rank requested (collective then: every rank calls it). A top-level
+    ``Stateful`` entry is loaded into its ``state_dict()``, which is then handed to its
+    ``load_state_dict()`` (stateful.py). ``no_dist=True`` (torch's name): no collective even
+    with ``strict``."""
     if not isinstance(state_dict, dict):
         raise TypeError(f"state_dict must be a dict, got {type(state_dict).__name__}")
     wait_previous()
     root = checkpoint_dir(checkpoint_id)
+    process_group = exchange.NO_DIST if no_dist else process_group
     meta = read_metadata(root)
+    given, state_dict = state_dict, stateful.expand(state_dict)
     flat = flatten(state_dict)
     check_request(root, meta, flat, process_group if strict else None, strict)
     reader = BlockReader(root)
@@ -50,6 +56,7 @@ def load(state_dict: dict[str, Any], *, checkpoint_id: str | Path,
                     _set_value(leaf, meta["values"][key])
     finally:
         reader.close()
+    stateful.hand_back(given, state_dict)
 
 
 def check_request(root: Path, meta: dict, flat: dict[str, Leaf], group, strict: bool) -> None:

@@ -43,7 +43,8 @@ from shardwise.checkpoint.errors import CheckpointError
 from shardwise.checkpoint.format import FORMAT, METADATA, VERSION, dtype_from, tmp_dir
 
 DIGEST = "digest"
-_TOP = {"format", "version", "token", "world_size", "files", "tensors", "values", DIGEST}
+_TOP = {"format", "version", "token", "world_size", "files", "tensors", "values", "paths",
+        DIGEST}
 _CHUNK = {"file", "byte_offset", "nbytes", "offsets", "sizes", "block_rows", "crc32"}
 _PLAIN_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,254}")
 _DIGEST_TEXT = re.compile(r"sha256:[0-9a-f]{64}")
@@ -127,6 +128,7 @@ def check(meta: dict[str, Any], root: Path) -> None:
     files = _files(meta["files"])
     tensors = _obj(meta["tensors"], "'tensors'")
     _obj(meta["values"], "'values'")
+    _paths(meta["paths"], {*tensors, *meta["values"]})
     _on_disk(root, files, tensors)
     spans: dict[str, list[tuple[int, int, str, str]]] = {name: [] for name in files}
     for name, entry in tensors.items():
@@ -236,6 +238,26 @@ def _on_disk(root: Path, files: dict[str, int], tensors: dict) -> None:
             raise _Invalid(f"checkpoint file {path} (holding tensor {held}) is truncated or "
                            f"damaged: it has {st.st_size} bytes on disk, the metadata declares "
                            f"{size}")
+
+
+def _paths(value: Any, keys: set[str]) -> None:
+    """Every stored key has a path (flatten.step) that spells it."""
+    paths = _obj(value, "'paths'")
+    if set(paths) != keys:
+        odd = sorted(set(paths) ^ keys)[:5]
+        raise _Invalid(f"'paths': its keys are not the stored tensors and values ({odd})")
+    for key, path in paths.items():
+        if not isinstance(path, list) or not path or not all(map(_step_ok, path)):
+            raise _Invalid(f"paths[{key!r}]: expected a list of keys and indices, got {path!r}")
+        spelled = ".".join(str(s[0] if isinstance(s, list) else s) for s in path)
+        if spelled != key:
+            raise _Invalid(f"paths[{key!r}]: {path!r} spells {spelled!r}")
+
+
+def _step_ok(s: Any) -> bool:
+    if isinstance(s, list):
+        return len(s) == 1 and isinstance(s[0], int) and not isinstance(s[0], bool)
+    return isinstance(s, str) or (isinstance(s, int) and not isinstance(s, bool) and s >= 0)
 
 
 def _holder(tensors: dict, file: str) -> str:
