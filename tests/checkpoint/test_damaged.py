@@ -185,6 +185,18 @@ def _absolute(run: Path, step: Path) -> None:
     _rewrite(step, _to_file(name))
 
 
+def _deep_nesting(run: Path, step: Path) -> None:
+    text = (step / "metadata.json").read_text()
+    (step / "metadata.json").write_text(text[:-1] + ', "x": ' + "[" * 100_000 + "]" * 100_000
+                                        + "}")
+
+
+def _long_int_literal(run: Path, step: Path) -> None:
+    text = (step / "metadata.json").read_text()
+    (step / "metadata.json").write_text(text.replace('"world_size": 2', '"world_size": '
+                                                     + "9" * 5000))
+
+
 def _meta(change, sign=True):
     return lambda run, step: _rewrite(step, change, sign)
 
@@ -214,6 +226,8 @@ CASES = [
     ("bool-offset", _meta(_bool_offset), r"byte_offset: expected an int >= 0, got True"),
     ("unknown-dtype", _meta(_unknown_dtype), r"unknown dtype 'object'"),
     ("crc-as-text", _meta(_crc_text), r"crc32\[0\]: expected an int"),
+    ("deep-nesting", _deep_nesting, r"metadata.json is corrupt: .*nest"),
+    ("long-int-literal", _long_int_literal, r"metadata.json is corrupt: .*digits"),
 ]
 IDS = [c[0] for c in CASES]
 

@@ -108,7 +108,10 @@ def _load_json(meta_file: Path) -> Any:
         raw = f.read()
     try:
         meta = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+    except RecursionError:
+        raise CheckpointError(f"{meta_file} is corrupt: its JSON is nested too deeply") \
+            from None
+    except ValueError as err:  # bad JSON or UTF-8, an int literal of too many digits
         raise CheckpointError(f"{meta_file} is corrupt: {err}") from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise CheckpointError(f"{meta_file} is not a {FORMAT} metadata file")
