@@ -5,7 +5,7 @@ allocated. Every reader (``load`` and so resharding and ``--resume``, ``inspect`
 [Note: checkpoint validation]
 The metadata says where every byte goes, so a reader that trusted it could be made to read
 outside the checkpoint, fill a tensor twice or not at all, or allocate what the disk does not
-hold. Before anything is read beyond ``metadata.json``:
+hold. Before anything is read beyond ``metadata.json`` (docs/checkpoint.md, "Validation"):
 
 1. The step directory and ``metadata.json`` are not symbolic links (lstat, ``O_NOFOLLOW``).
 2. The digest: ``"sha256:<hex>"`` over the canonical JSON of the metadata without it
@@ -14,12 +14,13 @@ hold. Before anything is read beyond ``metadata.json``:
    offsets and byte counts >= 0; a known dtype; no unknown keys).
 4. Every data file name is a plain name (letters, digits, ``._-``, not starting with a dot):
    no separator, no ``..``, no absolute path, no NUL.
-5. Every chunk: ``nbytes`` equals its box's elements times the dtype's size, one CRC per
+5. Every declared file exists in the step directory as a regular file (not a link) of exactly
+   its declared size.
+6. ``paths`` names exactly the stored keys, each path spelling its key.
+7. Every chunk: ``nbytes`` equals its box's elements times the dtype's size, one CRC per
    block of ``block_rows`` rows, and its bytes lie inside its file's declared size; no two
    chunks share a byte of a file. So the tensors together hold no more bytes than the files.
-6. Every tensor's chunk boxes lie inside its shape and tile it exactly (``boxes.check_cover``).
-7. Every declared file exists in the step directory as a regular file (not a link) of exactly
-   its declared size.
+8. Every tensor's chunk boxes lie inside its shape and tile it exactly (``boxes.check_cover``).
 
 Only then does a reader allocate (at most what the files hold, by 5 and 7) and read; data
 files are opened with ``O_NOFOLLOW`` (reader.py). The digest catches damage, not an attacker:
@@ -116,14 +117,13 @@ def _load_json(meta_file: Path) -> Any:
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise CheckpointError(f"{meta_file} is not a {FORMAT} metadata file")
     if meta.get("version") != VERSION:
-        raise CheckpointError(f"{meta_file} has format version {meta.get('version')!r}; this "
+        raise CheckpointError(f"{meta_file} has format version {_show(meta.get('version'))}; this "
                               f"shardwise reads version {VERSION}")
     return meta
 
 
 def check(meta: dict[str, Any], root: Path) -> None:
-    """Rules 2 to 7 of the Note (7 before 5, so a file of the wrong size is named as such);
-    raises ``_Invalid``."""
+    """Rules 2 to 8 of the Note (3 as each part is reached); raises ``_Invalid``."""
     _check_digest(meta)
     _keys(meta, _TOP, "the metadata")
     _str(meta["token"], "'token'")
@@ -144,7 +144,7 @@ def _check_digest(meta: dict[str, Any]) -> None:
         raise _Invalid(f"no {DIGEST!r} key (every checkpoint of version {VERSION} has one)")
     stored = meta[DIGEST]
     if not isinstance(stored, str) or not _DIGEST_TEXT.fullmatch(stored):
-        raise _Invalid(f"{DIGEST!r}: expected 'sha256:' and 64 hex digits, got {stored!r}")
+        raise _Invalid(f"{DIGEST!r}: expected 'sha256:' and 64 hex digits, got {_show(stored)}")
     if stored != digest_of(meta):
         raise _Invalid("the metadata is damaged: its digest does not match its contents")
 
@@ -152,21 +152,21 @@ def _check_digest(meta: dict[str, Any]) -> None:
 def _files(value: Any) -> dict[str, int]:
     files = _obj(value, "'files'")
     for name, size in files.items():
-        _plain(name, f"files[{name!r}]")
-        _int(size, f"files[{name!r}]")
+        _plain(name, f"files[{_show(name)}]")
+        _int(size, f"files[{_show(name)}]")
     return files
 
 
 def _tensor(name: str, entry: Any, files: dict[str, int], spans: dict) -> None:
-    where = f"tensors[{name!r}]"
+    where = f"tensors[{_show(name)}]"
     _keys(_obj(entry, where), {"shape", "dtype", "chunks"}, where)
     shape = _ints(entry["shape"], f"{where}.shape")
     if not isinstance(entry["dtype"], str):
-        raise _Invalid(f"{where}.dtype: expected a string, got {entry['dtype']!r}")
+        raise _Invalid(f"{where}.dtype: expected a string, got {_show(entry['dtype'])}")
     try:
         itemsize = dtype_from(entry["dtype"]).itemsize
     except CheckpointError:
-        raise _Invalid(f"{where}.dtype: unknown dtype {entry['dtype']!r}") from None
+        raise _Invalid(f"{where}.dtype: unknown dtype {_show(entry['dtype'])}") from None
     chunks = entry["chunks"]
     if not isinstance(chunks, list):
         raise _Invalid(f"{where}.chunks: expected a list, got {type(chunks).__name__}")
@@ -186,7 +186,7 @@ def _chunk(rec: Any, named: tuple[str, str], ndim: int, itemsize: int, files: di
     _keys(_obj(rec, where), _CHUNK, where)
     file = _plain(rec["file"], f"{where}.file")
     if file not in files:
-        raise _Invalid(f"{where}.file: {file!r} is not among the metadata's files")
+        raise _Invalid(f"{where}.file: {_show(file)} is not among the metadata's files")
     offsets = _ints(rec["offsets"], f"{where}.offsets", ndim)
     sizes = _ints(rec["sizes"], f"{where}.sizes", ndim)
     start = _int(rec["byte_offset"], f"{where}.byte_offset")
@@ -213,7 +213,7 @@ def _crcs(value: Any, where: str, sizes: list[int], k: int) -> None:
                        f"{k} rows), got {got}")
     for i, crc in enumerate(value):
         if not isinstance(crc, int) or isinstance(crc, bool) or not 0 <= crc < 2 ** 32:
-            raise _Invalid(f"{where}.crc32[{i}]: expected an int in [0, 2**32), got {crc!r}")
+            raise _Invalid(f"{where}.crc32[{i}]: expected an int in [0, 2**32), got {_show(crc)}")
 
 
 def _no_shared_bytes(spans: dict[str, list[tuple[int, int, str, str]]]) -> None:
@@ -251,10 +251,11 @@ def _paths(value: Any, keys: set[str]) -> None:
         raise _Invalid(f"'paths': its keys are not the stored tensors and values ({odd})")
     for key, path in paths.items():
         if not isinstance(path, list) or not path or not all(map(_step_ok, path)):
-            raise _Invalid(f"paths[{key!r}]: expected a list of keys and indices, got {path!r}")
+            raise _Invalid(f"paths[{_show(key)}]: expected a list of keys and indices, got "
+                           f"{_show(path)}")
         spelled = ".".join(str(s[0] if isinstance(s, list) else s) for s in path)
         if spelled != key:
-            raise _Invalid(f"paths[{key!r}]: {path!r} spells {spelled!r}")
+            raise _Invalid(f"paths[{_show(key)}]: {_show(path)} spells {_show(spelled)}")
 
 
 def _step_ok(s: Any) -> bool:
@@ -276,10 +277,15 @@ def _holder(tensors: dict, file: str) -> str:
 def _keys(obj: dict, allowed: set[str], where: str) -> None:
     missing = sorted(allowed - {*obj})
     if missing:
-        raise _Invalid(f"{where} has no {missing[0]!r} key")
+        raise _Invalid(f"{where} has no {_show(missing[0])} key")
     unknown = sorted({*obj} - allowed, key=str)
     if unknown:
-        raise _Invalid(f"{where} has an unknown key {unknown[0]!r}")
+        raise _Invalid(f"{where} has an unknown key {_show(unknown[0])}")
+
+
+def _show(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _obj(value: Any, where: str) -> dict:
@@ -290,26 +296,26 @@ def _obj(value: Any, where: str) -> dict:
 
 def _str(value: Any, where: str) -> str:
     if not isinstance(value, str):
-        raise _Invalid(f"{where}: expected a string, got {value!r}")
+        raise _Invalid(f"{where}: expected a string, got {_show(value)}")
     return value
 
 
 def _int(value: Any, where: str, low: int = 0) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < low:
-        raise _Invalid(f"{where}: expected an int >= {low}, got {value!r}")
+        raise _Invalid(f"{where}: expected an int >= {low}, got {_show(value)}")
     return value
 
 
 def _ints(value: Any, where: str, n: int | None = None) -> list[int]:
     if not isinstance(value, list) or (n is not None and len(value) != n):
         want = "a list" if n is None else f"a list of {n} ints"
-        raise _Invalid(f"{where}: expected {want}, got {value!r}")
+        raise _Invalid(f"{where}: expected {want}, got {_show(value)}")
     return [_int(v, f"{where}[{i}]") for i, v in enumerate(value)]
 
 
 def _plain(name: Any, where: str) -> str:
     _str(name, where)
     if not _PLAIN_NAME.fullmatch(name):
-        raise _Invalid(f"{where}: {name!r} is not a plain file name inside the checkpoint "
+        raise _Invalid(f"{where}: {_show(name)} is not a plain file name inside the checkpoint "
                        "(letters, digits, '._-'; no separator, '..' or absolute path)")
     return name
