@@ -226,8 +226,8 @@ CASES = [
     ("bool-offset", _meta(_bool_offset), r"byte_offset: expected an int >= 0, got True"),
     ("unknown-dtype", _meta(_unknown_dtype), r"unknown dtype 'object'"),
     ("crc-as-text", _meta(_crc_text), r"crc32\[0\]: expected an int"),
-    ("deep-nesting", _deep_nesting, r"metadata.json is corrupt: .*nest"),
-    ("long-int-literal", _long_int_literal, r"metadata.json is corrupt: .*digits"),
+    ("deep-nesting", _deep_nesting, r"metadata.json is damaged or unreadable: .*nest"),
+    ("long-int-literal", _long_int_literal, r"metadata.json is damaged or unreadable: .*digits"),
 ]
 IDS = [c[0] for c in CASES]
 

@@ -110,10 +110,11 @@ def _load_json(meta_file: Path) -> Any:
     try:
         meta = json.loads(raw)
     except RecursionError:
-        raise CheckpointError(f"{meta_file} is corrupt: its JSON is nested too deeply") \
-            from None
+        raise CheckpointError(f"checkpoint metadata {meta_file} is damaged or unreadable: "
+                              "its JSON is nested too deeply") from None
     except ValueError as err:  # bad JSON or UTF-8, an int literal of too many digits
-        raise CheckpointError(f"{meta_file} is corrupt: {err}") from None
+        raise CheckpointError(f"checkpoint metadata {meta_file} is damaged or unreadable: "
+                              f"{err}") from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise CheckpointError(f"{meta_file} is not a {FORMAT} metadata file")
     if meta.get("version") != VERSION:
