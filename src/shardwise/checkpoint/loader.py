@@ -1,10 +1,12 @@
 """``load``: fill a state dict's own tensors in place from a checkpoint of any layout.
 
-Every rank reads the metadata, works out the boxes its destination tensors hold (a plain tensor:
-the whole tensor; a DTensor: its local box; a ShardedTensor: its local shards), and for each
-stored chunk that overlaps one of them reads only the overlapping rows, block by block, checking
-each block's CRC-32 (reader.py). So loading reshards from any saved layout (world size,
-strategy) to any requested one, and each rank holds its own share plus one read buffer.
+Every rank reads the metadata (checked as a whole first, before any data file is opened or any
+buffer allocated: [Note: checkpoint validation] in validate.py), works out the boxes its
+destination tensors hold (a plain tensor: the whole tensor; a DTensor: its local box; a
+ShardedTensor: its local shards), and for each stored chunk that overlaps one of them reads
+only the overlapping rows, block by block, checking each block's CRC-32 (reader.py). So loading
+reshards from any saved layout (world size, strategy) to any requested one, and each rank holds
+its own share plus one read buffer.
 No collective, except one JSON all-gather of the requested keys when ``strict=True``.
 """
 
