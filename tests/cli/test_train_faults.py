@@ -181,9 +181,13 @@ def test_latest_may_only_name_a_checkpoint_inside_the_directory(tmp_path, pointe
 
 
 def _edit_record(path, edit):
-    """Rewrite the run's record (a JSON string among the checkpoint metadata's values)."""
+    """Rewrite the run's record (a JSON string among the checkpoint metadata's values), with
+    the metadata's digest recomputed (else the digest check is what refuses it)."""
+    from shardwise.checkpoint.validate import digest_of
+
     meta = json.loads(path.read_text())
     meta["values"]["train"] = edit(meta["values"]["train"])
+    meta["digest"] = digest_of(meta)
     path.write_text(json.dumps(meta))
 
 

@@ -88,7 +88,13 @@ def intersect(a: Box, b: Box) -> Box | None:
 
 
 def check_cover(name: str, shape: Sequence[int], boxes: Sequence[Box]) -> None:
-    """Raise unless ``boxes`` (distinct) tile the whole tensor without overlapping."""
+    """Raise ValueError unless ``boxes`` lie inside ``shape`` and tile the whole tensor without
+    overlapping (no gap, no element twice)."""
+    for box in boxes:
+        if len(box[0]) != len(shape) or len(box[1]) != len(shape) or any(
+                o < 0 or n < 0 or o + n > d for o, n, d in zip(box[0], box[1], shape)):
+            raise ValueError(f"{name}: the chunk {box} lies outside the tensor's global shape "
+                             f"{tuple(shape)}")
     for i, a in enumerate(boxes):
         for b in boxes[i + 1:]:
             if numel(a[1]) and numel(b[1]) and intersect(a, b) is not None:

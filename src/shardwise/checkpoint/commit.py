@@ -17,9 +17,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from shardwise.checkpoint.atomic import create_exclusive
+from shardwise.checkpoint.errors import CheckpointError
 from shardwise.checkpoint.format import FORMAT, METADATA, VERSION, fsync_dir, tmp_dir
 from shardwise.checkpoint.plan import SavePlan
-from shardwise.checkpoint.train_state import CheckpointError
+from shardwise.checkpoint.validate import DIGEST, digest_of
 
 
 def part_file(tmp: Path, rank: int) -> Path:
@@ -27,7 +29,8 @@ def part_file(tmp: Path, rank: int) -> Path:
 
 
 def write_json(path: Path, obj: Any) -> None:
-    with open(path, "w") as f:
+    """A new file (created exclusively, never through a link), fsynced."""
+    with create_exclusive(path, text=True) as f:
         json.dump(obj, f, allow_nan=True)
         f.flush()
         os.fsync(f.fileno())
@@ -55,8 +58,9 @@ def write_failure(tmp: Path, plan: SavePlan, error: BaseException) -> None:
     try:
         path = failure_file(tmp, plan.rank)
         partial = path.with_name(path.name + ".partial")
-        partial.write_text(json.dumps({"token": plan.token,
-                                       "error": f"{type(error).__name__}: {error}"}))
+        with create_exclusive(partial, text=True) as f:
+            f.write(json.dumps({"token": plan.token,
+                                "error": f"{type(error).__name__}: {error}"}))
         os.rename(partial, path)
     except OSError:
         pass
@@ -124,9 +128,11 @@ def build_metadata(plan: SavePlan, parts: list[dict]) -> dict[str, Any]:
         for rec in part["chunks"]:
             entry = {k: v for k, v in rec.items() if k != "name"}
             tensors[rec["name"]]["chunks"].append(entry)
-    return {"format": FORMAT, "version": VERSION, "token": plan.token,
+    meta = {"format": FORMAT, "version": VERSION, "token": plan.token,
             "world_size": plan.world, "files": {p["file"]: p["size"] for p in parts},
-            "tensors": tensors, "values": plan.values}
+            "tensors": tensors, "values": plan.values, "paths": plan.paths}
+    meta[DIGEST] = digest_of(meta)
+    return meta
 
 
 def wait_for_final(final: Path, plan: SavePlan, timeout_s: float) -> None:

@@ -1,7 +1,8 @@
 """JSON values exchanged between ranks (never pickle: nothing a peer sends can run code).
 
 Every function is a collective over ``group`` when torch.distributed is initialized, and a
-local no-op otherwise (one process, no group).
+local no-op otherwise (one process, no group), or when ``group`` is ``NO_DIST`` (one process
+working alone inside a distributed job, as torch DCP's ``no_dist=True``).
 """
 
 from __future__ import annotations
@@ -12,9 +13,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+NO_DIST: Any = object()  # a "group" meaning: this process alone, no collective
+
 
 def active(group: dist.ProcessGroup | None) -> bool:
-    return dist.is_available() and dist.is_initialized()
+    return group is not NO_DIST and dist.is_available() and dist.is_initialized()
 
 
 def rank_and_world(group: dist.ProcessGroup | None) -> tuple[int, int]:

@@ -18,8 +18,10 @@ from typing import Any
 import torch
 
 from shardwise.checkpoint import boxes
-from shardwise.checkpoint.format import dtype_from, read_metadata
+from shardwise.checkpoint.atomic import create_exclusive, temp_name
+from shardwise.checkpoint.format import dtype_from
 from shardwise.checkpoint.reader import BlockReader
+from shardwise.checkpoint.validate import read_metadata
 
 _ST_DTYPES = {"float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16",
               "int64": "I64", "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8",
@@ -41,8 +43,11 @@ def inspect(checkpoint_dir: str | os.PathLike) -> dict[str, Any]:
 def export_safetensors(checkpoint_dir: str | os.PathLike, out_file: str | os.PathLike,
                        prefix: str = "model.") -> list[str]:
     """Write the tensors whose names start with ``prefix`` (the prefix removed) into the
-    safetensors file ``out_file`` (written to ``<out_file>.tmp``, then renamed). Returns the
-    names written. With ``get_state_dict``'s ``{"model": ..., "optim": ...}`` layout the result
+    safetensors file ``out_file`` (written to a new file ``<out_file>.tmp-<random>``, created
+    exclusively, then renamed). Every block read is checked against its CRC-32, and the
+    metadata was validated first (validate.py): each tensor is tiled exactly by its chunks, so
+    none is written from missing data. Returns the names written.
+    With ``get_state_dict``'s ``{"model": ..., "optim": ...}`` layout the result
     loads into the unwrapped model with ``load_state_dict(strict=True)``."""
     root = Path(checkpoint_dir)
     meta = read_metadata(root)
@@ -59,10 +64,10 @@ def export_safetensors(checkpoint_dir: str | os.PathLike, out_file: str | os.Pat
                                       "data_offsets": [at, at + size]}
         at += size
     out = Path(out_file)
-    tmp = out.with_name(out.name + ".tmp")
+    tmp = temp_name(out)
     reader = BlockReader(root)
     try:
-        with open(tmp, "wb") as f:
+        with create_exclusive(tmp) as f:
             _write_header(f, header)
             for name in chosen:
                 f.write(_assemble(reader, name, meta["tensors"][name]).reshape(-1)

@@ -12,17 +12,15 @@ the blocks it reads. While being written the directory is ``<id>.tmp``.
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
-from typing import Any
 
 import torch
 
-from shardwise.checkpoint.train_state import CheckpointError
+from shardwise.checkpoint.errors import CheckpointError
 
 FORMAT = "shardwise-checkpoint"
-VERSION = 1
+VERSION = 2  # 2: the metadata carries its digest (validate.py)
 METADATA = "metadata.json"
 BLOCK_BYTES = 8 * 1024 * 1024
 TMP_SUFFIX = ".tmp"
@@ -58,32 +56,6 @@ def checkpoint_dir(checkpoint_id: str | os.PathLike | None) -> Path:
     if checkpoint_id is None:
         raise TypeError("checkpoint_id (the checkpoint directory) is required")
     return Path(checkpoint_id)
-
-
-def read_metadata(path: str | os.PathLike) -> dict[str, Any]:
-    """The validated metadata of the complete checkpoint at ``path``; a clear error when the
-    directory is missing or incomplete."""
-    path = Path(path)
-    if not path.is_dir():
-        leftover = tmp_dir(path)
-        if leftover.exists():
-            raise CheckpointError(f"checkpoint {path} is incomplete: a save did not finish "
-                                  f"(only {leftover} exists)")
-        raise CheckpointError(f"no checkpoint at {path} (no such directory)")
-    meta_file = path / METADATA
-    if not meta_file.is_file():
-        raise CheckpointError(f"checkpoint {path} is incomplete or not a sharded checkpoint: "
-                              f"it has no {METADATA}")
-    try:
-        meta = json.loads(meta_file.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise CheckpointError(f"{meta_file} is corrupt: {err}") from None
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        raise CheckpointError(f"{meta_file} is not a {FORMAT} metadata file")
-    if meta.get("version") != VERSION:
-        raise CheckpointError(f"{meta_file} has format version {meta.get('version')}; this "
-                              f"shardwise reads version {VERSION}")
-    return meta
 
 
 def fsync_dir(path: Path) -> None:

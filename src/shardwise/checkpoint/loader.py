@@ -1,10 +1,12 @@
 """``load``: fill a state dict's own tensors in place from a checkpoint of any layout.
 
-Every rank reads the metadata, works out the boxes its destination tensors hold (a plain tensor:
-the whole tensor; a DTensor: its local box; a ShardedTensor: its local shards), and for each
-stored chunk that overlaps one of them reads only the overlapping rows, block by block, checking
-each block's CRC-32 (reader.py). So loading reshards from any saved layout (world size,
-strategy) to any requested one, and each rank holds its own share plus one read buffer.
+Every rank reads the metadata (checked as a whole first, before any data file is opened or any
+buffer allocated: [Note: checkpoint validation] in validate.py), works out the boxes its
+destination tensors hold (a plain tensor: the whole tensor; a DTensor: its local box; a
+ShardedTensor: its local shards), and for each stored chunk that overlaps one of them reads
+only the overlapping rows, block by block, checking each block's CRC-32 (reader.py). So loading
+reshards from any saved layout (world size, strategy) to any requested one, and each rank holds
+its own share plus one read buffer.
 No collective, except one JSON all-gather of the requested keys when ``strict=True``.
 """
 
@@ -16,30 +18,36 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from shardwise.checkpoint import boxes, exchange
+from shardwise.checkpoint import boxes, exchange, stateful
+from shardwise.checkpoint.errors import CheckpointError
 from shardwise.checkpoint.flatten import Leaf, flatten, is_tensor_like
-from shardwise.checkpoint.format import checkpoint_dir, read_metadata
+from shardwise.checkpoint.format import checkpoint_dir
 from shardwise.checkpoint.reader import BlockReader
 from shardwise.checkpoint.saver import wait_previous
-from shardwise.checkpoint.train_state import CheckpointError
+from shardwise.checkpoint.validate import read_metadata
 
 _SHOW = 20  # names listed in an error
 
 
 def load(state_dict: dict[str, Any], *, checkpoint_id: str | Path,
-         process_group: dist.ProcessGroup | None = None, strict: bool = False) -> None:
+         process_group: dist.ProcessGroup | None = None, strict: bool = False,
+         no_dist: bool = False) -> None:
     """Load the checkpoint at ``checkpoint_id`` into ``state_dict`` in place. Every requested
     key must be in the checkpoint with the same global shape (else one error lists every
     missing key and every mismatch with both shapes). ``strict=True`` also rejects checkpoint
-    keys that no rank requested (collective then: every rank calls it)."""
+    keys that no rank requested (collective then: every rank calls it). A top-level
+    ``Stateful`` entry is loaded into its ``state_dict()``, which is then handed to its
+    ``load_state_dict()`` (stateful.py). ``no_dist=True`` (torch's name): no collective even
+    with ``strict``."""
     if not isinstance(state_dict, dict):
         raise TypeError(f"state_dict must be a dict, got {type(state_dict).__name__}")
     wait_previous()
     root = checkpoint_dir(checkpoint_id)
+    process_group = exchange.NO_DIST if no_dist else process_group
     meta = read_metadata(root)
+    given, state_dict = state_dict, stateful.expand(state_dict)
     flat = flatten(state_dict)
     check_request(root, meta, flat, process_group if strict else None, strict)
-    check_files(root, meta, flat)
     reader = BlockReader(root)
     try:
         with torch.no_grad():
@@ -50,6 +58,7 @@ def load(state_dict: dict[str, Any], *, checkpoint_id: str | Path,
                     _set_value(leaf, meta["values"][key])
     finally:
         reader.close()
+    stateful.hand_back(given, state_dict)
 
 
 def check_request(root: Path, meta: dict, flat: dict[str, Leaf], group, strict: bool) -> None:
@@ -89,23 +98,6 @@ def _parts(missing: list, mismatched: list, unexpected: list) -> list[str]:
 def _few(names: list[str]) -> str:
     more = f" and {len(names) - _SHOW} more" if len(names) > _SHOW else ""
     return f"{names[:_SHOW]}{more}"
-
-
-def check_files(root: Path, meta: dict, flat: dict[str, Leaf]) -> None:
-    """Every data file this rank reads exists and has the size the metadata records."""
-    needed: dict[str, str] = {}
-    for key, leaf in flat.items():
-        if is_tensor_like(leaf.value):
-            for rec in meta["tensors"][key]["chunks"]:
-                needed.setdefault(rec["file"], key)
-    for name, key in needed.items():
-        path = root / name
-        want = meta["files"].get(name)
-        have = path.stat().st_size if path.is_file() else None
-        if have != want:
-            state = "missing" if have is None else f"{have} bytes, expected {want}"
-            raise CheckpointError(f"checkpoint file {path} (holding tensor {key}, among others) "
-                                  f"is truncated or damaged: {state}")
 
 
 def _load_tensor(reader: BlockReader, key: str, entry: dict, value: Any) -> None:

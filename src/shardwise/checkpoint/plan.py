@@ -18,9 +18,9 @@ from typing import Any
 import torch.distributed as dist
 
 from shardwise.checkpoint import boxes, exchange
+from shardwise.checkpoint.errors import CheckpointError
 from shardwise.checkpoint.flatten import Leaf, is_tensor_like
 from shardwise.checkpoint.format import dtype_name
-from shardwise.checkpoint.train_state import CheckpointError
 
 
 @dataclass
@@ -37,6 +37,7 @@ class SavePlan:
     items: list[WriteItem]  # the chunks this rank writes
     tensors: dict[str, dict[str, Any]]  # name -> {"shape", "dtype"} over all ranks
     values: dict[str, Any]  # non-tensor values (the lowest rank's)
+    paths: dict[str, list]  # every key's path in the nested state dict (flatten.step)
 
 
 def make_plan(flat: dict[str, Leaf], group: dist.ProcessGroup | None,
@@ -46,7 +47,7 @@ def make_plan(flat: dict[str, Leaf], group: dist.ProcessGroup | None,
     rank, world = exchange.rank_and_world(group)
     chunks: dict[str, list[boxes.LocalChunk]] = {}
     mine: dict[str, Any] = {"tensors": {}, "values": {}, "token": uuid.uuid4().hex,
-                            "error": error}
+                            "error": error, "paths": {k: list(v.path) for k, v in flat.items()}}
     try:
         _describe(flat, chunks, mine)
     except (TypeError, ValueError) as err:
@@ -58,11 +59,14 @@ def make_plan(flat: dict[str, Leaf], group: dist.ProcessGroup | None,
             f"rank {r}: {e}" for r, e in failed))
     tensors, writers = _assign(everyone)
     values: dict[str, Any] = {}
+    paths: dict[str, list] = {}
     for plan in reversed(everyone):  # the lowest rank's value wins
         values.update(plan["values"])
+        paths.update(plan["paths"])
     items = [WriteItem(key, c) for key, cs in chunks.items() for c in cs
              if writers[key][_box_key(c.box)] == rank]
-    return SavePlan(rank, world, everyone[0]["token"], items, tensors, values)
+    paths = {k: paths[k] for k in sorted({*tensors, *values})}
+    return SavePlan(rank, world, everyone[0]["token"], items, tensors, values, paths)
 
 
 def _describe(flat: dict[str, Leaf], chunks: dict, mine: dict) -> None:

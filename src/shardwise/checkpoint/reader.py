@@ -8,6 +8,8 @@ read, and no more than one block is held beyond the destination tensors.
 
 from __future__ import annotations
 
+import os
+import stat
 import zlib
 from pathlib import Path
 from typing import Any
@@ -15,8 +17,23 @@ from typing import Any
 import torch
 
 from shardwise.checkpoint import boxes
+from shardwise.checkpoint.errors import CheckpointError
 from shardwise.checkpoint.format import dtype_from
-from shardwise.checkpoint.train_state import CheckpointError
+
+
+def open_data_file(path: Path):
+    """A data file opened for reading without following a link (the validator refused links;
+    this closes the window between its check and the open)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
+    except OSError as err:
+        raise CheckpointError(f"cannot open checkpoint file {path} (a symbolic link is "
+                              f"refused): {err}") from None
+    f = os.fdopen(fd, "rb")
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        f.close()
+        raise CheckpointError(f"checkpoint file {path} is not a regular file")
+    return f
 
 
 class BlockReader:
@@ -34,7 +51,7 @@ class BlockReader:
 
     def _file(self, name: str):
         if name not in self.files:
-            self.files[name] = open(self.root / name, "rb")  # noqa: SIM115 - closed in close()
+            self.files[name] = open_data_file(self.root / name)
         return self.files[name]
 
     def _buf(self, nbytes: int) -> torch.Tensor:

@@ -21,12 +21,13 @@ from typing import Any
 import torch.distributed as dist
 
 from shardwise.checkpoint import commit as commit_mod
-from shardwise.checkpoint import exchange
+from shardwise.checkpoint import exchange, stateful
 from shardwise.checkpoint.boxes import LocalChunk
+from shardwise.checkpoint.errors import CheckpointError
 from shardwise.checkpoint.flatten import flatten
-from shardwise.checkpoint.format import checkpoint_dir, rank_file, read_metadata, tmp_dir
+from shardwise.checkpoint.format import checkpoint_dir, rank_file, tmp_dir
 from shardwise.checkpoint.plan import SavePlan, WriteItem, make_plan
-from shardwise.checkpoint.train_state import CheckpointError
+from shardwise.checkpoint.validate import read_metadata
 from shardwise.checkpoint.writer import write_file
 
 ASYNC_COMMIT_TIMEOUT_S = 1800.0
@@ -35,10 +36,14 @@ _pending: list[Future] = []  # the previous async save of this process, if any
 
 
 def save(state_dict: dict[str, Any], *, checkpoint_id: str | Path,
-         process_group: dist.ProcessGroup | None = None) -> dict[str, Any]:
-    """Save ``state_dict`` (tensors, DTensors, ShardedTensors, JSON values, nested) into the
-    directory ``checkpoint_id``; returns the metadata. Collective: every rank calls it."""
+         process_group: dist.ProcessGroup | None = None, no_dist: bool = False
+         ) -> dict[str, Any]:
+    """Save ``state_dict`` (tensors, DTensors, ShardedTensors, JSON values, nested; a
+    top-level ``Stateful`` entry as its ``state_dict()``, see stateful.py) into the directory
+    ``checkpoint_id``; returns the metadata. Collective: every rank calls it (with
+    ``no_dist=True``, as in torch, this process saves alone: no collective)."""
     wait_previous()
+    process_group = exchange.NO_DIST if no_dist else process_group
     final, tmp, plan = _prepare(state_dict, checkpoint_id, process_group)
     error = _try(lambda: _write(tmp, plan))
     _raise_any(exchange.all_gather_json(error, process_group), "writing")
@@ -50,12 +55,14 @@ def save(state_dict: dict[str, Any], *, checkpoint_id: str | Path,
 
 
 def async_save(state_dict: dict[str, Any], *, checkpoint_id: str | Path,
-               process_group: dist.ProcessGroup | None = None) -> Future:
+               process_group: dist.ProcessGroup | None = None, no_dist: bool = False
+               ) -> Future:
     """Like ``save``, returning a ``concurrent.futures.Future`` done once the checkpoint is
     committed. This rank's share is copied to CPU memory before returning, so training may
     change the tensors right away. A save first waits for the previous one; if that failed, its
-    error is raised here (or by its ``future.result()``)."""
+    error is raised here (or by its ``future.result()``). ``no_dist`` as for ``save``."""
     wait_previous()
+    process_group = exchange.NO_DIST if no_dist else process_group
     final, tmp, plan = _prepare(state_dict, checkpoint_id, process_group)
     plan.items = [WriteItem(i.name, LocalChunk(i.chunk.offsets, _staged(i.chunk.tensor)))
                   for i in plan.items]
@@ -100,6 +107,7 @@ def _prepare(state_dict: dict[str, Any], checkpoint_id: Any, group
              ) -> tuple[Path, Path, SavePlan]:
     if not isinstance(state_dict, dict):
         raise TypeError(f"state_dict must be a dict, got {type(state_dict).__name__}")
+    state_dict = stateful.expand(state_dict)
     final = checkpoint_dir(checkpoint_id)
     tmp = tmp_dir(final)
     rank, _ = exchange.rank_and_world(group)
@@ -111,6 +119,10 @@ def _prepare(state_dict: dict[str, Any], checkpoint_id: Any, group
 
 
 def _fresh_dir(tmp: Path) -> None:
+    """Empty ``<id>.tmp`` (a leftover of a failed save) and make it anew; a link planted there
+    is refused, never followed or emptied."""
+    if tmp.is_symlink():
+        raise CheckpointError(f"{tmp} is a symbolic link; refusing to save through it")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
 

@@ -21,6 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from shardwise.checkpoint.atomic import atomic_write_text
+from shardwise.checkpoint.errors import CheckpointError
+from shardwise.checkpoint.validate import read_metadata
 
 LATEST = "latest"
 TRAIN_KEY = "train"  # the values entry holding the run's record
@@ -28,10 +30,6 @@ METADATA = "metadata.json"
 _STEP_DIR = re.compile(r"step_\d+")
 # the record's required fields and their types
 _META_FIELDS = {"model": dict, "strategy": str, "world_size": int, "step": int}
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint is missing, incomplete, damaged, or does not fit this run."""
 
 
 def step_dir(directory: str | Path, step: int) -> Path:
@@ -69,10 +67,10 @@ def latest_checkpoint(directory: str | Path) -> Path:
 def read_meta(path: str | Path) -> dict[str, Any]:
     """The run's record in the checkpoint at ``path``; damage is an error naming the file."""
     file = Path(path) / METADATA
+    outer = read_metadata(path)  # the whole metadata checked (validate.py)
     try:
-        outer = json.loads(file.read_text())
         meta = json.loads(outer["values"][TRAIN_KEY])
-    except (OSError, UnicodeDecodeError, ValueError) as exc:
+    except ValueError as exc:
         raise CheckpointError(f"checkpoint metadata {file} is damaged or unreadable: {exc}") \
             from None
     except (KeyError, TypeError):

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from shardwise.checkpoint import boxes
+from shardwise.checkpoint.atomic import create_exclusive
 from shardwise.checkpoint.format import BLOCK_BYTES
 from shardwise.checkpoint.plan import WriteItem
 
@@ -30,7 +31,7 @@ def write_file(path: Path, items: list[WriteItem], fault: Any = None) -> list[di
     """Write ``items`` to ``path``, fsync it, and return one record per chunk. ``fault``: a
     test hook called as ``fault("chunk", index)`` after each chunk."""
     records = []
-    with open(path, "wb") as f:
+    with create_exclusive(path) as f:
         for i, item in enumerate(items):
             records.append(_write_chunk(f, item, path.name))
             if fault is not None:

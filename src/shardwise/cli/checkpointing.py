@@ -90,7 +90,11 @@ class Checkpointer:
         """Load the latest complete checkpoint into this run's model and optimizer, whatever
         the strategy and world size that saved it; (step, its record, path)."""
         path = latest_checkpoint(self.directory)
-        meta = read_meta(path)
+        try:
+            meta = read_meta(path)  # the whole metadata validated first (checkpoint/validate.py)
+        except CheckpointError as exc:
+            raise CheckpointError(f"checkpoint {path} cannot be loaded by this run: {exc}") \
+                from None
         state = self._state(meta["step"])
         try:
             load(state, checkpoint_id=path, process_group=self.group, strict=True)
