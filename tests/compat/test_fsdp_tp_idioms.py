@@ -160,6 +160,11 @@ def _build_2d(impl: str, mesh_impl: str):
     torch.manual_seed(0)
     model = Net()
     _parallelize(model, mesh["tp"])
+    if impl == "wrapper":  # FSDP1's API, ours
+        from shardwise.fsdp import FullyShardedDataParallel, ModuleWrapPolicy
+
+        return FullyShardedDataParallel(model, device_mesh=mesh["dp"],
+                                        auto_wrap_policy=ModuleWrapPolicy({Block})), mesh
     fully_shard = _fully_shard(impl)
     for layer in model.layers:
         fully_shard(layer, mesh=mesh["dp"])
@@ -167,19 +172,51 @@ def _build_2d(impl: str, mesh_impl: str):
     return model, mesh
 
 
-def _two_d_program(ctx, impl, mesh_impl, ckpt):
+def _save(impl: str, api: str, model, opt, path: str) -> None:
+    if api == "ours":
+        from shardwise.checkpoint import get_state_dict, save
+
+        msd, osd = get_state_dict(model, opt)
+        save({"model": msd, "optim": osd}, checkpoint_id=path)
+        return
+    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
+    dcp.save(state, checkpoint_id=path)
+
+
+def _load(api: str, model, opt, path: str) -> None:
+    if api == "ours":
+        from shardwise.checkpoint import get_state_dict, load, set_state_dict
+
+        msd, osd = get_state_dict(model, opt)
+        state = {"model": msd, "optim": osd}
+        load(state, checkpoint_id=path)
+        set_state_dict(model, opt, model_state_dict=state["model"],
+                       optim_state_dict=state["optim"])
+        return
+    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
+    dcp.load(state, checkpoint_id=path)
+    set_model_state_dict(model, state["model"])
+    set_optimizer_state_dict(model, opt, state["optim"])
+
+
+def _curve_program(ctx, impl):
+    model, mesh = _build_2d(impl, "torch")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    return _steps(model, opt, mesh["dp"].get_local_rank(), 2, 5, 0, parallel=True)
+
+
+def _two_d_program(ctx, impl, mesh_impl, ckpt, api):
     model, mesh = _build_2d(impl, mesh_impl)
     layouts = {n: (tuple(p.device_mesh.mesh_dim_names), tuple(p.placements))
                for n, p in model.named_parameters()}
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     dp_rank = mesh["dp"].get_local_rank()
     curve = _steps(model, opt, dp_rank, 2, 5, 0, parallel=True, ours_norm=impl == "ours")
-    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
-    dcp.save(state, checkpoint_id=f"{ckpt}/{impl}")
+    _save(impl, api, model, opt, f"{ckpt}/{impl}")
     return layouts, curve, _full(model)
 
 
-def _resume_program(ctx, impl, ckpt):
+def _resume_program(ctx, impl, ckpt, api):
     """World size 2, FSDP only (no TP): load the 2D checkpoint and train on."""
     torch.manual_seed(1)  # other initial values: the checkpoint must replace them all
     model = Net()
@@ -188,10 +225,7 @@ def _resume_program(ctx, impl, ckpt):
         fully_shard(layer)
     fully_shard(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
-    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
-    dcp.load(state, checkpoint_id=f"{ckpt}/{impl}")
-    set_model_state_dict(model, state["model"])
-    set_optimizer_state_dict(model, opt, state["optim"])
+    _load(api, model, opt, f"{ckpt}/{impl}")
     loaded = _full(model)
     curve = _steps(model, opt, ctx.rank, 2, 2, 5, parallel=False, ours_norm=impl == "ours")
     return loaded, curve, _full(model)
@@ -221,11 +255,12 @@ def _assert_curves(ours, theirs, what, rtol=RTOL):
         assert abs(norm - t_norm) <= rtol * t_norm, (what, step, norm, t_norm)
 
 
-@pytest.mark.parametrize("mesh_impl", ["torch", "ours"])
-def test_fsdp_over_torch_tp_trains_saves_and_resumes_like_torch(tmp_path, mesh_impl):
+# (whose init_device_mesh, whose checkpoint API for shardwise's run); torch's run uses torch's
+@pytest.mark.parametrize(("mesh_impl", "api"), [("torch", "torch"), ("ours", "ours")])
+def test_fsdp_over_torch_tp_trains_saves_and_resumes_like_torch(tmp_path, mesh_impl, api):
     ckpt = str(tmp_path)
-    ours = run_on_ranks(4, _two_d_program, "ours", mesh_impl, ckpt)
-    theirs = run_on_ranks(4, _two_d_program, "torch", mesh_impl, ckpt)
+    ours = run_on_ranks(4, _two_d_program, "ours", mesh_impl, ckpt, api)
+    theirs = run_on_ranks(4, _two_d_program, "torch", mesh_impl, ckpt, "torch")
     for rank in range(4):
         layouts, curve, full = ours[rank]
         t_layouts, t_curve, t_full = theirs[rank]
@@ -239,8 +274,8 @@ def test_fsdp_over_torch_tp_trains_saves_and_resumes_like_torch(tmp_path, mesh_i
     assert any(type(p).__name__ == "_StridedShard" for p in placements)
     assert ours[0][0]["out.weight"][0] == ("dp", "tp")
     saved = ours[0][2]
-    ours = run_on_ranks(2, _resume_program, "ours", ckpt)
-    theirs = run_on_ranks(2, _resume_program, "torch", ckpt)
+    ours = run_on_ranks(2, _resume_program, "ours", ckpt, api)
+    theirs = run_on_ranks(2, _resume_program, "torch", ckpt, "torch")
     for rank in range(2):
         loaded, curve, full = ours[rank]
         t_loaded, t_curve, t_full = theirs[rank]
@@ -249,3 +284,10 @@ def test_fsdp_over_torch_tp_trains_saves_and_resumes_like_torch(tmp_path, mesh_i
         _assert_curves(curve, t_curve, f"resumed rank {rank}")
         for key, value in t_full.items():
             assert_rel_close(full[key], value, RTOL, f"resumed rank {rank}: {key}")
+
+
+def test_fsdp1_wrapper_over_torch_tp_trains_like_torch_fsdp2():
+    ours = run_on_ranks(4, _curve_program, "wrapper")
+    theirs = run_on_ranks(4, _curve_program, "torch")
+    for rank in range(4):
+        _assert_curves(ours[rank], theirs[rank], f"wrapper rank {rank}")
