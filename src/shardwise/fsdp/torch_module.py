@@ -63,6 +63,10 @@ def _refusal(name: str, why: str):
 class TorchFSDPModuleBase(_TorchFSDPModule):
     """torch's ``FSDPModule`` with each method that ours does not implement refused."""
 
+    def _apply(self, *args: Any, **kwargs: Any) -> Any:
+        # ours (module.py) calls super()._apply: skip torch's, which reads torch's FSDP state
+        return super(_TorchFSDPModule, self)._apply(*args, **kwargs)
+
     def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool, *,
                                          recurse: bool = True) -> None:
         """True is what shardwise's units always do (a parameter without a gradient takes
