@@ -21,7 +21,9 @@ rows sit in them is [Note: FSDP layout], layout.py):
   tensors). While unsharded, each module attribute is its parameter's leaf (detached if the
   parameter does not require grad, so that none is computed for it). They are made once and
   live as long as the handle (or until the module is moved, see ``adopt_applied_params``);
-  only the storage under them comes and goes.
+  only the storage under them comes and goes. A parameter of torch's tensor parallelism keeps
+  its TP-local tensor here, and its leaf is the TP DTensor wrapping that view (see [Note: FSDP x
+  TP], tp_params.py).
 - ``grad_buffer`` (1D, ``world * shard_numel`` elements, the compute dtype): the unit's flat
   gradient in rank-major order, which the reduce-scatter works on directly. It is allocated
   when the unit's first gradient of a backward arrives; each leaf's post-accumulate-grad hook
