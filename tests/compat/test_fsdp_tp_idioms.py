@@ -291,3 +291,31 @@ def test_fsdp1_wrapper_over_torch_tp_trains_like_torch_fsdp2():
     theirs = run_on_ranks(4, _curve_program, "torch")
     for rank in range(4):
         _assert_curves(ours[rank], theirs[rank], f"wrapper rank {rank}")
+
+
+def _meta_program(ctx, impl):
+    """Build on ``meta``, parallelize, ``fully_shard``, ``to_empty``, ``reset_parameters``."""
+    mesh = _mesh("torch", 2, 2)
+    with torch.device("meta"):
+        model = Net()
+    _parallelize(model, mesh["tp"])
+    fully_shard = _fully_shard(impl)
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+    model.to_empty(device="cpu")
+    torch.manual_seed(5)
+    for module in model.modules():
+        if hasattr(module, "reset_parameters"):
+            module.reset_parameters()
+    init = _full(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    return init, _steps(model, opt, mesh["dp"].get_local_rank(), 2, 3, 0, parallel=True)
+
+
+def test_meta_device_init_over_torch_tp_matches_torch():
+    (init, curve), (t_init, t_curve) = (run_on_ranks(4, _meta_program, impl)[0]
+                                        for impl in ("ours", "torch"))
+    for key, value in t_init.items():  # same local shapes, same RNG: the same values
+        assert_rel_close(init[key], value, 0.0, f"init {key}")
+    _assert_curves(curve, t_curve, "meta init")
