@@ -172,7 +172,7 @@ def _build_2d(impl: str, mesh_impl: str):
     return model, mesh
 
 
-def _save(impl: str, api: str, model, opt, path: str) -> None:
+def _save(api: str, model, opt, path: str) -> None:
     if api == "ours":
         from shardwise.checkpoint import get_state_dict, save
 
@@ -212,7 +212,7 @@ def _two_d_program(ctx, impl, mesh_impl, ckpt, api):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     dp_rank = mesh["dp"].get_local_rank()
     curve = _steps(model, opt, dp_rank, 2, 5, 0, parallel=True, ours_norm=impl == "ours")
-    _save(impl, api, model, opt, f"{ckpt}/{impl}")
+    _save(api, model, opt, f"{ckpt}/{impl}")
     return layouts, curve, _full(model)
 
 
