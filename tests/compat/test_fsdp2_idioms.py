@@ -231,3 +231,49 @@ def test_dcp_state_dicts_round_trip_like_torch(world_size):
     assert abs(a - ta) <= RTOL * abs(ta)
     for key, value in theirs[2].items():
         assert_rel_close(ours[2][key], value, RTOL, key)
+
+
+def _torch_isinstance_program(ctx):
+    """What third-party code does with an FSDP2 module: ``isinstance`` against torch's class,
+    then torch's methods."""
+    from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
+
+    from shardwise import fully_shard
+
+    model = _shard(_loaded(), fully_shard)
+    seq = fully_shard(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)))
+    held = [isinstance(m, TorchFSDPModule) for m in (model, model.layers[0], seq)]
+    # a container building a new instance of its own class gets the original class
+    sliced = type(seq[0:1]).__name__
+    # every method of torch's class is ours or refused: none runs torch's code on our module
+    torch_code = sorted(n for n, f in vars(TorchFSDPModule).items()
+                        if callable(f) and not n.startswith("__")
+                        and getattr(type(model), n) is f)
+    model.unshard()  # torch's method names, our implementations
+    model.reshard()
+    model.set_requires_gradient_sync(True)
+    model.set_reduce_scatter_unused_params(True)  # what our units always do
+    errors = {}
+    for name, args in (("set_gradient_divide_factor", (2.0,)), ("_get_fsdp_state", ()),
+                       ("set_custom_all_gather", (None,)),
+                       ("set_reduce_scatter_unused_params", (False,))):
+        try:
+            getattr(model, name)(*args)
+        except NotImplementedError as e:
+            errors[name] = str(e)
+    x, y, _, _ = _batch(0, ctx.rank, ctx.world_size)
+    loss = _loss(model, x, y).item()  # still trains after all that
+    return held, sliced, torch_code, errors, loss
+
+
+def test_our_fsdp_modules_are_torch_fsdp_modules_and_refuse_torch_only_methods():
+    held, sliced, torch_code, errors, loss = run_on_ranks(2, _torch_isinstance_program)[0]
+    assert held == [True, True, True]
+    assert sliced == "Sequential"
+    assert torch_code == [], torch_code
+    assert set(errors) == {"set_gradient_divide_factor", "_get_fsdp_state",
+                           "set_custom_all_gather", "set_reduce_scatter_unused_params"}
+    assert "FSDPModule.set_gradient_divide_factor" in errors["set_gradient_divide_factor"]
+    assert "average gradients" in errors["set_gradient_divide_factor"]
+    assert "pipelining" in errors["_get_fsdp_state"]
+    assert loss == loss  # a number: the module still runs

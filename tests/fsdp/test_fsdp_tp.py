@@ -223,3 +223,40 @@ def test_hybrid_sharding_of_tp_shards_is_refused_by_name():
     assert "attn.qkv.weight (and 4 more) are tensor-parallel shards" in message
     assert "hybrid sharding (a 2D FSDP mesh) with tensor parallelism (3D) is not supported" in \
         message
+
+
+def _unshardable_body(ctx, case: str):
+    """TP layouts that FSDP cannot shard further are refused before anything is sharded."""
+    from torch import nn
+    from torch.distributed.tensor import distribute_tensor
+
+    from shardwise.sharded_tensor import ChunkShardingSpec, shard_parameter
+
+    mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "tp"))
+    lin = nn.Linear(4, 4)
+    before = lin.weight.detach().clone()
+    if case == "out_of_order":  # chunk 0 on rank 1: no DTensor Shard(0) lays it out so
+        spec = ChunkShardingSpec(0, ["rank:1/cpu", "rank:0/cpu"])
+        shard_parameter(lin, "weight", spec, process_group=mesh["tp"].get_group())
+    else:  # a DTensor on the whole 2D mesh: not a 1D TP parameter
+        lin.weight = nn.Parameter(distribute_tensor(lin.weight.detach(), mesh,
+                                                    [Replicate(), Shard(0)]))
+    try:
+        fully_shard(lin, mesh=mesh["dp"])
+    except ValueError as err:
+        unchanged = not hasattr(lin, "_shardwise_fsdp_unit")
+        return str(err), unchanged, before.shape
+    return None
+
+
+@pytest.mark.parametrize(("case", "message"), [
+    ("out_of_order", "fully_shard: weight is sharded as ChunkShardingSpec"),
+    ("two_d", "fully_shard: weight is a DTensor on a 2D mesh (1, 2); FSDP shards parameters "
+              "of 1D tensor parallelism"),
+])
+def test_tp_layouts_fsdp_cannot_shard_further_are_named(case, message):
+    result = run_on_ranks(2, _unshardable_body, case)[0]
+    assert result is not None, "fully_shard accepted it"
+    text, unchanged, _ = result
+    assert message in text, text
+    assert unchanged

@@ -6,7 +6,7 @@ Checkpoints: each rank writes its own parameter and AdamW shards (cli/checkpoint
 - ``fsdp``: FULL_SHARD over the world; with ``--tp T``, FSDP x TP on a ``(world / T, T)``
   = (dp, tp) mesh: the demo GPT is made tensor-parallel over ``mesh["tp"]`` by
   `--strategy tp`'s plan, then sharded over ``mesh["dp"]`` (see [Note: FSDP x TP],
-  fsdp/tp_compose.py); the ranks of one tp group train on the same slice of the batch.
+  fsdp/tp_params.py); the ranks of one tp group train on the same slice of the batch.
 - ``hsdp``: HYBRID_SHARD on a ``(replicas, world / replicas)`` = (replicate, shard) mesh;
   ``--replicas`` defaults to the number of nodes (shard within a node, replicate across).
 """

@@ -21,7 +21,9 @@ rows sit in them is [Note: FSDP layout], layout.py):
   tensors). While unsharded, each module attribute is its parameter's leaf (detached if the
   parameter does not require grad, so that none is computed for it). They are made once and
   live as long as the handle (or until the module is moved, see ``adopt_applied_params``);
-  only the storage under them comes and goes.
+  only the storage under them comes and goes. A parameter of torch's tensor parallelism keeps
+  its TP-local tensor here, and its leaf is the TP DTensor wrapping that view (see [Note: FSDP x
+  TP], tp_params.py).
 - ``grad_buffer`` (1D, ``world * shard_numel`` elements, the compute dtype): the unit's flat
   gradient in rank-major order, which the reduce-scatter works on directly. It is allocated
   when the unit's first gradient of a backward arrives; each leaf's post-accumulate-grad hook
@@ -45,6 +47,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
 from shardwise.distributed.data_parallel import global_ranks
 from shardwise.distributed.fast_collectives import Pending, uses_fast_path
@@ -61,6 +64,7 @@ from shardwise.fsdp.dtensor import (
 )
 from shardwise.fsdp.grad_exchange import DirectGrads
 from shardwise.fsdp.layout import ParamLayout, UnitLayout, copy_into_chunks, plan_layout
+from shardwise.fsdp.tp_params import TPLayout, local_grad
 
 
 class ShardState(Enum):
@@ -118,7 +122,8 @@ class FlatParamHandle:
     def __init__(self, params: list[tuple[nn.Parameter, list[tuple[nn.Module, str, str]]]],
                  group: dist.ProcessGroup, mesh: DeviceMesh, param_dtype: torch.dtype,
                  reduce_dtype: torch.dtype, compute_device: torch.device, offload: bool,
-                 direct_min_numel: float, replicate_group: dist.ProcessGroup | None = None):
+                 direct_min_numel: float, replicate_group: dist.ProcessGroup | None = None,
+                 tp: list[TPLayout | None] | None = None):
         # `group` shards; `replicate_group` (hybrid sharding only) holds the other replicas of
         # this rank's shard, across which reduced gradients are averaged
         self.group, self.mesh, self.replicate_group = group, mesh, replicate_group
@@ -128,8 +133,11 @@ class FlatParamHandle:
         self.offload = offload  # shards (and their gradients) stay in CPU memory
         self.compute_device = compute_device
         self.shard_device = torch.device("cpu") if offload else compute_device
-        self.layout: UnitLayout = plan_layout([p.shape for p, _ in params], self.world,
-                                              direct_min_numel)
+        # each parameter's tensor-parallel layout, or None (see [Note: FSDP x TP]); the flat
+        # buffers hold the local tensors of TP parameters
+        self.tp = list(tp) if tp is not None else [None] * len(params)
+        self.layout: UnitLayout = plan_layout([local_tensor(p).shape for p, _ in params],
+                                              self.world, direct_min_numel)
         # weak references to the replaced parameters, to detect one shared with another unit
         self.orig_params = [(weakref.ref(p), holders[0][2]) for p, holders in params]
         self.shard = self._make_shard([p for p, _ in params])  # 1D, shard_numel
@@ -155,7 +163,8 @@ class FlatParamHandle:
             for p, layout in zip(params, self.layout.params):
                 rows = layout.local_rows(self.rank)
                 start = layout.row_start(self.rank)
-                self._local_view(shard, layout).copy_(p.detach()[start : start + rows])
+                whole = local_tensor(p.detach())  # a TP parameter: its local tensor
+                self._local_view(shard, layout).copy_(whole[start : start + rows])
         return shard
 
     def _local_view(self, shard: torch.Tensor, layout: ParamLayout) -> torch.Tensor:
@@ -177,9 +186,11 @@ class FlatParamHandle:
                                      device=self.compute_device)
         storage = self.full_data.untyped_storage()
         self.leaves = []  # one per slot, its shape: views of full_data's storage
-        for slot in self.slots:
+        for slot, tp in zip(self.slots, self.tp):
             leaf = torch.empty(0, dtype=self.param_dtype, device=self.compute_device)
             leaf.set_(storage, slot.offset, slot.shape)
+            if tp is not None and tp.as_dtensor:  # torch's TP reads its DTensor again
+                leaf = DTensor(leaf, tp.spec(self.param_dtype), requires_grad=True)
             self.leaves.append(leaf.requires_grad_())
         self._free_full()
 
@@ -291,7 +302,7 @@ class FlatParamHandle:
         one). Which gradients are still to come is the unit's count ([Note: FSDP unit
         states])."""
         leaf, slot = self.leaves[index], self.slots[index]
-        grad, leaf.grad = leaf.grad, None
+        grad, leaf.grad = local_grad(leaf.grad, self.tp[index]), None
         if self.direct is None and self.grad_buffer is None and self._direct_allowed(sync, grad):
             self.direct = DirectGrads(self.layout, self.rank, self.global_ranks, self.group,
                                       self.reduce_dtype, self.compute_device)

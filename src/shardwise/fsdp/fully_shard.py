@@ -19,8 +19,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from shardwise.distributed.agree import check_same_model
-from shardwise.fsdp import checks, tp_compose
-from shardwise.fsdp.dtensor import mesh_for_group
+from shardwise.fsdp import checks, tp_params
+from shardwise.fsdp.dtensor import local_tensor, mesh_for_group
 from shardwise.fsdp.flat_param import FlatParamHandle
 from shardwise.fsdp.layout import check_shardable
 from shardwise.fsdp.mixed_precision import (
@@ -86,9 +86,12 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh | None = None,
     check_same_model(module, group, what="fully_shard")  # before any collective relies on it
     children = list(_child_units(module))
     params = [(p, h) for p, h in _unit_params(module, children) if p not in ignored]
+    tp = tp_params.tp_layouts(params)  # parameters that tensor parallelism laid out
     _check_placements(params, shard_placement_fn)
-    handle = _make_handle(module, params, (group, replicate), mesh, mp, offloads_params(offload))
-    tp_compose.compose(handle, params, replicate)  # TP-sharded parameters: 2D DTensors
+    handle = _make_handle(module, params, (group, replicate), mesh, mp, offloads_params(offload),
+                          tp)
+    names = [holders[0][2] for _, holders in params]
+    tp_params.present_2d(handle, tp, names, mesh, replicate)  # see [Note: FSDP x TP]
     _cast_buffers(module, mp)
     unit = FSDPUnit(module, handle, group, reshard, mp, children)
     unit.forward_prefetch = forward_prefetch
@@ -134,7 +137,7 @@ def _one_of(name: str, value: Any, old_name: str, old_value: Any) -> Any:
 
 def _check_placements(params, placement_fn) -> None:
     for p, holders in params:
-        check_shardable(holders[0][2], p.shape)
+        check_shardable(holders[0][2], local_tensor(p).shape)
         if placement_fn is None:
             continue
         placement = placement_fn(p)
@@ -179,7 +182,7 @@ def _unit_params(module: nn.Module, children: list[FSDPUnit]):
 
 
 def _make_handle(module: nn.Module, params, groups: tuple, mesh: DeviceMesh,
-                 mp: Any, offload: bool) -> FlatParamHandle | None:
+                 mp: Any, offload: bool, tp: list) -> FlatParamHandle | None:
     if not params:
         return None
     group, replicate = groups
@@ -192,7 +195,7 @@ def _make_handle(module: nn.Module, params, groups: tuple, mesh: DeviceMesh,
     param_dtype, reduce_dtype = resolve_dtypes(mp, dtype)
     direct = GLOO_DIRECT_MIN_NUMEL if backend == "gloo" else math.inf
     return FlatParamHandle(params, group, mesh, param_dtype, reduce_dtype, device, offload,
-                           direct, replicate)
+                           direct, replicate, tp)
 
 
 def _cast_buffers(module: nn.Module, mp: Any) -> None:

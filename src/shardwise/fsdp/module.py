@@ -17,6 +17,7 @@ from typing import Any, NoReturn
 from torch import nn
 
 from shardwise.fsdp.sync import set_requires_gradient_sync
+from shardwise.fsdp.torch_module import TorchFSDPModuleBase
 from shardwise.fsdp.unit import FSDPUnit, get_unit, units_of
 
 
@@ -31,10 +32,13 @@ class UnshardHandle:
         self._unit.finish_manual_unshard()
 
 
-class FSDPModule:
-    """Mixin placed before the module's own class by ``fully_shard``."""
+class FSDPModule(TorchFSDPModuleBase):
+    """Mixin placed before the module's own class by ``fully_shard``; a subclass of torch's
+    ``FSDPModule``, so ``isinstance(m, torch.distributed.fsdp.FSDPModule)`` holds (see
+    torch_module.py for torch's methods that ours does not implement)."""
 
-    _orig_cls_mro_index = 2  # [FSDP<Orig>, FSDPModule, Orig, ...]
+    # [FSDP<Orig>, FSDPModule, TorchFSDPModuleBase, torch's FSDPModule, Orig, ...]
+    _orig_cls_mro_index = 4
 
     def __new__(cls, *args: Any, **kwargs: Any):
         # a container that builds a new instance of its own class (e.g. slicing a ModuleList)

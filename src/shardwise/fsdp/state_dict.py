@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from shardwise.fsdp import tp_compose
+from shardwise.fsdp import tp_params
 from shardwise.fsdp.dtensor import local_tensor, sharded_dtensor
 from shardwise.fsdp.unit import FSDPUnit, units_of
 
@@ -89,7 +89,7 @@ def full_params(model: nn.Module) -> dict[str, torch.Tensor]:
         if unit.handle is None:
             continue
         for slot, value in zip(unit.handle.slots, unit.handle.gather_full_params()):
-            value = tp_compose.whole(slot.shard_param, value)  # FSDP x TP: across tp too
+            value = tp_params.whole(slot.shard_param, value)  # FSDP x TP: across tp too
             for fqn in slot.fqns:
                 out[prefix + fqn] = value
     return out

@@ -11,7 +11,7 @@
   (``_ParamShards``). So ``model.parameters()`` yields local shards, gradients are accumulated
   into them, and any optimizer steps them in place: no wrapper optimizer and no copies. A
   mechanism that replaces the slot's tensor (FSDP over a data axis puts its gathered copy there
-  for forward and backward, its further-sharded DTensor between steps; see fsdp/tp_compose.py)
+  for forward and backward, its further-sharded DTensor between steps; see fsdp/tp_params.py)
   is followed without being told.
 - ``state_dict()`` gives a ShardedTensor (this rank's shard, detached, with the global metadata)
   under the parameter's key; ``load_state_dict`` takes a ShardedTensor with the same layout (its

@@ -1,0 +1,82 @@
+"""Our ``FSDPModule`` as a subclass of torch's ``torch.distributed.fsdp.FSDPModule``.
+
+Third-party code (trainers, torchtitan's utilities, accelerate-style wrappers) tests
+``isinstance(m, torch.distributed.fsdp.FSDPModule)`` before calling FSDP2 methods. torch's class
+is a plain class (no ``register``), so ours derives from it. Methods defined by ours (module.py)
+come first in the MRO; every other public method of torch's class would run torch's
+implementation on a module that has none of its state, so ``TorchFSDPModuleBase`` overrides each
+of them with an error that names the call, why it cannot work here, and what to use instead
+(or accepts it where it asks for what our units already do).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NoReturn
+
+from torch.distributed.fsdp import FSDPModule as _TorchFSDPModule
+
+_AVERAGED = ("shardwise's units always average gradients over their group; scale the loss "
+             "instead")
+_STREAMS = ("it tunes the CUDA streams or communication memory of torch's implementation, "
+            "which shardwise's units do not use; leave it out")
+_HOOK = ("shardwise's units run their own collectives; FullyShardedDataParallel's "
+         "register_comm_hook replaces the gradient reduction")
+
+# torch FSDPModule method -> (why it cannot work on our modules, and what instead)
+_REFUSED = {
+    "reset_iter_state": "shardwise's units keep no per-iteration state that torch's "
+                        "recovery resets; after an aborted step call reshard() on the root",
+    "set_requires_all_reduce": "hybrid sharding's all-reduce follows "
+                               "set_requires_gradient_sync",
+    "set_custom_all_gather": _HOOK,
+    "set_custom_reduce_scatter": _HOOK,
+    "set_all_reduce_hook": _HOOK,
+    "set_post_optim_event": _STREAMS,
+    "set_reduce_scatter_divide_factor": _AVERAGED,
+    "set_gradient_divide_factor": _AVERAGED,
+    "set_force_sum_reduction_for_comms": _AVERAGED,
+    "set_reduce_scatter_max_input_buffers": _STREAMS,
+    "set_separate_reduce_scatter_group": _STREAMS,
+    "set_unshard_in_backward": "a unit is gathered again in backward unless "
+                               "reshard_after_forward=False keeps it",
+    "set_allocate_memory_from_process_group_for_comm": _STREAMS,
+    "set_symm_mem_for_comm": _STREAMS,
+    "_set_unshard_async_op": _STREAMS,
+    "_get_fsdp_state": "it is torch's internal FSDP2 state, which a shardwise module does not "
+                       "have: torch code that drives FSDP2's internals (e.g. "
+                       "torch.distributed.pipelining's schedules) cannot drive shardwise's "
+                       "units; use torch's fully_shard there",
+}
+
+
+def _refusal(name: str, why: str):
+    def method(self: Any, *args: Any, **kwargs: Any) -> NoReturn:
+        raise NotImplementedError(f"{type(self).__name__}.{name}() is torch FSDP2's "
+                                  f"FSDPModule.{name}; on a module sharded by "
+                                  f"shardwise.fully_shard it cannot work: {why}")
+
+    method.__name__ = method.__qualname__ = name
+    method.__doc__ = f"torch's ``FSDPModule.{name}``: not supported ({why})."
+    return method
+
+
+class TorchFSDPModuleBase(_TorchFSDPModule):
+    """torch's ``FSDPModule`` with each method that ours does not implement refused."""
+
+    def _apply(self, *args: Any, **kwargs: Any) -> Any:
+        # ours (module.py) calls super()._apply: skip torch's, which reads torch's FSDP state
+        return super(_TorchFSDPModule, self)._apply(*args, **kwargs)
+
+    def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool, *,
+                                         recurse: bool = True) -> None:
+        """True is what shardwise's units always do (a parameter without a gradient takes
+        part in the reduce-scatter with zeros); False is refused."""
+        if reduce_scatter_unused_params is not True:
+            raise NotImplementedError(
+                f"{type(self).__name__}.set_reduce_scatter_unused_params(False): shardwise's "
+                "units always reduce-scatter zeros for parameters without a gradient (every "
+                "rank must join the same collective)")
+
+
+for _name, _why in _REFUSED.items():
+    setattr(TorchFSDPModuleBase, _name, _refusal(_name, _why))
