@@ -149,8 +149,12 @@ def test_build_on_fresh_instances_follows_the_rules():
              "plain attribute names")
     _refused(pk(new + b"]b"), "plain attribute names")  # a list as state
     # an instance of something that is not a data class: a tensor, a dtype, an OrderedDict
-    _refused(pk(glob("collections", "OrderedDict") + b")R" + d((s("a"), k(1))) + b"b"),
-             "OrderedDict instance.*not a class")
+    _refused(pk(glob("torch", "Size") + b")\x85R" + d((s("a"), k(1))) + b"b"),
+             "torch.Size instance.*not a class")
+    # a new OrderedDict keeps its attributes (a state_dict's _metadata), plain ones only
+    od = glob("collections", "OrderedDict") + b")R"
+    assert _loads(pk(od + d((s("_metadata"), k(1))) + b"b"))._metadata == 1
+    _refused(pk(od + d((s("__class__"), k(1))) + b"b"), "plain attribute names")
     _refused(pk(glob("torch", "device") + s("cpu") + b"\x85R" + d() + b"b"),
              "torch.device instance.*__new__")
     _refused(pk(glob("torch.optim.sgd", "SGD") + b")\x81" + d() + b"b"),

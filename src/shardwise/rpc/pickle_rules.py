@@ -7,9 +7,10 @@ made with ``NEWOBJ`` / ``NEWOBJ_EX`` / ``REDUCE`` of a named class, once, with a
 * it is a class whose ``__new__`` is ``object.__new__`` (so ``NEWOBJ`` gives a fresh object)
   and, for ``REDUCE``, whose metaclass calls it as ``type`` does (so no existing object, such
   as an enum member, comes back);
-* it is data: an ``nn.Module`` subclass, or a class the worker allows by name (registered, or
-  defined in an allowed module or the script); never an optimizer, and never a class the
-  unpickler's data globals return (``torch.device``, ``complex``, ``slice``, ...);
+* it is data: a new ``OrderedDict`` (a ``state_dict``'s ``_metadata``), an ``nn.Module``
+  subclass, or a class the worker allows by name (registered, or defined in an allowed module
+  or the script); never an optimizer, and never a class the unpickler's data globals return
+  (``torch.device``, ``complex``, ``slice``, ...);
 * its state is applied by code that only stores data: Python's default (the state dict goes
   into ``__dict__``, slots by ``setattr``), ``nn.Module.__setstate__`` or a ``torch.nn``
   module's override of it, or the class's own ``__setstate__`` when the class itself was
@@ -33,7 +34,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from shardwise.rpc.callables import is_registered
+from shardwise.rpc.callables import is_registered, resolve_data
 from shardwise.rpc.pickle_scan import UnsafePickle
 
 MAX_DEPTH = 256  # levels of containers and objects in one message
@@ -56,6 +57,8 @@ def check_builds(builds: list[tuple[tuple[str, str], str]],
 
 
 def _problem(cls: Any, how: str) -> str | None:
+    if cls is _FRESH_ORDERED_DICT:
+        return None  # a new OrderedDict; its state is its __dict__ (a state_dict's _metadata)
     if not isinstance(cls, type):
         return "it is not a class (RPC sets state only on instances of data classes)"
     if cls.__new__ is not object.__new__:
@@ -75,6 +78,7 @@ def _problem(cls: Any, how: str) -> str | None:
 
 
 _LIBRARY_MODULES = frozenset({"builtins", "torch", "collections"})
+_FRESH_ORDERED_DICT = resolve_data("collections", "OrderedDict")
 
 
 # ---------------------------------------------------------------------------- nesting depth
