@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import pickle
 import pickletools
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 _REFUSED = {b"p"[0]: "PUT", b"q"[0]: "BINPUT", b"r"[0]: "LONG_BINPUT", b"P"[0]: "PERSID",
@@ -86,7 +86,7 @@ def _table() -> list[int | None]:
 _TABLE = _table()
 
 
-@dataclass
+@dataclass(frozen=True)
 class Scan:
     """What a pickle does that the unpickler's checks need: ``containers``, the number of
     container-making opcodes (a bound on its nesting depth); ``builds``, one ``(module,
@@ -95,11 +95,11 @@ class Scan:
     only as ``NEWOBJ``'s class."""
 
     containers: int = 0
-    builds: list[tuple[tuple[str, str], str]] = field(default_factory=list)
+    builds: tuple[tuple[tuple[str, str], str], ...] = ()
     new_only: frozenset[tuple[str, str]] = frozenset()
 
 
-_PLAIN = Scan()
+_PLAIN = tuple(Scan(n) for n in range(1024))  # (no object made per message)
 
 
 def check(data: bytes | bytearray | memoryview) -> Scan:
@@ -128,10 +128,8 @@ def check(data: bytes | bytearray | memoryview) -> Scan:
                 tracked = True
             elif n == _END:
                 if not tracked:
-                    return Scan(containers) if containers else _PLAIN
-                scan = _walk(data)
-                scan.containers = containers
-                return scan
+                    return _PLAIN[containers] if containers < 1024 else Scan(containers)
+                return _walk(data, containers)
             else:
                 raise pickle.UnpicklingError(
                     f"pickle opcode {_REFUSED[code]} at byte {at - 1} is not accepted in RPC "
@@ -370,7 +368,7 @@ def _plain_state(state: Any) -> bool:
     return False
 
 
-def _walk(data: bytes | bytearray) -> Scan:
+def _walk(data: bytes | bytearray, containers: int) -> Scan:
     walk = _Walk()
     try:
         for op, arg, at in pickletools.genops(data):
@@ -378,4 +376,4 @@ def _walk(data: bytes | bytearray) -> Scan:
                 break
     except (ValueError, EOFError) as exc:  # genops on a malformed pickle
         raise pickle.UnpicklingError(f"malformed pickle: {exc}") from exc
-    return Scan(builds=walk.builds, new_only=frozenset(walk.new - walk.escaped))
+    return Scan(containers, tuple(walk.builds), frozenset(walk.new - walk.escaped))

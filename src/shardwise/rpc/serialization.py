@@ -252,9 +252,7 @@ class _Unpickler(pickle.Unpickler):
     data-only class (an imported ``nn.Module`` subclass) only where the scan saw it used as a
     ``NEWOBJ`` class and nothing else ([Note: pickle scan] in pickle_scan.py)."""
 
-    def __init__(self, file: Any, buffers: Any, new_only: frozenset[tuple[str, str]]) -> None:
-        super().__init__(file, buffers=buffers)
-        self.new_only = new_only
+    new_only: frozenset[tuple[str, str]] = frozenset()  # set per message when not empty
 
     def find_class(self, module: str, name: str) -> Any:
         return _find_class(module, name, self.new_only)
@@ -294,7 +292,10 @@ def loads(payload: bytes | bytearray, buffers: list[np.ndarray], session: Sessio
                                   lambda m, n: _find_class(m, n, scan.new_only))
     outer, _current.session = _current.session, session
     try:
-        value = _Unpickler(io.BytesIO(payload), buffers, scan.new_only).load()
+        unpickler = _Unpickler(io.BytesIO(payload), buffers=buffers)
+        if scan.new_only:
+            unpickler.new_only = scan.new_only
+        value = unpickler.load()
     finally:
         _current.session = outer
     if scan.containers > pickle_rules.MAX_DEPTH:
