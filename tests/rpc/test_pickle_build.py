@@ -304,6 +304,14 @@ def test_deep_nesting_through_the_memo_is_a_named_error():
         _loads(pk(body))
 
 
+def test_nested_objects_count_as_levels():
+    module = nn.Identity()
+    for _ in range(150):  # each level: a Sequential and its _modules dict
+        module = nn.Sequential(module)
+    with pytest.raises(serialization.pickle_rules.PickleTooDeep):
+        _round_trip(module)
+
+
 def test_nesting_within_the_bound_and_shared_parts_are_data():
     value = []
     for _ in range(200):
@@ -378,6 +386,12 @@ def test_numpy_arrays_round_trip_as_data():
             got = _round_trip({"x": variant})["x"]
             assert type(got) is type(variant) and got.dtype == variant.dtype
             assert got.shape == np.shape(variant) and np.array_equal(got, variant)
+    # bytes that arrive unaligned for the dtype are copied into a writable array
+    payload, buffers = dumps(np.arange(3.0), Session(None, 0))
+    unaligned = np.zeros(25, np.uint8)[1:]
+    unaligned[:] = np.frombuffer(bytes(buffers[0]), np.uint8)
+    got = loads(payload, [unaligned], Session(None, 0))
+    assert np.array_equal(got, np.arange(3.0)) and got.flags.writeable
     big_endian = np.arange(6, dtype=">i4").reshape(2, 3)
     got = _round_trip(big_endian)
     assert got.dtype == np.dtype("int32") and np.array_equal(got, big_endian)

@@ -17,15 +17,15 @@ may name; this pass decides what the pickle may *do* with them, before the C unp
   of a global, a dict and whether its keys are plain attribute names, anything else), through
   ``MEMOIZE`` / ``BINGET``. A ``BUILD`` is accepted only on an instance made in this pickle,
   once, with a dict state or a ``(dict or None, dict)`` state whose keys are plain attribute
-  names (no ``__dunder__``); the walk returns which class each instance came from, and
-  serialization.py then checks that class ([Note: data classes] there). The walk also records
-  the globals used only as ``NEWOBJ``'s class: only those may resolve to a data-only class
-  (an ``nn.Module`` subclass the worker imported), which is thus never called (no
+  names (no ``__dunder__``); the walk returns which class each instance came from, and the
+  unpickler then checks that class ([Note: data classes] in pickle_rules.py). The walk also
+  records the globals used only as ``NEWOBJ``'s class: only those may resolve to a data-only
+  class (an ``nn.Module`` subclass the worker imported), which is thus never called (no
   ``__init__``), passed as a value or returned.
 * Depth. The C unpickler builds nested containers without recursion, but whatever touches the
   result afterwards (pickling a reply, ``repr``, user code) recurses. Nesting needs one
   container per level, so the fast walk counts container-making opcodes; only a pickle with
-  more of them than the depth bound has its result measured (serialization.py).
+  more of them than the depth bound has its result measured (``pickle_rules.check_depth``).
 
 The fast walk reads each opcode's argument length only (from ``pickletools``' table), so it
 costs a few microseconds for a call's pickle; tensors travel out of band and are not scanned.
@@ -124,8 +124,9 @@ def check(data: bytes | bytearray | memoryview) -> Scan:
         elif n <= _REFUSE:
             if n == _CONTAINER:
                 containers += 1
-            elif n == _TRACK:
+            elif n == _TRACK:  # (NEWOBJ makes an object holding others: counted too)
                 tracked = True
+                containers += 1
             elif n == _END:
                 if not tracked:
                     return _PLAIN[containers] if containers < 1024 else Scan(containers)

@@ -229,7 +229,7 @@ def _rebuild_ndarray(buf: Any, dtype: str, shape: tuple[int, ...]) -> np.ndarray
     if len(buf) == 0:
         return np.empty(shape, dtype=np_dtype)
     arr = buf.view(np_dtype) if buf.ctypes.data % np_dtype.alignment == 0 \
-        else np.frombuffer(buf.tobytes(), dtype=np_dtype)
+        else np.frombuffer(bytearray(buf), dtype=np_dtype)
     return arr.reshape(shape)
 
 
