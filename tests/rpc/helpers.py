@@ -353,3 +353,10 @@ def shm_sent(to: str) -> tuple[int, int]:
 # every worker that imports this module lets its peers call the functions above (shardwise
 # resolves only allowed names: [Note: allow-list] in shardwise/rpc/callables.py)
 rpc.register_module(__name__)
+
+
+def make_netlike(seed: int) -> nn.Module:
+    """A model of tests.rpc.netlike (a library module nobody registered), imported here."""
+    from tests.rpc import netlike
+
+    return netlike.make(seed)

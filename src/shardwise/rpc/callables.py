@@ -283,6 +283,47 @@ def resolve_data(module: str, qualname: str) -> Any:
     return None
 
 
+def is_registered(obj: Any) -> bool:
+    """``obj`` itself was passed to :func:`register` on this worker."""
+    name = _names.get(id(obj))
+    return name is not None and _registry.get(name) is obj
+
+
+def resolve_data_class(module: str, qualname: str) -> type | None:
+    """An ``nn.Module`` subclass this worker has already imported, found in ``sys.modules`` by
+    its exact ``__module__`` / ``__qualname__`` (never imported for a peer), whose instances
+    rebuild from their state alone: created by ``object.__new__`` (no ``__init__`` runs), state
+    set by ``nn.Module.__setstate__`` or the override of a ``torch.nn`` module, pickled by
+    ``object``'s own ``__reduce_ex__``. None otherwise. The unpickler returns it only as the
+    class of a ``NEWOBJ`` ([Note: pickle scan] in pickle_scan.py)."""
+    parts = qualname.split(".")
+    obj: Any = sys.modules.get(module)
+    for part in parts:
+        if obj is None or part.startswith("__") or not part:
+            return None
+        obj = vars(obj).get(part) if hasattr(obj, "__dict__") else None
+    if not (isinstance(obj, type) and type(obj) is type and issubclass(obj, nn.Module)
+            and _defined_as(obj, module, qualname) and obj.__new__ is object.__new__):
+        return None
+    return obj if all(_owner(obj, attr) is object for attr in _OBJECTS_OWN) \
+        and all(_torch_nn(_owner(obj, attr)) for attr in _MODULES_OWN) else None
+
+
+_OBJECTS_OWN = ("__reduce__", "__reduce_ex__", "__getattribute__")
+_MODULES_OWN = ("__setstate__", "__setattr__", "__getattr__")
+
+
+def _owner(cls: type, attr: str) -> type | None:
+    """The class of ``cls``'s MRO that defines ``attr``."""
+    return next((k for k in cls.__mro__ if attr in vars(k)), None)
+
+
+def _torch_nn(cls: type | None) -> bool:
+    """``cls`` is ``nn.Module`` or a module class of torch.nn itself."""
+    return cls is nn.Module or (cls is not None and issubclass(cls, nn.Module)
+                                and cls.__module__.startswith("torch.nn.modules."))
+
+
 def _size(dims: Any = ()) -> torch.Size:
     """``torch.Size`` from a pickled tuple of at most 64 ints (never iterates anything else)."""
     if not isinstance(dims, (tuple, list)) or len(dims) > 64 \

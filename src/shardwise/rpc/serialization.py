@@ -5,7 +5,13 @@ bytes are never copied on the way out: the pickler hands the transport a memoryv
 tensor's own memory (a non-contiguous tensor is made contiguous first, the one copy that cannot
 be avoided) and the transport passes those views to ``sendmsg``. On the way in the transport
 receives each buffer straight into a fresh uninitialised tensor, and the payload's tensors are
-rebuilt as views of those tensors, again without a copy.
+rebuilt as views of those tensors, again without a copy. numpy arrays of numeric and bool
+dtypes travel the same way (``_rebuild_ndarray``); numpy's own pickling (``_reconstruct``,
+``_frombuffer``) is never resolved.
+
+What a received pickle may do is checked before the C unpickler runs it ([Note: pickle scan]
+in pickle_scan.py, [Note: data classes] in pickle_rules.py): globals only through the
+allow-list, ``BUILD`` only on fresh instances of data classes, bounded nesting.
 
 Hooks that depend on the agent (RRefs, CUDA tensors, distributed autograd) are reached through a
 per-thread :class:`Session` so the module-level rebuild functions that pickle calls can find them.
@@ -23,8 +29,14 @@ import numpy as np
 import torch
 from torch import nn
 
-from shardwise.rpc import pickle_scan
-from shardwise.rpc.callables import ForbiddenCallable, register, resolve_data, resolve_global
+from shardwise.rpc import pickle_rules, pickle_scan
+from shardwise.rpc.callables import (
+    ForbiddenCallable,
+    register,
+    resolve_data,
+    resolve_data_class,
+    resolve_global,
+)
 
 
 class SerializationHooks(Protocol):
@@ -69,7 +81,8 @@ class _Pickler(pickle.Pickler):
     # [Note: fast pickling] A per-type table is looked up in C, so only tensors call back into
     # Python; a ``reducer_override`` would be called for every object of the message. RRefs
     # reduce themselves (``RRef.__reduce__``) through the current session.
-    dispatch_table = {torch.Tensor: _reduce_tensor_hook, nn.Parameter: _reduce_tensor_hook}
+    dispatch_table: dict[type, Any] = {torch.Tensor: _reduce_tensor_hook,
+                                       nn.Parameter: _reduce_tensor_hook}
 
 
 def _reduce_tensor(t: torch.Tensor, session: Session) -> Any:
@@ -103,11 +116,10 @@ def tensor_from_buffer(buf: Any, dtype: str, shape: tuple[int, ...]) -> torch.Te
     """Rebuild a tensor as a view of a received buffer (no copy). The shape must fit the
     buffer's bytes exactly: a peer cannot make this worker allocate memory it did not send."""
     torch_dtype = _torch_dtype(dtype)
-    _check_shape(shape, len(buf), torch_dtype)
+    buf = _received_bytes(buf)
+    _check_shape(shape, len(buf), torch_dtype.itemsize, "tensor")
     if len(buf) == 0:
         return torch.empty(shape, dtype=torch_dtype)
-    if not isinstance(buf, np.ndarray):  # in-band buffer (only when pickled without callback)
-        buf = np.frombuffer(bytearray(buf), dtype=np.uint8)
     np_dtype = _NUMPY_DTYPES.get(dtype)
     if np_dtype is not None:
         arr = buf.view(np_dtype)
@@ -116,39 +128,67 @@ def tensor_from_buffer(buf: Any, dtype: str, shape: tuple[int, ...]) -> torch.Te
     return torch.from_numpy(buf).view(torch_dtype).reshape(shape)
 
 
-def _check_shape(shape: Any, nbytes: int, dtype: torch.dtype) -> None:
-    if not isinstance(shape, tuple) or len(shape) > 64 \
-            or not all(type(d) is int and d >= 0 for d in shape):
-        raise pickle.UnpicklingError(f"bad tensor shape {shape!r:.80}")
-    numel = 1
+class BadTensorData(pickle.UnpicklingError):
+    """A received tensor or array whose dtype, shape or bytes do not describe dense data."""
+
+
+_MAX_DIM = 1 << 62
+
+
+def _check_shape(shape: Any, nbytes: int, itemsize: int, what: str) -> None:
+    """``shape`` is a tuple of at most 64 non-negative ints whose product (at most 2**62, also
+    for an empty tensor) times ``itemsize`` is exactly ``nbytes``."""
+    if type(shape) is not tuple or len(shape) > 64 \
+            or not all(type(d) is int and 0 <= d <= _MAX_DIM for d in shape):
+        raise BadTensorData(f"bad {what} shape {shape!r:.80}: a tuple of at most 64 "
+                            f"non-negative ints")
+    numel = nonzero = 1
     for d in shape:
         numel *= d
-    if numel * dtype.itemsize != nbytes:
-        raise pickle.UnpicklingError(f"tensor of shape {shape} and dtype {dtype} does not fit "
-                                     f"its {nbytes}-byte buffer")
+        nonzero *= d or 1
+    if nonzero > _MAX_DIM or numel * itemsize != nbytes:
+        raise BadTensorData(f"{what} of shape {shape} and {itemsize}-byte elements does not "
+                            f"fit its {nbytes}-byte buffer")
 
 
-def _torch_dtype(name: str) -> torch.dtype:
-    torch_dtype = _DTYPES.get(name)
+def _received_bytes(buf: Any) -> np.ndarray:
+    """A received buffer as a flat uint8 array: the transport's out-of-band array itself, or a
+    copy of in-band bytes (only when a payload was pickled without a buffer callback)."""
+    if isinstance(buf, np.ndarray):
+        if buf.dtype != np.uint8 or buf.ndim != 1:
+            raise BadTensorData("a tensor's buffer must be flat bytes")
+        return buf
+    if isinstance(buf, (bytes, bytearray, memoryview, pickle.PickleBuffer)):
+        return np.frombuffer(bytearray(buf), dtype=np.uint8)
+    raise BadTensorData(f"a tensor's buffer must be bytes, not {type(buf).__name__}")
+
+
+def _torch_dtype(name: Any) -> torch.dtype:
+    torch_dtype = _DTYPES.get(name) if type(name) is str else None
     if torch_dtype is None:
-        torch_dtype = vars(torch).get(name) if isinstance(name, str) else None
-        if not isinstance(torch_dtype, torch.dtype):
-            raise pickle.UnpicklingError(f"unknown tensor dtype {name!r}")
-        _DTYPES[name] = torch_dtype
+        raise BadTensorData(f"RPC does not rebuild tensors of dtype {name!r:.40} (dense "
+                            f"dtypes only: {', '.join(_DTYPES)})")
     return torch_dtype
 
 
 _NUMPY_DTYPES = {name: np.dtype(name) for name in (
     "float16", "float32", "float64", "complex64", "complex128", "int8", "int16", "int32",
-    "int64", "uint8", "bool")}
-_DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in _NUMPY_DTYPES}
+    "int64", "uint8", "uint16", "uint32", "uint64", "bool")}
+# dense, non-quantized dtypes whose bytes are their values (what the sender's cpu_buffer sends)
+_DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in (
+    *_NUMPY_DTYPES, "bfloat16", "complex32", "float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2",
+    "float8_e5m2fnuz", "float8_e8m0fnu") if isinstance(getattr(torch, name, None), torch.dtype)}
 _DTYPE_NAMES = {dtype: name for name, dtype in _DTYPES.items()}
 
 
 @register
 def _rebuild_tensor(buf: Any, dtype: str, shape: tuple[int, ...], requires_grad: bool,
                     is_param: bool) -> torch.Tensor:
+    if type(requires_grad) is not bool or type(is_param) is not bool:
+        raise BadTensorData("a tensor's requires_grad and is_param must be bools")
     t = tensor_from_buffer(buf, dtype, shape)
+    if requires_grad and not (t.is_floating_point() or t.is_complex()):
+        raise BadTensorData(f"a tensor of dtype {t.dtype} cannot require grad")
     if is_param:
         return nn.Parameter(t, requires_grad=requires_grad)
     if requires_grad:
@@ -159,17 +199,77 @@ def _rebuild_tensor(buf: Any, dtype: str, shape: tuple[int, ...], requires_grad:
     return t
 
 
+# ---------------------------------------------------------------------------- numpy arrays
+def _reduce_ndarray(a: np.ndarray) -> tuple:
+    """An ndarray as ``_rebuild_ndarray(bytes, dtype name, shape)``, its bytes out of band."""
+    name = a.dtype.name if a.dtype.isnative else a.dtype.newbyteorder("=").name
+    if name not in _NUMPY_DTYPES or a.dtype.fields is not None:
+        raise TypeError(f"RPC sends numpy arrays of numeric and bool dtypes only, not "
+                        f"{a.dtype!r} (object, string and structured arrays are not data a "
+                        "peer may rebuild)")
+    data = np.ascontiguousarray(a, dtype=_NUMPY_DTYPES[name])
+    flat = data.reshape(-1).view(np.uint8) if data.size else np.empty(0, np.uint8)
+    return _rebuild_ndarray, (pickle.PickleBuffer(flat), name, tuple(a.shape))
+
+
+def _reduce_np_scalar(x: np.generic) -> tuple:
+    return _rebuild_np_scalar, (x.dtype.name, x.tobytes())
+
+
+@register
+def _rebuild_ndarray(buf: Any, dtype: str, shape: tuple[int, ...]) -> np.ndarray:
+    """The receiving side of :func:`_reduce_ndarray`: a view of the received bytes (a copy if
+    they are not aligned for the dtype); numeric and bool dtypes only."""
+    np_dtype = _NUMPY_DTYPES.get(dtype) if type(dtype) is str else None
+    if np_dtype is None:
+        raise BadTensorData(f"RPC does not rebuild numpy arrays of dtype {dtype!r:.40} "
+                            f"(numeric and bool only: {', '.join(_NUMPY_DTYPES)})")
+    buf = _received_bytes(buf)
+    _check_shape(shape, len(buf), np_dtype.itemsize, "numpy array")
+    if len(buf) == 0:
+        return np.empty(shape, dtype=np_dtype)
+    arr = buf.view(np_dtype) if buf.ctypes.data % np_dtype.alignment == 0 \
+        else np.frombuffer(bytearray(buf), dtype=np_dtype)
+    return arr.reshape(shape)
+
+
+@register
+def _rebuild_np_scalar(dtype: str, data: Any) -> np.generic:
+    np_dtype = _NUMPY_DTYPES.get(dtype) if type(dtype) is str else None
+    if np_dtype is None or type(data) is not bytes or len(data) != np_dtype.itemsize:
+        raise BadTensorData(f"bad numpy scalar of dtype {dtype!r:.40}")
+    return np.frombuffer(data, dtype=np_dtype)[0]
+
+
+_Pickler.dispatch_table[np.ndarray] = _reduce_ndarray
+for _dtype in _NUMPY_DTYPES.values():
+    _Pickler.dispatch_table[_dtype.type] = _reduce_np_scalar
+
+
+# ---------------------------------------------------------------------------- unpickling
 class _Unpickler(pickle.Unpickler):
-    """Resolves globals only through the allow-list ([Note: allow-list] in callables.py)."""
+    """Resolves globals only through the allow-list ([Note: allow-list] in callables.py); a
+    data-only class (an imported ``nn.Module`` subclass) only where the scan saw it used as a
+    ``NEWOBJ`` class and nothing else ([Note: pickle scan] in pickle_scan.py)."""
+
+    new_only: frozenset[tuple[str, str]] = frozenset()  # set per message when not empty
 
     def find_class(self, module: str, name: str) -> Any:
-        data = resolve_data(module, name)
-        if data is not None:
-            return data
-        try:
-            return resolve_global(module, name)
-        except ForbiddenCallable as exc:
-            raise pickle.UnpicklingError(str(exc)) from exc
+        return _find_class(module, name, self.new_only)
+
+
+def _find_class(module: str, name: str, new_only: frozenset[tuple[str, str]]) -> Any:
+    data = resolve_data(module, name)
+    if data is not None:
+        return data
+    try:
+        return resolve_global(module, name)
+    except ForbiddenCallable as exc:
+        if (module, name) in new_only:
+            cls = resolve_data_class(module, name)
+            if cls is not None:
+                return cls
+        raise pickle.UnpicklingError(str(exc)) from exc
 
 
 def dumps(obj: Any, session: Session) -> tuple[bytes, list[memoryview]]:
@@ -186,9 +286,18 @@ def dumps(obj: Any, session: Session) -> tuple[bytes, list[memoryview]]:
 
 def loads(payload: bytes | bytearray, buffers: list[np.ndarray], session: Session) -> Any:
     """Unpickle a payload whose out-of-band buffers arrived as uint8 arrays."""
-    pickle_scan.check(payload)  # [Note: pickle scan]
+    scan = pickle_scan.check(payload)  # [Note: pickle scan]
+    if scan.builds:
+        pickle_rules.check_builds(scan.builds,
+                                  lambda m, n: _find_class(m, n, scan.new_only))
     outer, _current.session = _current.session, session
     try:
-        return _Unpickler(io.BytesIO(payload), buffers=buffers).load()
+        unpickler = _Unpickler(io.BytesIO(payload), buffers=buffers)
+        if scan.new_only:
+            unpickler.new_only = scan.new_only
+        value = unpickler.load()
     finally:
         _current.session = outer
+    if scan.containers > pickle_rules.MAX_DEPTH:
+        pickle_rules.check_depth(value)
+    return value
