@@ -17,7 +17,7 @@ import torch
 
 from shardwise.cli.launch_args import target_problem
 from shardwise.cli.main import _parser, main
-from shardwise.cli.ranges import MAX_COUNT, MAX_LR, MAX_SEED, max_local_ranks
+from shardwise.cli.ranges import MAX_COUNT, MAX_LAYERS, MAX_LR, MAX_SEED, max_local_ranks
 
 OVER = str(MAX_COUNT + 1)
 NEIGHBOURS = ["0", "-1", OVER, "nan", "inf", "x", "1.5"]
@@ -26,7 +26,8 @@ TRAIN = [[flag, value] for flag in ("--nproc", "--n-layer", "--n-head", "--d-mod
                                      "--steps", "--batch-size", "--eval-batches", "--log-every",
                                      "--microbatches", "--tp")
          for value in NEIGHBOURS] + [
-    ["--n-layer", "1000000000"], ["--d-model", "10000000"], ["--seq-len", "1000000000"],
+    ["--n-layer", "1000000000"], ["--n-layer", str(MAX_LAYERS + 1)], ["--d-model", "10000000"],
+    ["--seq-len", "1000000000"], ["--n-layer", "64", "--d-model", "1000000"],
     ["--lr", "1e308"], ["--lr", "0"], ["--lr", "-1"], ["--lr", "nan"], ["--lr", "inf"],
     ["--lr", "x"], ["--lr", str(MAX_LR * 1.001)],
     ["--seed", str(2**70)], ["--seed", "2**70"], ["--seed", "-1"], ["--seed", str(MAX_SEED + 1)],
@@ -49,7 +50,7 @@ TRAIN = [[flag, value] for flag in ("--nproc", "--n-layer", "--n-head", "--d-mod
 PLAN = [["--params", v] for v in ("1e400", "1e30", "1e16", "0", "-1", "nan", "inf", "x")] + [
     ["--memory-gib", v] for v in ("nan", "inf", "-inf", "0", "-1", "x", str(2**30 + 1))] + [
     ["--nproc", v] for v in ("1e12", str(10**12), "0", "-1", str(2**24 + 1), "nan")] + [
-    ["--n-layer", "10001"], ["--n-layer", "0"], ["--d-model", str(2**20 + 1)],
+    ["--n-layer", str(MAX_LAYERS + 1)], ["--n-layer", "0"], ["--d-model", str(2**20 + 1)],
     ["--seq-len", "0"], ["--batch-size", "-1"], ["--tp", "0"], ["--tp", "2,0"],
     ["--replicas", "0"], ["--vocab-size", OVER],
 ]
@@ -118,7 +119,8 @@ def test_messages_name_the_limit(capsys):
     assert "at most 1000" in _error_line(capsys, ["train", "--lr", "1e308"])
     line = _error_line(capsys, ["run", "--nproc", "1000", "x.py"])
     assert f"at most {max_local_ranks()}" in line
-    line = _error_line(capsys, ["train", "--n-layer", "1000000000"])
+    assert f"at most {MAX_LAYERS}" in _error_line(capsys, ["train", "--n-layer", "1000000000"])
+    line = _error_line(capsys, ["train", "--n-layer", "8", "--d-model", "10000000"])
     assert "too large for this machine" in line and "the machine has" in line
     line = _error_line(capsys, ["train", "--mixed-precision", "bf16"])
     assert "--mixed-precision applies to --strategy fsdp or hsdp only, not ddp" in line
@@ -140,7 +142,8 @@ def test_device_cuda_without_cuda_says_so_once(capsys):
     ["train", "--checkpoint-every", "0"], ["train", "--corpus-bytes", str(2**30)],
     ["train", "--steps", str(MAX_COUNT)], ["run", "--nproc", str(max_local_ranks()), "x.py"],
     ["plan", "--params", "1e15"], ["plan", "--memory-gib", str(2**30)],
-    ["plan", "--nproc", str(2**24)], ["plan", "--n-layer", "10000"],
+    ["plan", "--nproc", str(2**24)], ["plan", "--n-layer", str(MAX_LAYERS)],
+    ["train", "--n-layer", str(MAX_LAYERS)],
 ], ids=" ".join)
 def test_the_limits_themselves_parse(argv):
     _parser().parse_args(argv)

@@ -16,7 +16,7 @@ from pathlib import Path
 from shardwise.cli.ranges import COUNT0, float_arg, int_arg
 from shardwise.distributed import launch
 from shardwise.distributed.launcher import DEFAULT_GRACE_SECONDS
-from shardwise.distributed.nodes import NodeError
+from shardwise.distributed.nodes import NodeError, parse_endpoint
 from shardwise.distributed.timeouts import default_timeout
 
 GRACE = float_arg(0.0, 24 * 3600.0, above=True)
@@ -58,10 +58,10 @@ def endpoint_problem(args: argparse.Namespace) -> str | None:
     endpoint = args.rdzv_endpoint
     if args.nnodes <= 1 or endpoint is None:
         return None
-    host, sep, port = endpoint.rpartition(":")
-    host = host.strip("[]")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        return f"--rdzv-endpoint {endpoint!r} is not host:port (a port in 1 .. 65535)"
+    try:
+        host, port = parse_endpoint(endpoint)
+    except NodeError as exc:
+        return str(exc)
     if args.node_rank == 0:
         return None
     limit = default_timeout().total_seconds()
@@ -69,7 +69,7 @@ def endpoint_problem(args: argparse.Namespace) -> str | None:
     while True:
         left = deadline - time.monotonic()
         try:
-            with socket.create_connection((host, int(port)), timeout=max(min(left, 5.0), 0.1)):
+            with socket.create_connection((host, port), timeout=max(min(left, 5.0), 0.1)):
                 return None
         except OSError as exc:
             why = exc.strerror or str(exc) or type(exc).__name__

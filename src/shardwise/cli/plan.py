@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from shardwise.cli.ranges import float_arg, int_arg
+from shardwise.cli.ranges import LAYERS, float_arg, int_arg
 from shardwise.cli.strategy_tp import gpt_plan
 from shardwise.memory.accounting import StateBytes
 from shardwise.memory.activations import TransformerShape, activation_bytes
@@ -51,7 +51,7 @@ SUFFIXES = {"k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
 MAX_PARAMS = 1e15
 WORLD = int_arg(1, 2**24)
 SIZE = int_arg(1, 2**24)
-GPT_RANGES = {"n_layer": int_arg(1, 10_000), "n_head": SIZE, "d_model": int_arg(1, 2**20),
+GPT_RANGES = {"n_layer": LAYERS, "n_head": SIZE, "d_model": int_arg(1, 2**20),
               "mlp_ratio": int_arg(1, 1024), "vocab_size": SIZE}
 MEMORY_GIB = float_arg(0.0, 2.0**30, above=True)
 

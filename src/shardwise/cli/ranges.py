@@ -19,6 +19,7 @@ from collections.abc import Callable
 from typing import NoReturn
 
 MAX_COUNT = 10**9  # steps, batches, layers' widths, ...: far beyond any run, still finite
+MAX_LAYERS = 1024  # a module per layer is built (the largest models have about 128 layers)
 MAX_SEED = 2**63 - 1  # torch.manual_seed's largest non-negative seed
 MAX_LR = 1e3
 RANKS_PER_CORE = 16
@@ -74,6 +75,7 @@ def float_arg(lo: float, hi: float, *, above: bool = False) -> Callable[[str], f
 
 COUNT = int_arg(1, MAX_COUNT)  # at least one
 COUNT0 = int_arg(0, MAX_COUNT)  # zero allowed (zero means "off" or "all")
+LAYERS = int_arg(1, MAX_LAYERS)
 SEED = int_arg(0, MAX_SEED, " (2**63 - 1, as torch.manual_seed takes it)")
 LR = float_arg(0.0, MAX_LR, above=True)
 

@@ -13,6 +13,7 @@ from shardwise.cli.mesh_args import add_mesh_args, mesh_problem
 from shardwise.cli.ranges import (
     COUNT,
     COUNT0,
+    LAYERS,
     LR,
     SEED,
     human_bytes,
@@ -86,7 +87,7 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     add("--strategy", default=d.strategy,
         help="; ".join(f"{k}: {v[1]}" for k, v in sorted(STRATEGIES.items())))
     add("--device", default=d.device, choices=["cpu", "cuda"], help="cuda uses NCCL")
-    add("--n-layer", type=COUNT, default=d.n_layer)
+    add("--n-layer", type=LAYERS, default=d.n_layer)
     add("--n-head", type=COUNT, default=d.n_head)
     add("--d-model", type=COUNT, default=d.d_model)
     add("--seq-len", type=COUNT, default=d.seq_len)
