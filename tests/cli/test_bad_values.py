@@ -62,6 +62,13 @@ RUN = [["--nproc", v, "x.py"] for v in ("1000", "0", "-1", "nan", "x")] + [
     ["--nnodes", "2", "--node-rank", "1", "--rdzv-endpoint", "no-port", "x.py"],
 ]
 
+BENCH = [["ddp", flag, v] for flag in ("--nproc", "--rounds", "--steps", "--n-layer", "--d-model",
+                                      "--batch-size") for v in NEIGHBOURS] + [
+    ["ddp", "--nproc", str(max_local_ranks() + 1)], ["ddp", "--warmup", "-1"],
+    ["ddp", "--d-model", "10000000"], ["ddp", "--bucket-cap-mb", "nan"],
+    ["collectives", "--mib", "1000000000"], ["rpc", "--big-mb", "0"], ["nosuch", "--nproc", "2"],
+]
+
 CHECKPOINT = [[], ["export"], ["inspect"], ["export", "/nonexistent/ck", "out.safetensors"],
               ["inspect", "/nonexistent/ck"], ["frobnicate", "x"]]
 
@@ -106,6 +113,11 @@ def test_plan_bad_value_is_one_line(capsys, argv):
 @pytest.mark.parametrize("argv", RUN, ids=" ".join)
 def test_run_bad_value_is_one_line(capsys, argv):
     _error_line(capsys, ["run", *argv])
+
+
+@pytest.mark.parametrize("argv", BENCH, ids=" ".join)
+def test_bench_bad_value_is_one_line(capsys, argv):
+    _error_line(capsys, ["bench", *argv])
 
 
 @pytest.mark.parametrize("argv", CHECKPOINT, ids=" ".join)

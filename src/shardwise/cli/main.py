@@ -17,7 +17,7 @@ from shardwise.cli.launch_args import (
     run_launcher,
     target_problem,
 )
-from shardwise.cli.ranges import COUNT, Parser, ranks_problem
+from shardwise.cli.ranges import COUNT, Parser, bench_problem, ranks_problem
 from shardwise.cli.train_args import ConfigError, build_parser, config_from_args, validate
 from shardwise.distributed import launched
 from shardwise.distributed.launcher import python_command
@@ -28,6 +28,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if argv[:1] == ["bench"]:  # its own parsing: each benchmark has its own options
         from shardwise.bench.main import main as bench_main
 
+        problem = bench_problem(argv[2:]) if len(argv) > 1 else None
+        if problem:
+            print(f"shardwise bench: error: {problem}", file=sys.stderr)
+            return 2
         return bench_main(argv[1:])
     parser = _parser()
     args = parser.parse_args(argv)

@@ -122,3 +122,30 @@ def _num(value: float) -> str:
 def _short(value: int) -> str:
     text = str(value)
     return text if len(text) <= 24 else f"{text[:10]}...({len(text)} digits)"
+
+
+def bench_parser() -> Parser:
+    """The numeric flags of ``shardwise bench NAME`` (each benchmark parses its own; these are
+    checked first so that an extreme value is one line, not a traceback per rank)."""
+    parser = Parser(prog="shardwise bench", add_help=False, allow_abbrev=False)
+    add = parser.add_argument
+    for flag in ("--nproc", "--rounds", "--steps", "--iters", "--echo", "--big", "--inflight",
+                 "--microbatches", "--replicas", "--n-head"):
+        add(flag, type=COUNT)
+    add("--warmup", type=COUNT0)
+    add("--n-layer", type=LAYERS)
+    for flag in ("--d-model", "--hidden"):
+        add(flag, type=int_arg(1, 2**16))
+    for flag in ("--seq-len", "--batch-size", "--tokens"):
+        add(flag, type=int_arg(1, 2**20))
+    for flag in ("--mib", "--big-mb"):  # MiB (MB): up to 64 Gi
+        add(flag, type=int_arg(1, 2**16))
+    add("--bucket-cap-mb", type=float_arg(0.0, 2.0**16, above=True))
+    return parser
+
+
+def bench_problem(argv: list[str]) -> str | None:
+    """Why ``shardwise bench`` arguments ``argv`` (after the name) cannot run, or None; a bad
+    number exits through :func:`bench_parser` (one line, exit code 2)."""
+    args, _ = bench_parser().parse_known_args(argv)
+    return ranks_problem(args.nproc) if args.nproc is not None else None
