@@ -5,8 +5,10 @@ launching process before any rank starts: the ``type=`` functions below raise ar
 ``ArgumentTypeError`` naming the range, and :class:`Parser` prints argparse's errors without
 the usage block. The limits are generous but finite: counts up to ``MAX_COUNT``, seeds as
 ``torch.manual_seed`` takes them, rates finite and positive, ranks as many as this machine can
-start (:func:`max_local_ranks`), a model whose training state fits this machine's memory
-(:func:`physical_memory`).
+start (:func:`max_local_ranks`), at most ``MAX_LAYERS`` layers, and (checked by `train`) a
+model whose training state and activations fit this machine's memory (:func:`physical_memory`).
+``shardwise bench NAME`` parses its own flags, but the benchmarks may not import the CLI, so the
+command checks their numbers first with :func:`bench_parser`.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import resource
 from collections.abc import Callable
 from typing import NoReturn
 
-MAX_COUNT = 10**9  # steps, batches, layers' widths, ...: far beyond any run, still finite
+MAX_COUNT = 10**9  # steps, batches, widths, ...: far beyond any run, still finite
 MAX_LAYERS = 1024  # a module per layer is built (the largest models have about 128 layers)
 MAX_SEED = 2**63 - 1  # torch.manual_seed's largest non-negative seed
 MAX_LR = 1e3
