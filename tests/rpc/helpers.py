@@ -120,6 +120,34 @@ def is_owner_here(rref) -> bool:
     return rref.is_owner()
 
 
+# ---------------------------------------------------------------- RRef forgery (the victim's side)
+_victim: dict = {}
+
+
+def victim_makes(owner: str, value: float) -> tuple:
+    """A legitimate ``remote()`` of ``full((2,), value)`` on ``owner``, kept here; returns the
+    RRef's id and its fork's id, the ids an attacker is assumed to have learnt."""
+    rref = rpc.remote(owner, torch.full, args=((2,), value))
+    rref.to_here()
+    _victim["rref"] = rref
+    return rref._id, rref._fork
+
+
+def victim_reads():
+    return _victim["rref"].to_here()
+
+
+def victim_remote_value(owner: str, value: float):
+    """A fresh ``remote()`` of ``full((2,), value)`` on ``owner``, fetched back."""
+    return rpc.remote(owner, torch.full, args=((2,), value)).to_here()
+
+
+def victim_drops() -> None:
+    _victim.clear()
+    gc.collect()
+    get_agent().rrefs.flush(10.0)
+
+
 # ---------------------------------------------------------------- autograd and optimizer
 def make_linear(seed: int, n_in: int, n_out: int) -> nn.Module:
     """The same weights for a seed in whichever thread (RPC threads build models concurrently,

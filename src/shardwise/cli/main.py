@@ -11,7 +11,13 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from shardwise.cli.launch_args import add_launch_args, check_launch_args, run_launcher
+from shardwise.cli.launch_args import (
+    add_launch_args,
+    check_launch_args,
+    run_launcher,
+    target_problem,
+)
+from shardwise.cli.ranges import COUNT, Parser, bench_problem, ranks_problem
 from shardwise.cli.train_args import ConfigError, build_parser, config_from_args, validate
 from shardwise.distributed import launched
 from shardwise.distributed.launcher import python_command
@@ -22,6 +28,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if argv[:1] == ["bench"]:  # its own parsing: each benchmark has its own options
         from shardwise.bench.main import main as bench_main
 
+        problem = bench_problem(argv[2:]) if len(argv) > 1 else None
+        if problem:
+            print(f"shardwise bench: error: {problem}", file=sys.stderr)
+            return 2
         return bench_main(argv[1:])
     parser = _parser()
     args = parser.parse_args(argv)
@@ -40,12 +50,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="shardwise", description=__doc__.split("\n")[0])
+    parser = Parser(prog="shardwise", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     train = build_parser(sub.add_parser("train", help="train the demo GPT on the stdlib corpus"))
     add_launch_args(train)
     run = sub.add_parser("run", help="run a script as N ranks per node (like torchrun)")
-    run.add_argument("--nproc", "--nproc-per-node", dest="nproc", type=int, default=2)
+    run.add_argument("--nproc", "--nproc-per-node", dest="nproc", type=COUNT, default=2)
     add_launch_args(run)
     run.add_argument("-m", dest="module", action="store_true", help="run a module, as python -m")
     run.add_argument("script", help="the script (or module with -m) to run")
@@ -87,7 +97,8 @@ def _train(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: list
 def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     if args.nproc < 1:
         parser.exit(2, f"shardwise run: error: --nproc must be at least 1, got {args.nproc}\n")
-    problem = check_launch_args(args)
+    problem = (ranks_problem(args.nproc) or check_launch_args(args)
+               or target_problem(args.script, args.module))
     if problem:
         parser.exit(2, f"shardwise run: error: {problem}\n")
     return run_launcher("shardwise run", args.nproc,

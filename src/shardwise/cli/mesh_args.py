@@ -13,12 +13,14 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from shardwise.cli.ranges import COUNT, COUNT0
+
 
 def add_mesh_args(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
-    add("--replicas", type=int, default=0,
+    add("--replicas", type=COUNT0, default=0,
         help="hsdp only: replicas of the sharded model (default: one per node)")
-    add("--tp", type=int, default=1,
+    add("--tp", type=COUNT, default=1,
         help="fsdp only: tensor-parallel degree (FSDP x TP on a (world/T, T) mesh)")
 
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from shardwise.cli.ranges import LAYERS, float_arg, int_arg
 from shardwise.cli.strategy_tp import gpt_plan
 from shardwise.memory.accounting import StateBytes
 from shardwise.memory.activations import TransformerShape, activation_bytes
@@ -45,6 +46,14 @@ GPT_FLAGS = ("n_layer", "n_head", "d_model", "mlp_ratio", "vocab_size")
 # parallelism communicates activations in every layer on top.
 COST_ORDER = ("ddp", "zero1", "zero2", "hsdp", "fsdp")
 SUFFIXES = {"k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
+# Plans are arithmetic, but the demo GPT is built on the meta device (a module per layer) and
+# sizes multiply: each flag has a finite range, far beyond today's largest models.
+MAX_PARAMS = 1e15
+WORLD = int_arg(1, 2**24)
+SIZE = int_arg(1, 2**24)
+GPT_RANGES = {"n_layer": LAYERS, "n_head": SIZE, "d_model": int_arg(1, 2**20),
+              "mlp_ratio": int_arg(1, 1024), "vocab_size": SIZE}
+MEMORY_GIB = float_arg(0.0, 2.0**30, above=True)
 
 
 def parameter_count(text: str) -> int:
@@ -54,48 +63,50 @@ def parameter_count(text: str) -> int:
         raise argparse.ArgumentTypeError(
             f"{text!r} is not a number of parameters (write it as 7.5e9, 7500000000 or 7.5B)")
     count = float(match.group(1)) * SUFFIXES.get(match.group(2).lower(), 1)
-    if count < 1:
-        raise argparse.ArgumentTypeError(f"the parameter count must be at least 1, got {text!r}")
+    if not 1 <= count <= MAX_PARAMS:
+        bound = "at least 1" if count < 1 else f"at most {MAX_PARAMS:.0e}"
+        raise argparse.ArgumentTypeError(
+            f"the parameter count must be {bound}, got {text.strip()!r}")
     return int(round(count))
 
 
 def degrees(text: str) -> tuple[int, ...]:
     """``--tp``: one degree or several, comma-separated."""
     try:
-        return tuple(int(v) for v in text.split(","))
-    except ValueError:
+        return tuple(WORLD(v) for v in text.split(","))
+    except argparse.ArgumentTypeError as exc:
         raise argparse.ArgumentTypeError(
-            f"{text!r} is not a tensor-parallel degree or a comma-separated list of them"
-        ) from None
+            f"{text!r:.40} is not a tensor-parallel degree or a comma-separated list of them "
+            f"({exc})") from None
 
 
 def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     add = parser.add_argument
-    add("--nproc", type=int, default=2, help="world size to plan for")
+    add("--nproc", type=WORLD, default=2, help="world size to plan for")
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--params", type=parameter_count, default=None,
                         help="plan for a bare parameter count (7.5e9, 7.5B): model state only")
     source.add_argument("--hf-config", default=None,
                         help="plan for a Hugging Face causal LM's config.json (no weights)")
     for name in GPT_FLAGS:
-        add("--" + name.replace("_", "-"), type=int, default=None,
+        add("--" + name.replace("_", "-"), type=GPT_RANGES[name], default=None,
             help=f"demo GPT (default {getattr(GPTConfig(), name)})")
     add("--tie-weights", action="store_true", help="demo GPT: head tied to the embedding")
-    add("--seq-len", type=int, default=None,
+    add("--seq-len", type=SIZE, default=None,
         help=f"tokens per sequence (default: the demo GPT's {GPTConfig().seq_len})")
-    add("--batch-size", type=int, default=None,
+    add("--batch-size", type=SIZE, default=None,
         help="sequences per data-parallel rank: adds the activation estimate")
     add("--activation-checkpointing", action="store_true",
         help="count activations as with every layer checkpointed")
     add("--precision", default="fp32", choices=PRECISIONS,
         help="mixed: 16-bit params and grads, fp32 master copy and optimizer state")
     add("--optimizer", default="adamw", choices=sorted(OPTIMIZER_STATE))
-    add("--memory-gib", type=float, default=None,
+    add("--memory-gib", type=MEMORY_GIB, default=None,
         help="memory per rank in GiB: mark what fits, name the cheapest strategy that fits")
     add("--units", default="gib", choices=sorted(UNITS), help="GiB (2^30 bytes) or GB (10^9)")
     add("--tp", type=degrees, default=(1,),
         help="tensor-parallel degree(s), e.g. 2 or 2,4,8: add FSDP x TP (2D) layouts")
-    add("--replicas", type=int, default=1, help="replica groups: add the hybrid (HSDP) layout")
+    add("--replicas", type=WORLD, default=1, help="replica groups: add the hybrid (HSDP) layout")
     add("--json", action="store_true", help="print a JSON record instead of the table")
     return parser
 

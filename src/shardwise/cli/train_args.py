@@ -10,6 +10,17 @@ from pathlib import Path
 
 from shardwise.checkpoint import CheckpointError, latest_checkpoint, read_meta
 from shardwise.cli.mesh_args import add_mesh_args, mesh_problem
+from shardwise.cli.ranges import (
+    COUNT,
+    COUNT0,
+    LAYERS,
+    LR,
+    SEED,
+    human_bytes,
+    int_arg,
+    physical_memory,
+    ranks_problem,
+)
 from shardwise.cli.strategies import STRATEGIES, check_strategy, strategy_names
 from shardwise.models import GPTConfig
 
@@ -54,6 +65,12 @@ class TrainConfig:
                          d_model=self.d_model)
 
 
+CORPUS_BYTES = int_arg(1, 2**30, " (1 GiB)")
+# the flags only FullyShardedDataParallel takes, and the strategies that build one
+FSDP_ONLY_FLAGS = ("mixed_precision", "cpu_offload")
+FSDP_ONLY_STRATEGIES = ("fsdp", "hsdp")
+STATE_BYTES_PER_PARAM = 16  # fp32 parameters, gradients and AdamW's two moments
+
 # What `--resume` compares with the checkpoint, and `--override` may allow to differ.
 OVERRIDABLE = ("seed", "batch_size", "lr", "model", "strategy")
 
@@ -65,33 +82,38 @@ class ConfigError(ValueError):
 def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     d = TrainConfig()
     add = parser.add_argument
-    add("--nproc", type=int, default=d.nproc, help="local ranks to start (ignored under torchrun)")
+    add("--nproc", type=COUNT, default=d.nproc,
+        help="local ranks to start (ignored under torchrun)")
     add("--strategy", default=d.strategy,
         help="; ".join(f"{k}: {v[1]}" for k, v in sorted(STRATEGIES.items())))
     add("--device", default=d.device, choices=["cpu", "cuda"], help="cuda uses NCCL")
-    add("--n-layer", type=int, default=d.n_layer)
-    add("--n-head", type=int, default=d.n_head)
-    add("--d-model", type=int, default=d.d_model)
-    add("--seq-len", type=int, default=d.seq_len)
-    add("--steps", type=int, default=d.steps, help="train until this step (counting resumed ones)")
-    add("--batch-size", type=int, default=d.batch_size, help="global batch, split across ranks")
-    add("--lr", type=float, default=d.lr)
-    add("--warmup", type=int, default=d.warmup, help="linear warm-up steps")
-    add("--seed", type=int, default=d.seed)
-    add("--eval-batches", type=int, default=d.eval_batches, help="validation batches at start/end")
-    add("--log-every", type=int, default=d.log_every)
-    add("--corpus-bytes", type=int, default=d.corpus_bytes, help="bytes of stdlib source to read")
+    add("--n-layer", type=LAYERS, default=d.n_layer)
+    add("--n-head", type=COUNT, default=d.n_head)
+    add("--d-model", type=COUNT, default=d.d_model)
+    add("--seq-len", type=COUNT, default=d.seq_len)
+    add("--steps", type=COUNT, default=d.steps,
+        help="train until this step (counting resumed ones)")
+    add("--batch-size", type=COUNT, default=d.batch_size, help="global batch, split across ranks")
+    add("--lr", type=LR, default=d.lr)
+    add("--warmup", type=COUNT0, default=d.warmup, help="linear warm-up steps")
+    add("--seed", type=SEED, default=d.seed)
+    add("--eval-batches", type=COUNT, default=d.eval_batches,
+        help="validation batches at start/end")
+    add("--log-every", type=COUNT, default=d.log_every)
+    add("--corpus-bytes", type=CORPUS_BYTES, default=d.corpus_bytes,
+        help="bytes of stdlib source to read")
     add("--checkpoint-dir", default=None)
-    add("--checkpoint-every", type=int, default=d.checkpoint_every, help="0: only at the end")
+    add("--checkpoint-every", type=COUNT0, default=d.checkpoint_every, help="0: only at the end")
     add("--resume", action="store_true", help="continue from --checkpoint-dir's latest checkpoint")
     add("--override", type=_override_list, default=(),
         help="what a --resume may change from the checkpoint's run, comma-separated: "
              + ", ".join(OVERRIDABLE))
-    add("--keep", type=int, default=d.keep, help="keep the newest N checkpoints (0: all)")
+    add("--keep", type=COUNT0, default=d.keep, help="keep the newest N checkpoints (0: all)")
     add("--async-checkpoint", action="store_true",
         help="write --checkpoint-every saves in the background while training goes on")
-    add("--mixed-precision", default=None, choices=["bf16", "fp16"], help="fsdp only")
-    add("--cpu-offload", action="store_true", help="fsdp only")
+    add("--mixed-precision", default=None, choices=["bf16", "fp16"],
+        help=f"{' and '.join(FSDP_ONLY_STRATEGIES)} only")
+    add("--cpu-offload", action="store_true", help=f"{' and '.join(FSDP_ONLY_STRATEGIES)} only")
     add("--no-progress", dest="progress", action="store_false", help="no progress bar")
     _add_log_args(parser)
     add_mesh_args(parser)
@@ -112,9 +134,9 @@ def add_pipeline_args(parser: argparse.ArgumentParser) -> None:
     d = TrainConfig()
     add = parser.add_argument
     add("--schedule", default=d.schedule, choices=["gpipe", "1f1b"], help="pipeline only")
-    add("--microbatches", type=int, default=d.microbatches,
+    add("--microbatches", type=COUNT, default=d.microbatches,
         help="pipeline only: micro-batches per step (must divide the batch per replica)")
-    add("--dp", type=int, default=d.dp,
+    add("--dp", type=COUNT, default=d.dp,
         help="pipeline only: data-parallel replicas of the pipeline (stages = nproc / dp)")
     add("--transport", default=d.transport, choices=["p2p", "rpc"],
         help="pipeline only: c10d point-to-point, or RPC with distributed autograd")
@@ -161,6 +183,9 @@ def validate(cfg: TrainConfig, world_size: int, nnodes: int = 1) -> None:
     """Raise ConfigError naming the first problem found; also checks the resume checkpoint."""
     _positive(cfg, "nproc", "steps", "batch_size", "n_layer", "n_head", "d_model", "seq_len",
               "eval_batches", "log_every", "corpus_bytes")
+    problem = ranks_problem(cfg.nproc)
+    if problem:
+        raise ConfigError(problem)
     try:
         check_strategy(cfg.strategy)
         cfg.model_config()
@@ -170,6 +195,8 @@ def validate(cfg: TrainConfig, world_size: int, nnodes: int = 1) -> None:
         raise ConfigError(f"--lr must be positive and finite, got {cfg.lr}")
     if cfg.keep < 0:
         raise ConfigError(f"--keep must be at least 0, got {cfg.keep}")
+    _check_fsdp_only(cfg)
+    _check_device(cfg)
     validate_pipeline(cfg, world_size)
     if cfg.batch_size < world_size:
         raise ConfigError(
@@ -183,6 +210,11 @@ def validate(cfg: TrainConfig, world_size: int, nnodes: int = 1) -> None:
     problem = mesh_problem(cfg, world_size, nnodes)
     if problem:
         raise ConfigError(problem)
+    _check_memory(cfg, world_size)
+    _check_corpus(cfg, world_size)
+    for flag, value in (("--checkpoint-dir", cfg.checkpoint_dir), ("--log-dir", cfg.log_dir)):
+        if value is not None and not value.strip():
+            raise ConfigError(f"{flag} must name a directory, got an empty string")
     if cfg.resume and not cfg.checkpoint_dir:
         raise ConfigError("--resume needs --checkpoint-dir to know where to resume from")
     if cfg.checkpoint_dir:
@@ -224,6 +256,71 @@ def _differences(cfg: TrainConfig, meta: dict) -> list[tuple[str, str]]:
             flag = "--" + name.replace("_", "-")
             found.append((name, f"{flag}={meta[name]} (this run: {getattr(cfg, name)})"))
     return found
+
+
+def _check_fsdp_only(cfg: TrainConfig) -> None:
+    if cfg.strategy in FSDP_ONLY_STRATEGIES:
+        return
+    for name in FSDP_ONLY_FLAGS:
+        if getattr(cfg, name):
+            raise ConfigError(f"--{name.replace('_', '-')} applies to --strategy "
+                              f"{' or '.join(FSDP_ONLY_STRATEGIES)} only, not {cfg.strategy}")
+
+
+def _check_device(cfg: TrainConfig) -> None:
+    if cfg.device != "cuda":
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        raise ConfigError("--device cuda: no CUDA device is available on this machine "
+                          "(torch.cuda.is_available() is False); use --device cpu")
+    if cfg.nproc > torch.cuda.device_count():
+        raise ConfigError(f"--device cuda with --nproc {cfg.nproc} needs a GPU per rank; this "
+                          f"machine has {torch.cuda.device_count()}")
+
+
+def gpt_parameters(cfg: TrainConfig) -> int:
+    """The demo GPT's parameter count from its shape (closed form: nothing is built)."""
+    m = cfg.model_config()
+    d, ffn = m.d_model, m.mlp_ratio * m.d_model
+    per_layer = 4 * d * d + d + 2 * d * ffn + ffn + d + 4 * d  # attention, MLP, two norms
+    head = 0 if m.tie_weights else m.vocab_size * d
+    return m.n_layer * per_layer + (m.vocab_size + m.seq_len) * d + 2 * d + head
+
+
+def _check_memory(cfg: TrainConfig, world_size: int) -> None:
+    """The least this machine's ranks need (training state sharded over the whole world,
+    each rank's activations) must fit its memory."""
+    from shardwise.memory.activations import TransformerShape, activation_bytes
+
+    m = cfg.model_config()
+    shape = TransformerShape(m.n_layer, m.d_model, m.n_head, m.n_head, m.mlp_ratio * m.d_model,
+                             m.vocab_size, "gelu", m.seq_len)
+    params = gpt_parameters(cfg)
+    per_rank = max(cfg.batch_size // world_size, 1)
+    need = (STATE_BYTES_PER_PARAM * params * cfg.nproc // world_size
+            + cfg.nproc * activation_bytes(shape, per_rank, m.seq_len))
+    have = physical_memory()
+    if need > have:
+        raise ConfigError(
+            f"the model is too large for this machine: --n-layer {m.n_layer}, --d-model "
+            f"{m.d_model}, --seq-len {m.seq_len}, --batch-size {cfg.batch_size} make {params:.3g} "
+            f"parameters; {cfg.nproc} ranks here need at least {human_bytes(need)} for training "
+            f"state and activations, and the machine has {human_bytes(have)}")
+
+
+def _check_corpus(cfg: TrainConfig, world_size: int) -> None:
+    """``--corpus-bytes`` must give every rank a batch of windows, in training and evaluation."""
+    from shardwise.data import BatchStream, TokenWindows, load_corpus
+
+    try:
+        corpus = load_corpus(cfg.corpus_bytes)
+        for split in (corpus.train, corpus.val):
+            BatchStream(TokenWindows(split, cfg.seq_len), cfg.batch_size, 0, world_size)
+    except ValueError as exc:
+        raise ConfigError(f"--corpus-bytes {cfg.corpus_bytes} is too small for --seq-len "
+                          f"{cfg.seq_len} and --batch-size {cfg.batch_size}: {exc}") from None
 
 
 def _positive(cfg: TrainConfig, *names: str) -> None:

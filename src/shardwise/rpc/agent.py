@@ -53,7 +53,7 @@ from shardwise.rpc.messages import (
 )
 from shardwise.rpc.options import UNSET_RPC_TIMEOUT, TensorPipeRpcBackendOptions, WorkerInfo
 from shardwise.rpc.pending import PendingCall, PendingCalls
-from shardwise.rpc.rref_context import RRefContext
+from shardwise.rpc.rref_context import ForbiddenRRef, RRefContext
 from shardwise.rpc.serialization import Session, dumps, loads
 from shardwise.rpc.transport import PeerUnavailable, Transport
 from shardwise.rpc.workers import WorkerPool
@@ -290,8 +290,13 @@ class RpcAgent:
                       send_exc)
 
     def _handle_remote(self, peer: int, msg_id: int, ctx_id, body) -> None:
-        fname, args, kwargs, reply_map, rref_id, fork_id = body
-        entry = self.rrefs.create_owned(tuple(rref_id), tuple(fork_id))  # in order, on reader
+        try:  # in order, on the thread reading the connection
+            fields = self.rrefs.fields(body, 6, "REMOTE", peer)
+            fname, args, kwargs, reply_map, rref_id, fork_id = fields
+            entry = self.rrefs.create_owned(rref_id, fork_id, peer)
+        except ForbiddenRRef as exc:
+            self.pool.submit(self._send_reply, peer, msg_id, None, exc)
+            return
 
         def run() -> None:
             try:
@@ -311,24 +316,34 @@ class RpcAgent:
 
         self.pool.submit(run)
 
+    # RRef requests are checked against the forks this owner recorded, in order on the thread
+    # reading the connection ([Note: RRef ids are capabilities] in rref_context.py)
     def _handle_fetch(self, peer: int, msg_id: int, ctx_id, body) -> None:
-        (rref_id,) = body
-        entry = self.rrefs.owned(rref_id)
-        if entry is None:
-            exc = RuntimeError(f"worker {self.name!r} owns no RRef {rref_id}")
+        try:
+            (rref_id,) = self.rrefs.fields(body, 1, "FETCH", peer)
+            entry = self.rrefs.held(rref_id, peer)
+        except ForbiddenRRef as exc:
             self.pool.submit(self._send_reply, peer, msg_id, None, exc)
             return
         self.reply_when_done(peer, msg_id, entry.future, ctx_id)
 
     def _handle_fork_add(self, peer: int, msg_id: int, ctx_id, body) -> None:
-        rref_id, fork_id = body
-        err = self.rrefs.add_fork(rref_id, fork_id)
+        err = None
+        try:
+            rref_id, fork_id, receiver = self.rrefs.fields(body, 3, "FORK_ADD", peer)
+            self.rrefs.add_fork(rref_id, fork_id, receiver, peer)
+        except ForbiddenRRef as exc:
+            err = exc
         self.pool.submit(self._send_reply, peer, msg_id, None, err)
 
     def _handle_fork_del(self, peer: int, msg_id: int, ctx_id, body) -> None:
-        rref_id, fork_id = body
-        self.rrefs.del_fork(rref_id, fork_id)
-        self.pool.submit(self._send_reply, peer, msg_id, None, None)
+        err = None
+        try:
+            rref_id, fork_id = self.rrefs.fields(body, 2, "FORK_DEL", peer)
+            self.rrefs.del_fork(rref_id, fork_id, peer)
+        except ForbiddenRRef as exc:
+            err = exc
+        self.pool.submit(self._send_reply, peer, msg_id, None, err)
 
     def _handle_backward(self, peer: int, msg_id: int, ctx_id, body) -> None:
         def run() -> None:

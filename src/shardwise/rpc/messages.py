@@ -19,8 +19,8 @@ class Kind(IntEnum):
     CALL = 1  # (function name, args, kwargs, reply device map)
     REMOTE = 2  # (function name, args, kwargs, reply device map, rref id, fork id)
     FETCH = 3  # (rref id,): the owner's value, when ready
-    FORK_ADD = 4  # (rref id, fork id): a user reference is being handed to another worker
-    FORK_DEL = 5  # (rref id, fork id): a user reference was dropped
+    FORK_ADD = 4  # (rref id, fork id, receiver rank): a holder hands its RRef to the receiver
+    FORK_DEL = 5  # (rref id, fork id): the fork's holder dropped it
     BACKWARD = 6  # (context id, grad key, grads): gradients for tensors this worker sent
     CTX_RELEASE = 7  # (context id,): forget a distributed autograd context
     RESPONSE = 16

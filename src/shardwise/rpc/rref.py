@@ -1,6 +1,7 @@
 """RRef: a reference to a value owned by one worker, usable from any worker.
 
-See [Note: RRef reference counting] in rref_context.py for how the owner knows when to free.
+See [Note: RRef reference counting] in rref_context.py for how the owner knows when to free,
+and [Note: RRef ids are capabilities] there for who may use an id.
 """
 
 from __future__ import annotations
@@ -167,11 +168,11 @@ def backward_on_owner(rref: RRef, context_id: int, retain_graph: bool) -> None:
 
 @register
 def rebuild_rref(rref_id, owner: int, fork) -> RRef:
-    agent = current_session().hooks
+    """An RRef received in a message. Its owner serves it only to a sender that holds it
+    ([Note: RRef ids are capabilities] in rref_context.py): ForbiddenRRef otherwise."""
+    session = current_session()
+    agent = session.hooks
     if owner == agent.rank:
-        entry = agent.rrefs.owned(rref_id)
-        if entry is None:
-            raise RuntimeError(f"received RRef {tuple(rref_id)} owned here, but it is unknown "
-                               "(already freed?)")
-        return RRef._make(agent, rref_id, owner, entry=entry)
+        entry = agent.rrefs.held(rref_id, session.peer)
+        return RRef._make(agent, entry.rref_id, owner, entry=entry)
     return RRef._make(agent, rref_id, owner, fork=tuple(fork))
