@@ -15,7 +15,7 @@ import torch.distributed as dist
 import shardwise.rpc as rpc
 from shardwise.distributed.env import RPC_SECRET_FILE_VAR, RPC_SECRET_VAR
 from shardwise.rpc import secret
-from shardwise.rpc.auth import AuthError, connect_handshake
+from shardwise.rpc.auth import AuthError, address_of, connect_handshake
 from shardwise.rpc.current import get_agent
 from tests.rpc import helpers
 
@@ -45,7 +45,8 @@ def test_outsider_with_the_store_contents_cannot_join(rpc_world):
     for key in _candidate_keys(values, group_id):
         with socket.create_connection((host, port), timeout=5) as sock, \
                 pytest.raises((AuthError, ConnectionError)):
-            connect_handshake(sock, key, 2)  # as worker2, already joined
+            # as worker2, already joined
+            connect_handshake(sock, key, 2, 1, address_of(host, port))
     assert rpc.rpc_sync("worker1", helpers.call_other, args=("worker2", helpers.my_name)) \
         == "worker2"
     assert agent.transport._token not in values
