@@ -151,6 +151,11 @@ class Transport:
                                           name="shardwise-rpc-accept")
         self._acceptor.start()
 
+    @property
+    def group_key(self) -> bytes:
+        """The group's key (handshakes, and the MAC of the group's store records)."""
+        return self._token
+
     def _accept_loop(self) -> None:
         while not self._closing:
             try:
