@@ -415,7 +415,8 @@ class RpcAgent:
             # then closes it: the others only say they are done and never read it again
             if self.rank == 0:
                 rendezvous.barrier(self.store, "left", self.rank, self.world_size, left(), key,
-                                   dead=lambda: set(self.dead) | set(missing))
+                                   dead=lambda: set(self.dead) | set(missing),
+                                   keep=("shutdown",))
             else:
                 rendezvous.arrive(self.store, "left", self.rank, key)
         except (RuntimeError, OSError, dist.DistStoreError) as exc:  # store host gone

@@ -212,25 +212,27 @@ def arrive(store: dist.Store, name: str, rank: int, key: bytes) -> None:
 
 
 def barrier(store: dist.Store, name: str, rank: int, world_size: int, timeout: float | None,
-            key: bytes, dead: Callable[[], set[int]] = set) -> list[int]:
+            key: bytes, dead: Callable[[], set[int]] = set,
+            keep: tuple[str, ...] = ()) -> list[int]:
     """Mark this rank at barrier ``name`` and wait until every other rank has arrived (a
     true record under the group ``key``) or is ``dead()``, or ``timeout`` seconds passed
-    (None: no limit).
+    (None: no limit). Meanwhile this rank's arrival, and its arrivals at the earlier barriers
+    ``keep``, are written again whenever they were overwritten (others may still read them).
 
     Returns the ranks that never arrived (empty when all did): dead ones, or any on timeout.
     """
-    mine = (f"{name}/{rank}", "1")
-    signed_store.put(store, *mine, key, SCOPE)
+    mine = [(f"{b}/{rank}", "1") for b in (name, *keep)]
+    signed_store.put(store, *mine[0], key, SCOPE)
     deadline = None if timeout is None else time.monotonic() + timeout
     pause = 0.002
-    arrived: set[int] = set()
+    arrived: set[int] = {rank}
     while True:
         gone = dead()  # read before the keys: a rank dead now cannot arrive later
         arrived |= {r for r in range(world_size) if r not in arrived
                     and signed_store.check(store, f"{name}/{r}", key, SCOPE)}
         waiting = [r for r in range(world_size) if r not in arrived]
-        if rank in waiting:
-            _keep(store, mine, key)
+        for record in mine:
+            _keep(store, record, key)
         if all(r in gone for r in waiting):
             return waiting
         if deadline is not None and time.monotonic() > deadline:
