@@ -16,16 +16,18 @@ where the message ends); a message that fails is a :class:`FrameError`, and the 
 closed with a warning naming the peer (connection.py).
 
 A frame's large buffers are covered too. On TCP the tag runs over every byte sent, the
-receiver hashing each buffer in pieces as they arrive (hot in cache). On shared memory a
-buffer that goes through the pool or a segment of its own is hashed by the sender while it
-copies it there (:meth:`Session.buffer_digest` on each piece), and the frame's tag covers that
-digest; the receiver hashes the region it maps before the frame is handed on.
+receiver hashing each buffer in pieces as they arrive. On shared memory a buffer that goes
+through the pool or a segment of its own is hashed by the sender once it has copied it there
+(:meth:`Session.buffer_hasher`), and the frame's tag covers that digest; the reader hashes the
+region it maps before the frame is handed on.
 
-Why keyed BLAKE3 (the ``blake3`` package): measured on this project's 2-core VM under load,
-over 64 MB one call ran at 1.7 GB/s against 1.2 for HMAC-SHA256 (with SHA extensions) and
-0.4 for keyed BLAKE2b, and it releases the GIL while it hashes, so a reader keeps reading
-other connections meanwhile. For a 1 KB message the three cost 3-5 us each. Poly1305 needs a
-fresh key per message, which would add a key derivation per frame.
+Why keyed BLAKE3 (the ``blake3`` package): one call over 64 MB ran at 1.7 GB/s on this
+project's 2-core VM under load, against 1.2 for HMAC-SHA256 (with SHA extensions) and 0.4 for
+keyed BLAKE2b; for a 1 KB message the three cost 3-5 us each. BLAKE3 alone hashes one input on
+several cores with the same digest (``max_threads``), and it releases the GIL while it hashes.
+With one core per side the MAC cut the 64 MB shared-memory rate from 3.4-3.6x TensorPipe's to
+0.9x on a 16-core host; hashed on several cores it came back to 2.6-3.0x (docs/benchmarks.md).
+Poly1305 needs a fresh key per message, which would add a key derivation per frame.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from shardwise.rpc.wire import FrameError
 TAG = 16
 KEY = 32
 _SEQ = struct.Struct("<Q")
+_THREADS = blake3.blake3.AUTO  # a large input is hashed on several cores (same digest)
 _LABEL = b"shardwise-rpc-session-v1"
 
 
@@ -69,7 +72,7 @@ class Session:
     # ------------------------------------------------------------------ sending
     def tag_out(self, parts) -> bytes:
         """The tag of the next message sent, whose bytes are ``parts`` in order."""
-        h = blake3.blake3(_SEQ.pack(self.sent), key=self._send_key)
+        h = blake3.blake3(_SEQ.pack(self.sent), key=self._send_key, max_threads=_THREADS)
         for part in parts:
             h.update(part)
         self.sent += 1
@@ -78,12 +81,13 @@ class Session:
     def buffer_hasher(self, outgoing: bool):
         """A fresh keyed hasher for one large buffer's bytes (fed piece by piece); its
         ``digest(TAG)`` goes into the frame's tagged bytes."""
-        return blake3.blake3(key=self._send_key if outgoing else self._recv_key)
+        return blake3.blake3(key=self._send_key if outgoing else self._recv_key,
+                             max_threads=_THREADS)
 
     # ------------------------------------------------------------------ receiving
     def check_in(self, parts, tag, peer: int) -> None:
         """Check the next received message's tag; FrameError (the connection ends) if wrong."""
-        h = blake3.blake3(_SEQ.pack(self.received), key=self._recv_key)
+        h = blake3.blake3(_SEQ.pack(self.received), key=self._recv_key, max_threads=_THREADS)
         for part in parts:
             h.update(part)
         if not hmac.compare_digest(h.digest(TAG), bytes(tag)):
@@ -95,7 +99,8 @@ class Session:
     def receiver(self):
         """A hasher already fed the next received message's sequence number (for a message
         whose bytes arrive in pieces); finish with :meth:`check_hasher`."""
-        return blake3.blake3(_SEQ.pack(self.received), key=self._recv_key)
+        return blake3.blake3(_SEQ.pack(self.received), key=self._recv_key,
+                             max_threads=_THREADS)
 
     def check_hasher(self, h, tag, peer: int) -> None:
         if not hmac.compare_digest(h.digest(TAG), bytes(tag)):

@@ -84,7 +84,6 @@ _DATA, _SPACE = b"D", b"S"  # doorbell bytes: "your incoming ring has data" / "h
 _JOIN = 64 << 10  # frames up to this are joined into one piece before the ring
 _GROW = 1 << 20  # payloads above this are read into memory that grows as they arrive
 _SPACE_POLL = 0.005  # a writer waiting for space re-checks this often (seconds)
-_CHUNK = 1 << 20  # a large buffer is copied and hashed in pieces of this size
 
 
 class ChannelError(ConnectionError):
@@ -351,12 +350,10 @@ class ShmConnection(QueuedConnection):
         self.sent_lent += 1
         slot, offset = lent
         try:
-            for at in range(0, len(view), _CHUNK):
-                piece = view[at:at + _CHUNK]
-                self.tx_pool.write(offset + at, piece)
-                mac.update(piece)
+            self.tx_pool.write(offset, view)
         except PoolError as exc:
             raise ShmClosed(f"connection to rank {self.peer} closed while sending") from exc
+        mac.update(view)  # (one call: hashed on several cores)
         digests.append(mac.digest(TAG))
         return _DESCRIPTOR.pack(slot, 0, offset)
 
@@ -364,10 +361,8 @@ class ShmConnection(QueuedConnection):
         name = f"{self.link.prefix}{self.link.me}-t{next(self._temp)}"
         fd = shm_ring.create_file(name)
         try:
-            for at in range(0, len(view), _CHUNK):
-                piece = view[at:at + _CHUNK]
-                shm_ring.write_file(fd, piece, at)
-                mac.update(piece)
+            shm_ring.write_file(fd, view)
+            mac.update(view)
         except BaseException:
             shm_ring.unlink(name)
             raise

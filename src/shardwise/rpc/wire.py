@@ -31,7 +31,7 @@ import numpy as np
 
 MAGIC = b"SWR1"
 TAG = 16  # the frame's MAC (session.py)
-_CHUNK = 4 << 20  # a large buffer is received and hashed in pieces of this size
+_CHUNK = 16 << 20  # a large buffer is received and hashed in pieces of this size
 _FIXED = struct.Struct("!4sIQ")
 MAX_BUFFERS = 1 << 16
 DEFAULT_MAX_MESSAGE = 1 << 36  # 64 GiB per frame, payload and tensors together
