@@ -17,6 +17,7 @@ import torch
 
 from shardwise.rpc.serialization import Session, dumps, loads
 from shardwise.rpc.wire import FrameReader, frame_parts
+from tests.rpc.pairs import sessions
 
 N_PICKLES = 7000
 N_FRAMES = 3000
@@ -157,7 +158,9 @@ def test_fuzzed_pickles_and_frames_never_run_code(no_code):
             frame = b"".join(bytes(p) for p in frame_parts(b"\x01" + b"\x00" * 8 + payload,
                                                            [memoryview(b) for b in buffers]))
             data = _mutate(frame, rng) if i % 4 else _mutate(frame[:21], rng) + frame[21:]
-            reader = FrameReader(_Bytes(data, rng), max_message=1 << 24)
+            tx, rx = sessions()  # (sealed after the damage: a member's hostile frame)
+            data += tx.tag_out([data])
+            reader = FrameReader(_Bytes(data, rng), rx, 1, max_message=1 << 24)
             signal.setitimer(signal.ITIMER_REAL, 5.0)
             try:
                 while True:

@@ -11,27 +11,30 @@ import torch.distributed as dist
 from shardwise.rpc import rendezvous
 from shardwise.rpc.remote_module import parse_remote_device
 
+KEY = b"g" * 32
+
 
 def _arrive(store, name: str, ranks) -> None:
     for r in ranks:
-        store.set(f"{name}/{r}", "1")
+        rendezvous.arrive(store, name, r, KEY)
 
 
 def test_barrier_all_arrived():
     store = dist.HashStore()
     _arrive(store, "b", [1, 2])
-    assert rendezvous.barrier(store, "b", 0, 3, timeout=None) == []
+    assert rendezvous.barrier(store, "b", 0, 3, timeout=None, key=KEY) == []
 
 
 def test_barrier_stops_for_dead_ranks_that_never_arrived_even_without_a_limit():
     store = dist.HashStore()
     _arrive(store, "b", [1])  # rank 1 arrived (and may die afterwards: not an error)
-    assert rendezvous.barrier(store, "b", 0, 4, timeout=None, dead=lambda: {1, 2, 3}) == [2, 3]
+    assert rendezvous.barrier(store, "b", 0, 4, timeout=None, key=KEY,
+                              dead=lambda: {1, 2, 3}) == [2, 3]
 
 
 def test_barrier_limit_names_live_ranks_still_missing():
     store = dist.HashStore()
-    assert rendezvous.barrier(store, "b", 0, 3, timeout=0.05, dead=lambda: {2}) == [1, 2]
+    assert rendezvous.barrier(store, "b", 0, 3, timeout=0.05, key=KEY, dead=lambda: {2}) == [1, 2]
 
 
 def test_each_init_gets_its_own_key_prefix():

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import shardwise.rpc as rpc
-from shardwise.rpc.auth import HELLO_SIZE, connect_handshake, new_token
+from shardwise.rpc.auth import HELLO_SIZE, address_of, connect_handshake, new_token
 from shardwise.rpc.shm_channel import negotiate
 from shardwise.rpc.transport import HANDSHAKE_SLOTS, RateLimitedLog, Transport
 from shardwise.rpc.wire import MAGIC, send_frame
@@ -39,6 +39,7 @@ class _Server:
     def __init__(self, **kwargs):
         self.token = new_token()
         self.frames, self.lost = [], []
+        self.sessions: dict = {}  # a joined socket's file number -> its session
         self.got = threading.Event()
         self.gone = threading.Event()
         self.t = Transport(0, 2, self.token, "127.0.0.1", self._frame, self._lost, **kwargs)
@@ -54,8 +55,11 @@ class _Server:
 
     def join_as(self, rank: int, token: bytes | None = None) -> socket.socket:
         sock = socket.create_connection(("127.0.0.1", self.t.port), timeout=5)
-        connect_handshake(sock, token or self.token, rank)
-        negotiate(sock, "tcp", acceptor=False, timeout=5)  # the channel hello, as a TCP peer
+        session = connect_handshake(sock, token or self.token, rank, 0,
+                                    address_of("127.0.0.1", self.t.port))
+        # the channel hello, as a TCP peer
+        negotiate(sock, "tcp", acceptor=False, timeout=5, session=session, peer=0)
+        self.sessions[sock.fileno()] = session
         return sock
 
 
@@ -133,7 +137,7 @@ def test_second_connection_claiming_a_joined_rank_is_refused_not_the_first(serve
     second = srv.join_as(1)  # knows the secret, claims the same rank
     second.settimeout(5)
     assert second.recv(1) == b""  # closed by the acceptor
-    send_frame(first, b"still here", [])
+    send_frame(first, b"still here", [], srv.sessions[first.fileno()])
     assert srv.got.wait(5) and srv.frames == [(1, b"still here")]
     assert srv.lost == []
     first.close()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import pwd
 import socket
 import stat
 import threading
@@ -15,7 +16,7 @@ import torch.distributed as dist
 import shardwise.rpc as rpc
 from shardwise.distributed.env import RPC_SECRET_FILE_VAR, RPC_SECRET_VAR
 from shardwise.rpc import secret
-from shardwise.rpc.auth import AuthError, connect_handshake
+from shardwise.rpc.auth import AuthError, address_of, connect_handshake
 from shardwise.rpc.current import get_agent
 from tests.rpc import helpers
 
@@ -45,7 +46,8 @@ def test_outsider_with_the_store_contents_cannot_join(rpc_world):
     for key in _candidate_keys(values, group_id):
         with socket.create_connection((host, port), timeout=5) as sock, \
                 pytest.raises((AuthError, ConnectionError)):
-            connect_handshake(sock, key, 2)  # as worker2, already joined
+            # as worker2, already joined
+            connect_handshake(sock, key, 2, 1, address_of(host, port))
     assert rpc.rpc_sync("worker1", helpers.call_other, args=("worker2", helpers.my_name)) \
         == "worker2"
     assert agent.transport._token not in values
@@ -113,6 +115,35 @@ def test_secret_file_readable_by_others_is_refused(monkeypatch, tmp_path):
         secret.from_environment()
     path.chmod(0o600)
     assert secret.from_environment() == b"s3cret"
+
+
+def test_secret_file_of_another_owner_is_refused(monkeypatch, tmp_path):
+    """Issue 25: a 0600 file owned by someone else was accepted (only its mode was checked);
+    its owner could have chosen the secret."""
+    monkeypatch.delenv(RPC_SECRET_VAR, raising=False)
+    path = tmp_path / "secret"
+    path.write_text("s3cret")
+    path.chmod(0o600)
+    monkeypatch.setenv(RPC_SECRET_FILE_VAR, str(path))
+    if os.geteuid() == 0:
+        os.chown(path, pwd.getpwnam("nobody").pw_uid, -1)
+    else:  # (not root: pretend this process runs as another user)
+        monkeypatch.setattr(os, "geteuid", lambda: os.getuid() + 1)
+    with pytest.raises(secret.SecretFileError, match="owned by uid"):
+        secret.from_environment()
+
+
+def test_secret_file_writable_by_others_or_not_a_file_is_refused(monkeypatch, tmp_path):
+    monkeypatch.delenv(RPC_SECRET_VAR, raising=False)
+    path = tmp_path / "secret"
+    path.write_text("s3cret")
+    path.chmod(0o622)  # not readable, but writable by others
+    monkeypatch.setenv(RPC_SECRET_FILE_VAR, str(path))
+    with pytest.raises(secret.SecretFileError, match="writable"):
+        secret.from_environment()
+    monkeypatch.setenv(RPC_SECRET_FILE_VAR, str(tmp_path))  # a directory
+    with pytest.raises(secret.SecretFileError, match="not a regular file"):
+        secret.from_environment()
 
 
 def test_outsider_connecting_as_a_rank_before_the_real_one_is_refused():

@@ -14,6 +14,7 @@ from shardwise.rpc.auth import AuthError, accept_handshake, connect_handshake, n
 from shardwise.rpc.transport import Connection
 from shardwise.rpc.wire import MAGIC, send_frame
 from tests.rpc import helpers
+from tests.rpc.pairs import sessions
 
 
 def _garbage(port: int, data: bytes) -> None:
@@ -38,6 +39,9 @@ def test_garbage_to_agent_port_is_dropped_and_agent_keeps_serving(rpc_world):
         == "worker1"
 
 
+ADDR = b"127.0.0.1:1"  # (the address both ends of a socket pair take for the acceptor's)
+
+
 def _pair():
     a, b = socket.socketpair()
     return a, b
@@ -53,7 +57,8 @@ def test_handshake_needs_the_group_token():
 
         def acceptor(sock=a, out=result):
             try:
-                out["rank"] = accept_handshake(sock, token, world_size=4, me=0)
+                out["rank"] = accept_handshake(sock, token, world_size=4, me=0,
+                                               address=ADDR)[0]
             except AuthError as exc:
                 out["error"] = exc
                 sock.close()  # as the transport does: the connector sees the close
@@ -61,10 +66,10 @@ def test_handshake_needs_the_group_token():
         t = threading.Thread(target=acceptor)
         t.start()
         if ok:
-            connect_handshake(b, peer_token, me=2)
+            connect_handshake(b, peer_token, me=2, peer=0, address=ADDR)
         else:
             with pytest.raises(AuthError):
-                connect_handshake(b, peer_token, me=2)
+                connect_handshake(b, peer_token, me=2, peer=0, address=ADDR)
         b.close()
         t.join(5)
         a.close()
@@ -77,14 +82,15 @@ def test_bad_and_truncated_frames_drop_only_that_connection():
     conns = []
     for bad in (b"XXXX" + b"\x00" * 12, MAGIC + struct.pack("!IQ", 0, 100) + b"short"):
         a, b = _pair()
-        conns.append(Connection(a, 1, lambda p, pl, bu: frames.append(pl),
+        conns.append(Connection(a, 1, sessions()[0], lambda p, pl, bu: frames.append(pl),
                                 lambda p, e, clean: lost.append((type(e).__name__, clean))))
         b.sendall(bad)
         b.close()
     good_a, good_b = _pair()
     got = threading.Event()
-    Connection(good_a, 2, lambda p, pl, bu: got.set(), lambda *a: None)
-    send_frame(good_b, b"hello", [memoryview(b"buf")])
+    acc, con = sessions()
+    Connection(good_a, 2, con, lambda p, pl, bu: got.set(), lambda *a: None)
+    send_frame(good_b, b"hello", [memoryview(b"buf")], acc)
     assert got.wait(5)
     for c in conns:
         c._reader.join(5)
@@ -104,7 +110,8 @@ def test_handshake_refuses_a_rank_that_does_not_connect_to_this_one():
 
         def acceptor(sock=a, out=result):
             try:
-                out["rank"] = accept_handshake(sock, token, world_size=4, me=2)
+                out["rank"] = accept_handshake(sock, token, world_size=4, me=2,
+                                               address=ADDR)[0]
             except AuthError as exc:
                 out["error"] = exc
                 sock.close()
@@ -112,7 +119,7 @@ def test_handshake_refuses_a_rank_that_does_not_connect_to_this_one():
         t = threading.Thread(target=acceptor)
         t.start()
         with pytest.raises((AuthError, ConnectionError)):
-            connect_handshake(b, token, me=claimed)
+            connect_handshake(b, token, me=claimed, peer=2, address=ADDR)
         t.join(5)
         b.close()
         assert "not a rank above 2" in str(result["error"])

@@ -19,7 +19,7 @@ from shardwise.rpc.current import get_agent
 from tests.harness import zygote
 from tests.rpc import helpers
 from tests.rpc.conftest import ROOT, python_path
-from tests.rpc.pairs import shm_pair
+from tests.rpc.pairs import sessions, shm_pair
 
 
 @pytest.fixture
@@ -141,10 +141,11 @@ def test_a_huge_claimed_payload_allocates_nothing_until_its_bytes_arrive():
 def test_forced_shm_and_forced_tcp_cannot_meet():
     a, b = socket.socketpair()
     out: dict = {}
+    ends = dict(zip((True, False), sessions()))
 
     def side(sock, mode, acceptor) -> None:
         try:
-            out[mode] = shm_channel.negotiate(sock, mode, acceptor, 5.0)
+            out[mode] = shm_channel.negotiate(sock, mode, acceptor, 5.0, ends[acceptor], 0)
         except shm_channel.ChannelError as exc:
             out[mode] = exc
 
@@ -162,9 +163,10 @@ def test_auto_falls_back_to_tcp_when_the_peer_is_on_another_host(monkeypatch):
     a, b = socket.socketpair()
     out: dict = {}
     real = shm_channel.boot_id
+    ends = dict(zip((True, False), sessions()))
 
     def side(sock, acceptor) -> None:
-        out[acceptor] = shm_channel.negotiate(sock, "auto", acceptor, 5.0)
+        out[acceptor] = shm_channel.negotiate(sock, "auto", acceptor, 5.0, ends[acceptor], 0)
 
     # the acceptor reports another kernel's boot id
     monkeypatch.setattr(shm_channel, "boot_id",

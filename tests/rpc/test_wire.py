@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from shardwise.rpc import wire
+from tests.rpc.pairs import sessions
 
 
 def _frames() -> list[tuple[bytes, list[np.ndarray]]]:
@@ -25,15 +26,16 @@ def _frames() -> list[tuple[bytes, list[np.ndarray]]]:
 def test_reader_returns_every_frame_intact_and_in_order():
     frames = _frames()
     a, b = socket.socketpair()
+    tx, rx = sessions()
 
     def send() -> None:
         with a:
             for payload, bufs in frames:
-                wire.send_all(a, wire.frame_parts(payload, [memoryview(x) for x in bufs]))
+                wire.send_frame(a, payload, [memoryview(x) for x in bufs], tx)
 
     sender = threading.Thread(target=send)
     sender.start()
-    reader, got = wire.FrameReader(b), []
+    reader, got = wire.FrameReader(b, rx, 1), []
     with pytest.raises(wire.PeerClosed) as closed:
         while True:
             got.extend(reader.next_batch())
@@ -51,13 +53,13 @@ def test_reader_rejects_a_bad_header_and_reports_a_truncated_frame():
     a, b = socket.socketpair()
     a.sendall(b"XXXX" + bytes(12))
     with pytest.raises(wire.FrameError):
-        wire.FrameReader(b).next_batch()
+        wire.FrameReader(b, sessions()[1], 1).next_batch()
     a.close()
     b.close()
     a, b = socket.socketpair()
     a.sendall(wire.frame_parts(b"payload", [])[0][:-3])
     a.close()
     with pytest.raises(wire.PeerClosed) as closed:
-        wire.FrameReader(b).next_batch()
+        wire.FrameReader(b, sessions()[1], 1).next_batch()
     assert closed.value.truncated
     b.close()

@@ -422,16 +422,18 @@ class RpcAgent:
             log.warning("shardwise.rpc %s: %d calls still outstanding at shutdown",
                         self.name, self.pending.count())
         self.state = AgentState.DRAINING
+        key = self.transport.group_key  # records signed ([Note: signed store records])
         try:
             missing = rendezvous.barrier(self.store, "shutdown", self.rank, self.world_size,
-                                         left(), dead=lambda: set(self.dead))
+                                         left(), key, dead=lambda: set(self.dead))
             # the store's host (rank 0 without a launcher) stays until everyone has read it,
             # then closes it: the others only say they are done and never read it again
             if self.rank == 0:
-                rendezvous.barrier(self.store, "left", self.rank, self.world_size, left(),
-                                   dead=lambda: set(self.dead) | set(missing))
+                rendezvous.barrier(self.store, "left", self.rank, self.world_size, left(), key,
+                                   dead=lambda: set(self.dead) | set(missing),
+                                   keep=("shutdown",))
             else:
-                self.store.set(f"left/{self.rank}", "1")
+                rendezvous.arrive(self.store, "left", self.rank, key)
         except (RuntimeError, OSError, dist.DistStoreError) as exc:  # store host gone
             raise rendezvous.RendezvousError(
                 f"shutdown on {self.name!r}: lost the rendezvous store while waiting for the "
@@ -488,7 +490,8 @@ def _start(name, rank, world_size, options, store, token, devices, publish) -> R
     record = {"name": name, "host": host, "port": transport.port,
               "devices": [str(d) for d in devices]}
     try:
-        records = rendezvous.exchange(store, rank, world_size, record, options.connect_timeout)
+        records = rendezvous.exchange(store, rank, world_size, record, options.connect_timeout,
+                                      token)
         validate_device_maps(options.device_maps, devices,
                              {r["name"]: [as_device(d) for d in r["devices"]] for r in records},
                              name)
@@ -508,7 +511,8 @@ def _start(name, rank, world_size, options, store, token, devices, publish) -> R
                               options.connect_timeout)
         transport.wait_connected([p for p in range(world_size) if p != rank],
                                  options.connect_timeout)
-        missing = rendezvous.barrier(store, "ready", rank, world_size, options.connect_timeout)
+        missing = rendezvous.barrier(store, "ready", rank, world_size, options.connect_timeout,
+                                     token)
         if missing:
             raise rendezvous.RendezvousError(f"ranks {missing} did not finish connecting")
     except BaseException:

@@ -1,17 +1,24 @@
-"""Mutual authentication of a new connection with the group's token (HMAC challenge-response).
+"""Mutual authentication of a new connection with the group's key, binding the session to it.
 
-The token is the group's key, derived from a secret that never goes through the rendezvous
-store ([Note: group secret] in secret.py). On connect:
+The key is the group's, derived from a secret that never goes through the rendezvous store
+([Note: group secret] in secret.py). On connect:
 
-    acceptor  -> connector : "SWA1" | acceptor nonce (16 bytes)
-    connector -> acceptor  : "SWA1" | connector rank (u32) | connector nonce | HMAC(token, ...)
-    acceptor  -> connector : HMAC(token, "acceptor" | both nonces | rank)
+    acceptor  -> connector : "SWA2" | acceptor nonce (16 bytes)
+    connector -> acceptor  : "SWA2" | connector rank (u32) | acceptor rank it means to reach
+                             (u32) | connector nonce | address length (u16) | address dialed
+                             | HMAC(key, "connector" | transcript)
+    acceptor  -> connector : HMAC(key, "acceptor" | transcript)
 
-Each side proves it knows the token without sending it, over fresh nonces, so a recorded
-handshake cannot be replayed; the rank is inside the MAC, so a connection proves both the secret
-and its rank. Anything else (wrong magic, a rank that is not above the acceptor's, bad MAC, a
-handshake not finished by its deadline) is an :class:`AuthError` and the socket is closed by
-the caller.
+The transcript is both nonces, both ranks and the address (``host:port``) the connector dialed.
+Each side proves it knows the key without sending it, over fresh nonces, so a recorded
+handshake cannot be replayed; the acceptor proves it is the rank the connector meant to reach
+and listens at the address the connector dialed (a relay listening elsewhere that forwards the
+bytes fails here: the acceptor refuses an address that is not its own), and the session keys
+of every later message are derived from the transcript ([Note: session MAC] in session.py), so
+a relay that forwarded a handshake cannot speak on the connection. The address in the store
+is only where to dial. Anything else (wrong magic, a rank that is not above the acceptor's, a
+wrong address, bad MAC, a handshake not finished by its deadline) is an :class:`AuthError`
+and the socket is closed by the caller.
 """
 
 from __future__ import annotations
@@ -23,14 +30,16 @@ import socket
 import struct
 import time
 
+from shardwise.rpc.session import Session, derive
 from shardwise.rpc.wire import PeerClosed
 
-MAGIC = b"SWA1"
+MAGIC = b"SWA2"
 NONCE = 16
 _DIGEST = hashlib.sha256().digest_size
 _HELLO = struct.Struct(f"!4s{NONCE}s")
 HELLO_SIZE = _HELLO.size
-_REPLY = struct.Struct(f"!4sI{NONCE}s{_DIGEST}s")
+_REPLY = struct.Struct(f"!4sII{NONCE}sH")  # then the address, then the MAC
+MAX_ADDRESS = 512
 
 
 class AuthError(ConnectionError):
@@ -41,8 +50,19 @@ def new_token() -> bytes:
     return secrets.token_bytes(32)
 
 
-def _mac(token: bytes, role: bytes, a: bytes, b: bytes, rank: int) -> bytes:
-    return hmac.new(token, role + a + b + struct.pack("!I", rank), hashlib.sha256).digest()
+def _transcript(acceptor_nonce: bytes, connector_nonce: bytes, connector: int,
+                acceptor: int, address: bytes) -> bytes:
+    return MAGIC + acceptor_nonce + connector_nonce + struct.pack("!II", connector, acceptor) \
+        + address
+
+
+def _mac(token: bytes, role: bytes, transcript: bytes) -> bytes:
+    return hmac.new(token, role + b"|" + transcript, hashlib.sha256).digest()
+
+
+def address_of(host: str, port: int) -> bytes:
+    """The address as both ends write it into the transcript."""
+    return f"{host}:{port}".encode()
 
 
 def recv_by(sock: socket.socket, n: int, deadline: float | None) -> bytes:
@@ -67,38 +87,53 @@ def recv_by(sock: socket.socket, n: int, deadline: float | None) -> bytes:
 
 
 def accept_handshake(sock: socket.socket, token: bytes, world_size: int, me: int,
-                     deadline: float | None = None) -> int:
-    """Run the acceptor's side; returns the authenticated peer's rank. The whole exchange
-    must end before ``deadline`` (monotonic seconds)."""
+                     address: bytes, deadline: float | None = None) -> tuple[int, Session]:
+    """Run the acceptor's side (``address``: where this worker listens, as published); returns
+    the authenticated peer's rank and the connection's session. The whole exchange must end
+    before ``deadline`` (monotonic seconds)."""
     nonce = secrets.token_bytes(NONCE)
     sock.sendall(_HELLO.pack(MAGIC, nonce))
     try:
-        magic, rank, peer_nonce, mac = _REPLY.unpack(recv_by(sock, _REPLY.size, deadline))
+        magic, rank, target, peer_nonce, size = _REPLY.unpack(
+            recv_by(sock, _REPLY.size, deadline))
+        if magic != MAGIC:
+            raise AuthError(f"not a shardwise RPC peer (handshake magic {bytes(magic)!r})")
+        if size > MAX_ADDRESS:
+            raise AuthError(f"handshake address of {size} bytes (at most {MAX_ADDRESS})")
+        dialed = recv_by(sock, size, deadline)
+        mac = recv_by(sock, _DIGEST, deadline)
     except PeerClosed as exc:
         raise AuthError(f"connection closed during the handshake: {exc}") from exc
-    if magic != MAGIC:
-        raise AuthError(f"not a shardwise RPC peer (handshake magic {bytes(magic)!r})")
     if not me < rank < world_size:  # (higher ranks connect to lower ones: transport.py)
         raise AuthError(f"handshake names rank {rank}, not a rank above {me} in a world of "
                         f"{world_size}")
-    if not hmac.compare_digest(mac, _mac(token, b"connector", nonce, peer_nonce, rank)):
+    transcript = _transcript(nonce, peer_nonce, rank, target, dialed)
+    if not hmac.compare_digest(mac, _mac(token, b"connector", transcript)):
         raise AuthError(f"peer claiming rank {rank} failed authentication (wrong group token)")
-    sock.sendall(_mac(token, b"acceptor", nonce, peer_nonce, rank))
-    return rank
+    if target != me or dialed != address:
+        raise AuthError(f"rank {rank} meant to reach rank {target} at {dialed!r}, but this is "
+                        f"rank {me} at {address!r} (a relay between them?)")
+    sock.sendall(_mac(token, b"acceptor", transcript))
+    return rank, derive(token, transcript, acceptor=True)
 
 
-def connect_handshake(sock: socket.socket, token: bytes, me: int,
-                      deadline: float | None = None) -> None:
-    """Run the connector's side; raises AuthError if the acceptor is not of our group."""
+def connect_handshake(sock: socket.socket, token: bytes, me: int, peer: int, address: bytes,
+                      deadline: float | None = None) -> Session:
+    """Run the connector's side towards rank ``peer``, dialed at ``address``; returns the
+    session, or raises AuthError if whoever answered did not prove it is ``peer`` there."""
     try:
         magic, nonce = _HELLO.unpack(recv_by(sock, _HELLO.size, deadline))
+        if magic != MAGIC:
+            raise AuthError(f"not a shardwise RPC peer (handshake magic {bytes(magic)!r})")
         peer_nonce = secrets.token_bytes(NONCE)
-        mac = _mac(token, b"connector", nonce, peer_nonce, me)
-        sock.sendall(_REPLY.pack(MAGIC, me, peer_nonce, mac))
+        transcript = _transcript(nonce, peer_nonce, me, peer, address)
+        mac = _mac(token, b"connector", transcript)
+        sock.sendall(_REPLY.pack(MAGIC, me, peer, peer_nonce, len(address)) + address + mac)
         answer = recv_by(sock, _DIGEST, deadline)
     except PeerClosed as exc:
-        raise AuthError(f"peer closed the connection during the handshake: {exc}") from exc
-    if magic != MAGIC:
-        raise AuthError(f"not a shardwise RPC peer (handshake magic {bytes(magic)!r})")
-    if not hmac.compare_digest(bytes(answer), _mac(token, b"acceptor", nonce, peer_nonce, me)):
-        raise AuthError("the peer failed authentication (wrong group token)")
+        raise AuthError(f"peer at {address!r} closed the connection during the handshake "
+                        f"(not rank {peer} there, or it refused our proof): {exc}") from exc
+    if not hmac.compare_digest(bytes(answer), _mac(token, b"acceptor", transcript)):
+        raise AuthError(f"whoever answered at {address!r} failed to prove it is rank {peer} "
+                        "of this group")
+    return derive(token, transcript, acceptor=False)

@@ -236,7 +236,9 @@ class QueuedConnection:
         if isinstance(exc, PeerClosed):
             self._lost(exc, clean=not exc.truncated)
             return
-        if not isinstance(exc, (FrameError, OSError)):
+        if isinstance(exc, FrameError):
+            log.warning("shardwise.rpc: closing the connection to rank %d: %s", self.peer, exc)
+        elif not isinstance(exc, OSError):
             log.error("shardwise.rpc: dropping connection to rank %d: undecodable frame "
                       "(%s: %s)", self.peer, type(exc).__name__, exc)
         self._lost(exc, clean=False)

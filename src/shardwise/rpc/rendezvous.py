@@ -8,6 +8,11 @@ calls, as torch's ``rpc_prefix_<n>``), so a store shared with a process group, o
 earlier RPC group of the same processes, never mixes keys. Every wait is bounded, except the
 shutdown barrier's default (see [Note: shutdown] in agent.py).
 
+The records a worker trusts (addresses and barrier arrivals) carry a MAC under the group's key
+([Note: signed store records] in distributed/signed_store.py): a record written without the
+group secret is ignored and logged, and the wait goes on for a true one. A worker whose own
+record was overwritten while it waits writes it again, so a one-off overwrite delays nobody.
+
 [Note: shared store] ``init_process_group`` then ``init_rpc`` on one MASTER_ADDR / MASTER_PORT
 is how DDP and RPC are combined. Without a launcher, rank 0 hosts the TCPStore; two stores
 cannot both listen on that port. So: (1) when the default process group's store is a TCPStore
@@ -33,9 +38,11 @@ from urllib.parse import urlparse
 
 import torch.distributed as dist
 
+from shardwise.distributed import signed_store
 from shardwise.distributed.env import AGENT_STORE_VAR, flag_var, int_var
 
 PREFIX = "shardwise_rpc"
+SCOPE = "shardwise-rpc"  # the signed records' scope (the group key already names the group)
 _init_counter = itertools.count()
 _counter_lock = threading.Lock()
 
@@ -149,12 +156,17 @@ def store_host(store: dist.Store) -> str | None:
 
 
 def exchange(store: dist.Store, rank: int, world_size: int, record: dict,
-             timeout: float) -> list[dict]:
-    """Publish this worker's record and return every worker's, ordered by rank."""
-    store.set(f"worker/{rank}", json.dumps(record))
+             timeout: float, key: bytes) -> list[dict]:
+    """Publish this worker's record (signed with the group ``key``) and return every worker's
+    true record, ordered by rank."""
+    mine = (f"worker/{rank}", json.dumps(record))
+    signed_store.put(store, *mine, key, SCOPE)
     keys = [f"worker/{r}" for r in range(world_size)]
-    _wait_keys(store, keys, timeout, "publish its address")
-    records = [json.loads(store.get(k)) for k in keys]
+    values = _wait_records(store, keys, timeout, "publish its address", key, mine)
+    try:
+        records = [json.loads(v) for v in values]
+    except ValueError as exc:  # (signed, so written by a member: a bug, not an attack)
+        raise RendezvousError(f"a worker's address record is not JSON: {exc}") from exc
     names = [r["name"] for r in records]
     dupes = sorted({n for n in names if names.count(n) > 1})
     if dupes:
@@ -162,28 +174,65 @@ def exchange(store: dist.Store, rank: int, world_size: int, record: dict,
     return records
 
 
-def _wait_keys(store: dist.Store, keys: list[str], timeout: float, what: str) -> None:
+def _wait_records(store: dist.Store, keys: list[str], timeout: float, what: str, key: bytes,
+                  mine: tuple[str, str]) -> list[bytes]:
+    """The values of the true records under ``keys``, waiting up to ``timeout`` seconds;
+    ``mine`` is written again whenever it no longer holds."""
     deadline = time.monotonic() + timeout
-    while not store.check(keys):
+    values: dict[str, bytes] = {}
+    while True:
+        for k in keys:
+            if k not in values:
+                value = signed_store.get(store, k, key, SCOPE)
+                if value is not None:
+                    values[k] = value
+        _keep(store, mine, key)
+        if len(values) == len(keys):
+            return [values[k] for k in keys]
         if time.monotonic() > deadline:
-            missing = [int(k.rsplit("/", 1)[-1]) for k in keys if not store.check([k])]
-            raise RendezvousError(f"ranks {missing} did not {what} within {timeout:.0f} s")
+            missing = [k for k in keys if k not in values]
+            forged = [int(k.rsplit("/", 1)[-1]) for k in missing if store.check([k])]
+            ranks = [int(k.rsplit("/", 1)[-1]) for k in missing]
+            raise RendezvousError(
+                f"ranks {ranks} did not {what} within {timeout:.0f} s" +
+                (f" (the records of ranks {forged} fail their MAC: written without the group "
+                 "secret)" if forged else ""))
         time.sleep(0.005)
 
 
+def _keep(store: dist.Store, mine: tuple[str, str] | None, key: bytes) -> None:
+    """Write this worker's own record again if it no longer holds (overwritten)."""
+    if mine is not None and not signed_store.check(store, mine[0], key, SCOPE):
+        signed_store.put(store, *mine, key, SCOPE)
+
+
+def arrive(store: dist.Store, name: str, rank: int, key: bytes) -> None:
+    """Mark this rank at barrier ``name`` (a signed record) without waiting."""
+    signed_store.put(store, f"{name}/{rank}", "1", key, SCOPE)
+
+
 def barrier(store: dist.Store, name: str, rank: int, world_size: int, timeout: float | None,
-            dead: Callable[[], set[int]] = set) -> list[int]:
-    """Mark this rank at barrier ``name`` and wait until every other rank has arrived or is
-    ``dead()``, or ``timeout`` seconds passed (None: no limit).
+            key: bytes, dead: Callable[[], set[int]] = set,
+            keep: tuple[str, ...] = ()) -> list[int]:
+    """Mark this rank at barrier ``name`` and wait until every other rank has arrived (a
+    true record under the group ``key``) or is ``dead()``, or ``timeout`` seconds passed
+    (None: no limit). Meanwhile this rank's arrival, and its arrivals at the earlier barriers
+    ``keep``, are written again whenever they were overwritten (others may still read them).
 
     Returns the ranks that never arrived (empty when all did): dead ones, or any on timeout.
     """
-    store.set(f"{name}/{rank}", "1")
+    mine = [(f"{b}/{rank}", "1") for b in (name, *keep)]
+    signed_store.put(store, *mine[0], key, SCOPE)
     deadline = None if timeout is None else time.monotonic() + timeout
     pause = 0.002
+    arrived: set[int] = {rank}
     while True:
         gone = dead()  # read before the keys: a rank dead now cannot arrive later
-        waiting = [r for r in range(world_size) if not store.check([f"{name}/{r}"])]
+        arrived |= {r for r in range(world_size) if r not in arrived
+                    and signed_store.check(store, f"{name}/{r}", key, SCOPE)}
+        waiting = [r for r in range(world_size) if r not in arrived]
+        for record in mine:
+            _keep(store, record, key)
         if all(r in gone for r in waiting):
             return waiting
         if deadline is not None and time.monotonic() > deadline:

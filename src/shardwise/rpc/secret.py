@@ -5,8 +5,9 @@ nothing in it may let a process join. The secret comes, in this order, from:
 
 1. ``$SHARDWISE_RPC_SECRET`` (any string; ``shardwise run`` and ``shardwise train`` on one host
    generate one for their ranks; a cluster job sets the same one on every node), or the file
-   named by ``$SHARDWISE_RPC_SECRET_FILE`` (its contents; it must not be readable by group or
-   others);
+   named by ``$SHARDWISE_RPC_SECRET_FILE`` (its contents; it must be a regular file owned by
+   this user and neither readable nor writable by group or others: another user's file, even
+   of mode 0600, could have been written by that user);
 2. on one host, with neither set (torchrun, a plain ``env://`` script, a test harness): rank 0
    writes 32 random bytes to a file of mode 0600 in a directory of mode 0700 owned by this user
    (``$XDG_RUNTIME_DIR/shardwise-rpc`` or ``/tmp/shardwise-rpc-<uid>``), named from the
@@ -64,16 +65,35 @@ def from_environment() -> bytes | None:
     if not path:
         return None
     try:
-        info = os.stat(path)
-        if info.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
-            raise SecretError(f"${RPC_SECRET_FILE_VAR} file {path} is readable by group or "
-                              "others; chmod 600 it")
-        data = Path(path).read_bytes().strip()
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+        try:
+            _check_private_file(os.fstat(fd), path)  # (the file read, not the name's)
+            with os.fdopen(fd, "rb", closefd=False) as f:
+                data = f.read().strip()
+        finally:
+            os.close(fd)
     except OSError as exc:
         raise SecretError(f"cannot read ${RPC_SECRET_FILE_VAR} file {path}: {exc}") from exc
     if not data:
         raise SecretError(f"${RPC_SECRET_FILE_VAR} file {path} is empty")
     return data
+
+
+class SecretFileError(SecretError):
+    """``$SHARDWISE_RPC_SECRET_FILE`` is not a private file of this user."""
+
+
+def _check_private_file(info: os.stat_result, path: str) -> None:
+    if not stat.S_ISREG(info.st_mode):
+        raise SecretFileError(f"${RPC_SECRET_FILE_VAR} file {path} is not a regular file")
+    if info.st_uid != os.geteuid():
+        raise SecretFileError(f"${RPC_SECRET_FILE_VAR} file {path} is owned by uid "
+                              f"{info.st_uid}, not by this user (uid {os.geteuid()}): its "
+                              "owner could have chosen the secret; use a file of your own")
+    if info.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
+        raise SecretFileError(f"${RPC_SECRET_FILE_VAR} file {path} is readable or writable "
+                              f"by group or others (mode {stat.S_IMODE(info.st_mode):o}); "
+                              "chmod 600 it")
 
 
 def private_dir() -> Path:

@@ -11,13 +11,19 @@ the doorbell (one byte wakes a peer that sleeps, see [Note: shm ring]) and its c
 peer's death is noticed, as on the TCP channel.
 
 Frames in the ring use the wire format of wire.py, and the reader checks every header with the
-same functions and limits as the socket reader. A buffer of at least ``SEGMENT_MIN`` bytes does
-not go through the ring: the sender writes it once into a segment of its own (a file in
-/dev/shm written by the kernel from the tensor's memory), and the receiver maps that segment
-and unlinks it; the mapping becomes the received tensor's memory, so its bytes are copied once
-in all. The n-th such buffer on a connection is segment ``<id>-<side>-<n>``: names carry no
-data the peer could choose. Sending follows the TCP connection's rule (transport.py): a sender
-queues its frame, and whoever holds the send lock writes everything queued, then rings once.
+same functions and limits as the socket reader. The hellos and status bytes of the negotiation
+and every frame carry the session's MAC ([Note: session MAC] in session.py), so a relay on the
+socket cannot make the ends fall back to TCP or speak in the ring; a frame's large buffers are
+covered through their digests, which the sender computes while it copies them out and the
+reader computes over the region it maps, before the frame is handed on.
+
+A buffer of at least ``SEGMENT_MIN`` bytes does not go through the ring: the sender writes it
+once into the pool ([Note: shm pool]) or a segment of its own (a file in /dev/shm written by
+the kernel from the tensor's memory), and the receiver maps that segment and unlinks it; the
+mapping becomes the received tensor's memory, so its bytes are copied once in all. The n-th
+such buffer on a connection is segment ``<id>-<side>-<n>``: names carry no data the peer could
+choose. Sending follows the TCP connection's rule (transport.py): a sender queues its frame,
+and whoever holds the send lock writes everything queued, then rings once.
 
 Wake-ups: who reads, and when a reader polls instead of sleeping, is the connection's
 business ([Note: reading role] in connection.py); the ring's part is the sleeping flag. A
@@ -53,6 +59,7 @@ from shardwise.rpc.wire import (
     _FIXED,
     DEFAULT_MAX_MESSAGE,
     MAGIC,
+    TAG,
     FrameError,
     PeerClosed,
     check_header,
@@ -172,14 +179,16 @@ class ShmLink:
         shm_ring.remove_all(self.prefix)
 
 
-def negotiate(sock: socket.socket, mode: str, acceptor: bool, timeout: float) -> ShmLink | None:
-    """Agree on the channel over a freshly authenticated socket (both ends call this).
+def negotiate(sock: socket.socket, mode: str, acceptor: bool, timeout: float, session,
+              peer: int) -> ShmLink | None:
+    """Agree on the channel over a freshly authenticated socket (both ends call this; every
+    message sealed with ``session``, whose peer is rank ``peer``).
 
     Returns the mapped rings for the shared-memory channel, or None for TCP."""
     old = sock.gettimeout()
     sock.settimeout(timeout)
     try:
-        return _negotiate(sock, mode, acceptor)
+        return _negotiate(_Sealed(sock, session, peer), mode, acceptor)
     except PeerClosed as exc:
         raise ChannelError(f"peer closed the connection while choosing the channel: {exc}") \
             from exc
@@ -188,12 +197,25 @@ def negotiate(sock: socket.socket, mode: str, acceptor: bool, timeout: float) ->
             sock.settimeout(old)
 
 
-def _negotiate(sock: socket.socket, mode: str, acceptor: bool) -> ShmLink | None:
+class _Sealed:
+    """The negotiation's messages over the socket, each with the session's tag."""
+
+    def __init__(self, sock: socket.socket, session, peer: int):
+        self.sock, self.session, self.peer = sock, session, peer
+
+    def sendall(self, message: bytes) -> None:
+        self.sock.sendall(self.session.seal(message))
+
+    def recv(self, n: int) -> bytes:
+        return self.session.open(recv_exact(self.sock, n + TAG), self.peer)
+
+
+def _negotiate(sock: _Sealed, mode: str, acceptor: bool) -> ShmLink | None:
     nonce = secrets.token_bytes(16)
     sock.sendall(_HELLO.pack(_HELLO_MAGIC, MODES.index(mode), boot_id(), os.geteuid(), nonce,
                              RING_BYTES, SEGMENT_MIN, POOL_BYTES))
     magic, peer_mode, peer_boot, peer_uid, peer_nonce, peer_ring, peer_seg, peer_pool = \
-        _HELLO.unpack(recv_exact(sock, _HELLO.size))
+        _HELLO.unpack(sock.recv(_HELLO.size))
     if magic != _HELLO_MAGIC or peer_mode >= len(MODES):
         raise ChannelError(f"bad channel hello from the peer (magic {bytes(magic)!r})")
     modes = {mode, MODES[peer_mode]}
@@ -227,7 +249,7 @@ def _shm_impossible(peer_boot: bytes, peer_uid: int, peer_ring: int, peer_seg: i
     return None
 
 
-def _map_rings(sock: socket.socket, link: ShmLink, peer_sizes: tuple[int, int]) -> str | None:
+def _map_rings(sock: _Sealed, link: ShmLink, peer_sizes: tuple[int, int]) -> str | None:
     """Create our segment, map the peer's; both ends report each step. None when both worked."""
     try:
         error = _attempt(link.create_tx, (RING_BYTES, POOL_BYTES))
@@ -253,9 +275,9 @@ def _attempt(step: Callable[[tuple[int, int]], None], arg: tuple[int, int]) -> s
     return None
 
 
-def _exchange_status(sock: socket.socket, error: str | None) -> str | None:
+def _exchange_status(sock: _Sealed, error: str | None) -> str | None:
     sock.sendall(b"\x01" if error is None else b"\x00")
-    return None if recv_exact(sock, 1)[0] == 1 else "failed"
+    return None if sock.recv(1)[0] == 1 else "failed"
 
 
 # ---------------------------------------------------------------------- the connection
@@ -271,11 +293,11 @@ class ShmConnection(QueuedConnection):
     closed_error = ShmClosed
     reader_name = "shardwise-rpc-shm-reader"
 
-    def __init__(self, sock: socket.socket, peer: int, link: ShmLink, on_frame: FrameHandler,
-                 on_lost: LostHandler, max_message: int = DEFAULT_MAX_MESSAGE,
-                 defer: Defer | None = None):
+    def __init__(self, sock: socket.socket, peer: int, link: ShmLink, session,
+                 on_frame: FrameHandler, on_lost: LostHandler,
+                 max_message: int = DEFAULT_MAX_MESSAGE, defer: Defer | None = None):
         super().__init__(sock, peer, on_frame, on_lost, max_message, defer)
-        self.link = link
+        self.link, self.session = link, session  # [Note: session MAC] in session.py
         self.tx, self.rx, self.tx_pool, self.rx_pool = link.tx, link.rx, link.tx_pool, \
             link.rx_pool
         self._written = 0  # bytes written to tx (published or not)
@@ -289,19 +311,22 @@ class ShmConnection(QueuedConnection):
         self._start_reader()
 
     # ------------------------------------------------------------------ sending
-    def _frame(self, payload: bytes, buffers: list[memoryview]) -> tuple[list, list[str]]:
+    def _frame(self, payload: bytes, buffers: list[memoryview]
+               ) -> tuple[list, list[str], list[bytes]]:
         """The frame's ring parts, its large buffers copied into the pool or, where the pool
-        has no room, written into temporary segments."""
+        has no room, written into temporary segments, and their digests (tagged with the
+        frame, not sent)."""
         views = [b if b.format == "B" and b.ndim == 1 else b.cast("B") for b in buffers]
         head = _FIXED.pack(MAGIC, len(views), len(payload))
         if views:
             head += struct.pack(f"!{len(views)}Q", *[len(v) for v in views])
         parts: list = []
         temps: list[str] = []
+        digests: list[bytes] = []
         try:
             for view in views:
                 if len(view) >= SEGMENT_MIN:
-                    head += self._hand_over(view, temps)
+                    head += self._hand_over(view, temps, digests)
                 elif len(view):
                     parts.append(view)
         except BaseException:
@@ -309,26 +334,35 @@ class ShmConnection(QueuedConnection):
                 shm_ring.unlink(name)
             raise
         if len(payload) + sum(len(p) for p in parts) <= _JOIN:  # one copy into the ring
-            return [b"".join([head, payload, *parts])], temps
-        return [head, memoryview(payload), *parts], temps
+            return [b"".join([head, payload, *parts])], temps, digests
+        return [head, memoryview(payload), *parts], temps, digests
 
-    def _hand_over(self, view: memoryview, temps: list[str]) -> bytes:
-        """Put a large buffer where the reader will find it; returns its descriptor."""
+    def _hand_over(self, view: memoryview, temps: list[str], digests: list[bytes]) -> bytes:
+        """Put a large buffer where the reader will find it, hashing each piece as it is
+        copied (in cache); returns its descriptor."""
+        mac = self.session.buffer_hasher(outgoing=True)
         lent = self.tx_pool.alloc(len(view))
         if lent is None:
-            temps.append(self._write_segment(view))
+            temps.append(self._write_segment(view, mac))
             self.sent_segments += 1
+            digests.append(mac.digest(TAG))
             return _DESCRIPTOR.pack(NO_SLOT, 0, 0)
         self.sent_lent += 1
         slot, offset = lent
-        self.tx_pool.write(offset, view)
+        try:
+            self.tx_pool.write(offset, view)
+        except PoolError as exc:
+            raise ShmClosed(f"connection to rank {self.peer} closed while sending") from exc
+        mac.update(view)  # (one call: hashed on several cores)
+        digests.append(mac.digest(TAG))
         return _DESCRIPTOR.pack(slot, 0, offset)
 
-    def _write_segment(self, view: memoryview) -> str:
+    def _write_segment(self, view: memoryview, mac) -> str:
         name = f"{self.link.prefix}{self.link.me}-t{next(self._temp)}"
         fd = shm_ring.create_file(name)
         try:
             shm_ring.write_file(fd, view)
+            mac.update(view)
         except BaseException:
             shm_ring.unlink(name)
             raise
@@ -345,7 +379,7 @@ class ShmConnection(QueuedConnection):
             if self.closed:  # the last reader may have unmapped the ring
                 raise ShmClosed(f"connection to rank {self.peer} is closed")
             while queue:
-                parts, temps = queue.popleft()
+                parts, temps, digests = queue.popleft()
                 for temp in temps:  # the next names in the stream's order
                     name = f"{self.link.prefix}{self.link.me}-{self._tx_seq}"
                     os.rename(shm_ring.path_of(temp), shm_ring.path_of(name))
@@ -353,12 +387,14 @@ class ShmConnection(QueuedConnection):
                     if self.closed:  # closing removed the names before this one came
                         shm_ring.unlink(name)
                         raise ShmClosed(f"connection to rank {self.peer} is closed")
+                tag = self.session.tag_out([*parts, *digests])  # (in the order sent)
                 for part in parts:
                     self._write(ring, memoryview(part))
+                self._write(ring, memoryview(tag))
             if ring.publish(self._written):
                 self._ring_bell(_DATA)
         except (OSError, ShmClosed) as exc:
-            for _parts, temps in queue:
+            for _parts, temps, _digests in queue:
                 for temp in temps:
                     shm_ring.unlink(temp)
             queue.clear()
@@ -436,19 +472,26 @@ class ShmConnection(QueuedConnection):
         fixed = self._read(_FIXED.size, start=True)
         magic, nbufs, plen = _FIXED.unpack(fixed)
         check_header(magic, nbufs, plen, self.max_message)
-        lengths = struct.unpack(f"!{nbufs}Q", self._read(8 * nbufs)) if nbufs else ()
+        sizes = self._read(8 * nbufs) if nbufs else b""
+        lengths = struct.unpack(f"!{nbufs}Q", sizes) if nbufs else ()
         check_lengths(plen, lengths, self.max_message)
         large = sum(n >= SEGMENT_MIN for n in lengths)
         places = self._read(_DESCRIPTOR.size * large) if large else b""
         payload = self._read(plen)
-        buffers, at = [], 0
+        tagged = [fixed, sizes, places, payload]
+        buffers, digests, at = [], [], 0
         for n in lengths:
             if n < SEGMENT_MIN:
                 buffers.append(self._array(n))
+                tagged.append(buffers[-1])
                 continue
             slot, _, offset = _DESCRIPTOR.unpack_from(places, at)
             at += _DESCRIPTOR.size
             buffers.append(self._segment(n) if slot == NO_SLOT else self._lent(slot, offset, n))
+            mac = self.session.buffer_hasher(outgoing=False)
+            mac.update(buffers[-1])
+            digests.append(mac.digest(TAG))
+        self.session.check_in(tagged + digests, self._read(TAG), self.peer)
         if self.rx.release(self._consumed):
             self._ring_bell(_SPACE)
         return payload, buffers
@@ -470,9 +513,10 @@ class ShmConnection(QueuedConnection):
             return None
         lengths = struct.unpack_from(f"!{nbufs}Q", view, _FIXED.size) if nbufs else ()
         check_lengths(plen, lengths, self.max_message)
-        size = head + plen + sum(lengths)
+        size = head + plen + sum(lengths) + TAG
         if len(view) < size or any(n >= SEGMENT_MIN for n in lengths):
             return None
+        self.session.check_in([view[:size - TAG]], view[size - TAG:size], self.peer)
         payload = bytes(view[head:head + plen])
         buffers, pos = [], head + plen
         for n in lengths:

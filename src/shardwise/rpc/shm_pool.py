@@ -98,8 +98,12 @@ class PoolWriter:
         return at if self.size - at >= n else None
 
     def write(self, offset: int, view: memoryview) -> None:
-        """Copy ``view`` into the region at ``offset`` (numpy lets go of the GIL meanwhile)."""
-        np.copyto(self.data[offset:offset + len(view)], np.frombuffer(view, np.uint8))
+        """Copy ``view`` into the region at ``offset`` (numpy lets go of the GIL meanwhile);
+        PoolError once the pool is closed (its connection closed while a sender copies)."""
+        data = self.data
+        if data is None:
+            raise PoolError("the pool is closed: its connection closed")
+        np.copyto(data[offset:offset + len(view)], np.frombuffer(view, np.uint8))
 
     def close(self) -> None:
         self.words.release()

@@ -68,11 +68,12 @@ def create_file(name: str) -> int:
         raise SegmentError(f"cannot create shared-memory segment {name}: {exc}") from exc
 
 
-def write_file(fd: int, data: memoryview) -> None:
-    """Write all of ``data`` at the file's start (the kernel copies: no page faults here)."""
+def write_file(fd: int, data: memoryview, at: int = 0) -> None:
+    """Write all of ``data`` at offset ``at`` of the file (the kernel copies: no page faults
+    here)."""
     done, total = 0, len(data)
     while done < total:
-        done += os.pwrite(fd, data[done:done + (1 << 30)], done)
+        done += os.pwrite(fd, data[done:done + (1 << 30)], at + done)
 
 
 def open_mapped(name: str, size: int, populate: bool = True) -> mmap.mmap:

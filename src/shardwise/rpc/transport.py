@@ -40,13 +40,14 @@ import threading
 import time
 
 from shardwise.rpc import shm_channel
-from shardwise.rpc.auth import AuthError, accept_handshake, connect_handshake
+from shardwise.rpc.auth import AuthError, accept_handshake, address_of, connect_handshake
 from shardwise.rpc.connection import Defer, FrameHandler, LostHandler, QueuedConnection
 from shardwise.rpc.wire import (
     DEFAULT_MAX_MESSAGE,
     FrameReader,
     PeerClosed,
     frame_parts,
+    sealed,
     send_all,
     tune,
 )
@@ -63,22 +64,23 @@ class Connection(QueuedConnection):
 
     closed_error = PeerUnavailable
 
-    def __init__(self, sock: socket.socket, peer: int, on_frame: FrameHandler,
+    def __init__(self, sock: socket.socket, peer: int, session, on_frame: FrameHandler,
                  on_lost: LostHandler, max_message: int = DEFAULT_MAX_MESSAGE,
                  defer: Defer | None = None):
         super().__init__(sock, peer, on_frame, on_lost, max_message, defer)
-        self._frames = FrameReader(sock, max_message=max_message)
+        self.session = session  # [Note: session MAC] in session.py
+        self._frames = FrameReader(sock, session, peer, max_message=max_message)
         self._start_reader()
 
     def _frame(self, payload: bytes, buffers: list[memoryview]) -> list:
         return frame_parts(payload, buffers)
 
     def _send_queued(self) -> None:
-        queue = self._queue
+        queue, session = self._queue, self.session
         while queue:
-            parts = queue.popleft()
+            parts = sealed(session, queue.popleft())  # (tags in the order frames go out)
             while queue and len(parts) < _BATCH_PARTS:
-                parts += queue.popleft()
+                parts += sealed(session, queue.popleft())
             try:
                 send_all(self.sock, parts)
             except OSError as exc:
@@ -149,6 +151,11 @@ class Transport:
                                           name="shardwise-rpc-accept")
         self._acceptor.start()
 
+    @property
+    def group_key(self) -> bytes:
+        """The group's key (handshakes, and the MAC of the group's store records)."""
+        return self._token
+
     def _accept_loop(self) -> None:
         while not self._closing:
             try:
@@ -170,9 +177,10 @@ class Transport:
     def _admit(self, sock: socket.socket, addr) -> None:
         try:
             deadline = time.monotonic() + self._handshake_timeout
-            peer = accept_handshake(sock, self._token, self.world_size, self.rank, deadline)
+            peer, session = accept_handshake(sock, self._token, self.world_size, self.rank,
+                                             address_of(self.host, self.port), deadline)
             sock.settimeout(None)
-            self._register(sock, peer, acceptor=True)
+            self._register(sock, peer, session, acceptor=True)
         except (AuthError, OSError) as exc:
             self._rejections.warning("shardwise.rpc rank %d: rejected connection from %s: %s",
                                      self.rank, addr, exc)
@@ -201,21 +209,23 @@ class Transport:
         sock = socket.create_connection((host, port), timeout=max(deadline - time.monotonic(),
                                                                   0.01))
         try:
-            connect_handshake(sock, self._token, self.rank, deadline)
+            session = connect_handshake(sock, self._token, self.rank, peer,
+                                        address_of(host, port), deadline)
         except BaseException:
             sock.close()
             raise
         sock.settimeout(None)
         try:
-            self._register(sock, peer, acceptor=False)
+            self._register(sock, peer, session, acceptor=False)
         except BaseException:
             sock.close()
             raise
 
-    def _register(self, sock: socket.socket, peer: int, acceptor: bool) -> None:
+    def _register(self, sock: socket.socket, peer: int, session, acceptor: bool) -> None:
         tune(sock)
         # the authenticated socket becomes a channel: shared memory with a peer on this host
-        link = shm_channel.negotiate(sock, self.channel, acceptor, self._handshake_timeout)
+        link = shm_channel.negotiate(sock, self.channel, acceptor, self._handshake_timeout,
+                                     session, peer)
         with self._cv:
             if peer in self.conns or self._closing:
                 # the rank that joined first keeps its connection ([Note: bounded acceptor])
@@ -225,11 +235,11 @@ class Transport:
                     link.close()
                 sock.close()
                 return
-            self.conns[peer] = Connection(sock, peer, self._on_frame, self._on_lost,
+            self.conns[peer] = Connection(sock, peer, session, self._on_frame, self._on_lost,
                                           self.max_message, self._defer) \
                 if link is None else shm_channel.ShmConnection(
-                    sock, peer, link, self._on_frame, self._on_lost, self.max_message,
-                    self._defer)
+                    sock, peer, link, session, self._on_frame, self._on_lost,
+                    self.max_message, self._defer)
             self._cv.notify_all()
 
     def wait_connected(self, peers: list[int], timeout: float) -> None:

@@ -1,7 +1,11 @@
 """Frames on a stream socket: a fixed header, the buffer lengths, the payload, the buffers.
 
     magic "SWR1" | u32 number of buffers | u64 payload bytes | u64 length of each buffer
-    payload (pickle) | buffer 0 | buffer 1 | ...
+    payload (pickle) | buffer 0 | buffer 1 | ... | tag (16 bytes)
+
+The tag is the frame's MAC under the connection's session key and sequence number ([Note:
+session MAC] in session.py); the reader checks it before it hands the frame on, so nothing of
+a frame that fails is decoded.
 
 Sending gathers all parts into ``sendmsg`` calls (no concatenation, so tensor memory goes from
 the tensor to the kernel); receiving reads small frames many at a time through one buffer
@@ -26,6 +30,8 @@ import struct
 import numpy as np
 
 MAGIC = b"SWR1"
+TAG = 16  # the frame's MAC (session.py)
+_CHUNK = 16 << 20  # a large buffer is received and hashed in pieces of this size
 _FIXED = struct.Struct("!4sIQ")
 MAX_BUFFERS = 1 << 16
 DEFAULT_MAX_MESSAGE = 1 << 36  # 64 GiB per frame, payload and tensors together
@@ -75,10 +81,16 @@ def frame_parts(payload: bytes, buffers: list[memoryview]) -> list:
     return [header, payload, *buffers]
 
 
-def send_frame(sock: socket.socket, payload: bytes, buffers: list[memoryview]) -> None:
+def sealed(session, parts: list) -> list:
+    """``parts`` of one frame followed by its tag (the session's next sequence number)."""
+    return [*parts, session.tag_out(parts)]
+
+
+def send_frame(sock: socket.socket, payload: bytes, buffers: list[memoryview],
+               session) -> None:
     """Send one frame at once on ``sock`` (the transport queues frames instead: see
     ``Connection.send``; this is for writing a frame to a raw socket, as tests do)."""
-    send_all(sock, frame_parts(payload, buffers))
+    send_all(sock, sealed(session, frame_parts(payload, buffers)))
 
 
 def send_all(sock: socket.socket, parts: list) -> None:
@@ -105,9 +117,9 @@ class FrameReader:
     ``LARGE`` is read as before: its buffers go straight from the socket into fresh tensors.
     """
 
-    def __init__(self, sock: socket.socket, size: int = _BUFFER,
+    def __init__(self, sock: socket.socket, session, peer: int, size: int = _BUFFER,
                  max_message: int = DEFAULT_MAX_MESSAGE):
-        self.sock = sock
+        self.sock, self.session, self.peer = sock, session, peer
         self.max_message = max_message
         self._buf = bytearray(size)
         self._view = memoryview(self._buf)
@@ -157,12 +169,14 @@ class FrameReader:
             return head + plen + 1 if head <= LARGE else head + LARGE
         lengths = struct.unpack_from(f"!{nbufs}Q", self._buf, self._start + _FIXED.size)
         check_lengths(plen, lengths, self.max_message)
-        return head + plen + sum(lengths)
+        return head + plen + sum(lengths) + TAG
 
     def _take(self, size: int) -> tuple[bytes, list[np.ndarray]]:
-        """Cut the whole frame at the head of the buffer out of it (copies: the buffer is
-        reused)."""
+        """Cut the whole frame at the head of the buffer out of it once its tag holds (copies:
+        the buffer is reused)."""
         at = self._start
+        end = at + size - TAG
+        self.session.check_in([self._view[at:end]], self._view[end:end + TAG], self.peer)
         _, nbufs, plen = _FIXED.unpack_from(self._buf, at)
         lengths = struct.unpack_from(f"!{nbufs}Q", self._buf, at + _FIXED.size)
         at += _FIXED.size + 8 * nbufs
@@ -199,13 +213,22 @@ class FrameReader:
         """Read the (large) frame at the head: buffered bytes first, the rest from the socket."""
         fixed = self._read_exact(_FIXED.size)
         _, nbufs, plen = _FIXED.unpack(fixed)
-        lengths = struct.unpack(f"!{nbufs}Q", self._read_exact(8 * nbufs)) if nbufs else ()
+        sizes = self._read_exact(8 * nbufs) if nbufs else b""
+        lengths = struct.unpack(f"!{nbufs}Q", sizes) if nbufs else ()
+        mac = self.session.receiver()
+        mac.update(fixed)
+        mac.update(sizes)
         payload = self._read_growing(plen)
+        mac.update(payload)
         buffers = []
         for n in lengths:
             arr = np.empty(n, np.uint8)  # (numpy asks for huge pages: far fewer page faults)
-            self._read_into(memoryview(arr))
+            view = memoryview(arr)
+            for at in range(0, n, _CHUNK):  # (hashed while the piece is in cache)
+                self._read_into(view[at:at + _CHUNK])
+                mac.update(view[at:at + _CHUNK])
             buffers.append(arr)
+        self.session.check_hasher(mac, self._read_exact(TAG), self.peer)
         return payload, buffers
 
     def _read_exact(self, n: int) -> bytearray:
