@@ -132,11 +132,15 @@ def _placements(st: ShardedTensor | None, mesh: DeviceMesh, name: str) -> list:
         return [Shard(0), Replicate()]
     spec = st.sharding_spec()
     tp = mesh.size(1)
+    # placements name global ranks ([Note: global ranks in placements]): chunk i must be on
+    # the process at tp position i
+    tp_ranks = global_ranks(mesh.get_group(1))
     ranks = [p.rank for p in spec.placements_list()] if isinstance(spec, ChunkShardingSpec) \
         else None
-    if ranks != list(range(tp)):
+    if ranks != list(tp_ranks):
         raise ValueError(f"fully_shard: {name} is sharded as {spec!r}; FSDP x TP needs a "
-                         f"ChunkShardingSpec whose chunk i is on tp rank i (0..{tp - 1})")
+                         f"ChunkShardingSpec whose chunk i is on the tp group's rank i (global "
+                         f"ranks {list(tp_ranks)})")
     dim = spec.sharded_dim(st.dim())
     if dim == 0:
         return [_StridedShard(0, split_factor=tp), Shard(0)] if tp > 1 else [Shard(0), Shard(0)]
