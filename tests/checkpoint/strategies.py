@@ -23,8 +23,9 @@ STRATEGIES = ("plain", "ddp", "zero1", "zero2", "fsdp", "hsdp", "tp")
 DATA_PARALLEL = {"ddp", "zero1", "zero2", "fsdp", "hsdp"}
 
 
-def tp_plan(world: int) -> dict:
-    ranks = list(range(world))
+def tp_plan(group) -> dict:
+    # placements name global ranks ([Note: global ranks in placements])
+    ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
     col, row = ChunkShardingSpec(0, ranks), ChunkShardingSpec(1, ranks)
     return {"tok_emb": col, "pos_emb": row, "blocks.*.attn.qkv": col, "blocks.*.attn.proj": row,
             "blocks.*.mlp.fc1": col, "blocks.*.mlp.fc2": row, "head": col}
@@ -61,7 +62,7 @@ def build(strategy: str, group, seed: int, cfg: GPTConfig = CFG):
         fully_shard(model, mesh=mesh)
         return model, adamw(model.parameters()), model
     if strategy == "tp":
-        shard_module(model, tp_plan(dist.get_world_size(group)), gather_output=["head"],
+        shard_module(model, tp_plan(group), gather_output=["head"],
                      process_group=group)
         return model, adamw(model.parameters()), model
     raise ValueError(strategy)

@@ -46,7 +46,7 @@ def _wrap(model, kind: str, group: dist.ProcessGroup):
                                       lr=1e-3, process_group=group)
         return ZeroDataParallel(model, opt), opt
     if kind == "tp":
-        ranks = list(range(dist.get_world_size(group)))
+        ranks = dist.get_process_group_ranks(group)  # placements name global ranks
         col, row = st.ChunkShardingSpec(0, ranks), st.ChunkShardingSpec(1, ranks)
         plan = {"blocks.*.mlp.fc1": col, "blocks.*.mlp.fc2": row}
         st.shard_module(model, plan, process_group=group)

@@ -46,7 +46,7 @@ def _two_d(dp: int, tp: int, api: str = "fully_shard"):
     mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
     torch.manual_seed(0)
     model = GPT(CFG)
-    plan, gathered = gpt_plan(tp)
+    plan, gathered = gpt_plan(mesh["tp"].get_group())
     shard_module(model, plan, gather_output=gathered, process_group=mesh["tp"].get_group())
     if api == "wrapper":
         return FullyShardedDataParallel(model, device_mesh=mesh["dp"],
@@ -208,7 +208,7 @@ def test_state_between_steps_is_a_quarter_and_matches_the_plan(layout):
 def _three_d_body(ctx):
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     model = GPT(CFG)
-    plan, gathered = gpt_plan(2)
+    plan, gathered = gpt_plan(mesh["tp"].get_group())
     shard_module(model, plan, gather_output=gathered, process_group=mesh["tp"].get_group())
     hybrid = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
     try:

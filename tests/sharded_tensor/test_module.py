@@ -159,7 +159,8 @@ def test_plan_errors_are_clear():
     nomatch, noparam, ranks = run_on_ranks(1, _plan_errors_body)[0]
     assert "'blocks.*.mlp.fc9' matches no module of GPT" in nomatch
     assert "LayerNorm has no parameter 'scale'" in noparam and "'weight'" in noparam
-    assert "ranks [1], outside the group of 1 ranks" in ranks
+    assert "Global rank 1 does not exist in input process group" in ranks
+    assert "global ranks are [0]" in ranks
 
 
 

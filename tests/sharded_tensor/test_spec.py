@@ -53,7 +53,8 @@ def test_chunk_spec_metadata_uneven():
 
 
 def test_chunk_spec_errors_name_the_problem():
-    with pytest.raises(ShardingError, match=r"ranks \[2, 3\].*group of 2 ranks"):
+    with pytest.raises(ShardingError, match=r"Global rank 2 does not exist in input process "
+                       r"group.*\[0, 1\]; ranks \[2, 3\]"):
         ChunkShardingSpec(0, [0, 1, 2, 3]).build_metadata((8,), world_size=2)
     with pytest.raises(ShardingError, match=r"ranks \[1\] appear more than once"):
         ChunkShardingSpec(0, [0, 1, 1])
@@ -78,7 +79,7 @@ def test_enumerable_spec_valid_and_errors():
     missing = EnumerableShardingSpec([_shard((0, 0), (2, 4), 0), _shard((3, 0), (2, 4), 1)])
     with pytest.raises(ShardingError, match="cover 16 of the 20 elements.*missing"):
         missing.build_metadata((5, 4), world_size=2)
-    with pytest.raises(ShardingError, match="rank 3, outside the group of 2"):
+    with pytest.raises(ShardingError, match="Global rank 3 does not exist in input process"):
         EnumerableShardingSpec([_shard((0,), (4,), 3)]).build_metadata((4,), world_size=2)
     with pytest.raises(ShardingError, match="outside the tensor"):
         EnumerableShardingSpec([_shard((0,), (5,), 0)]).build_metadata((4,), world_size=1)
@@ -105,3 +106,23 @@ def test_shard_size_mismatch_is_named():
 
     with pytest.raises(ShardingError, match=r"size \(3, 4\) but its metadata says \(2, 4\)"):
         Shard(torch.zeros(3, 4), _shard((0, 0), (2, 4), 0))
+
+
+def test_placements_name_global_ranks_mapped_to_the_group():
+    # the group made of global ranks [2, 3]: chunk i goes to the process the spec names
+    spec = ChunkShardingSpec(0, ["rank:3/cpu", "rank:2/cpu"])
+    metas = spec.group_metadata((5, 2), [2, 3])
+    assert [m.rank for m in metas] == [1, 0]  # ranks within the group
+    assert [m.shard_offsets for m in metas] == [(0, 0), (3, 0)]
+    assert [m.placement.device for m in metas] == [torch.device("cpu")] * 2
+    assert [p.rank for p in spec.placements] == [3, 2]  # the spec keeps the global ranks
+    enum = EnumerableShardingSpec([_shard((0,), (1,), 5), _shard((1,), (3,), 1)])
+    assert [m.rank for m in enum.group_metadata((4,), [1, 5])] == [1, 0]
+    with pytest.raises(ShardingError, match=r"Global rank 0 does not exist in input process "
+                       r"group.*global ranks are \[2, 3\]"):
+        ChunkShardingSpec(0, [0, 1]).group_metadata((4,), [2, 3])
+    with pytest.raises(ShardingError, match="Global rank 2 does not exist"):
+        enum_bad = EnumerableShardingSpec([_shard((0,), (4,), 2)])
+        enum_bad.group_metadata((4,), [1, 5])
+    with pytest.raises(ShardingError, match="cover 3 of the 4"):
+        EnumerableShardingSpec([_shard((0,), (3,), 1)]).group_metadata((4,), [1, 5])

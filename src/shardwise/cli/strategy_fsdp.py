@@ -50,7 +50,7 @@ def build(model: nn.Module, cfg: TrainConfig, group: dist.ProcessGroup,
     mesh = init_device_mesh(device.type, (world // cfg.tp, cfg.tp), mesh_dim_names=TP_DIM_NAMES)
     check_gpt(model, cfg.tp)
     model.to(device)  # before sharding: see [Note: how a sharded parameter appears]
-    plan, gathered = gpt_plan(cfg.tp)
+    plan, gathered = gpt_plan(mesh["tp"].get_group())
     shard_module(model, plan, gather_output=gathered, process_group=mesh["tp"].get_group())
     prepared = _prepare(model, cfg, device_mesh=mesh["dp"])
     prepared.data_slice = (mesh.get_local_rank("dp"), mesh.size(0))

@@ -12,6 +12,8 @@ their AdamW state, rank 0 the replicated rest (cli/checkpointing.py).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -22,9 +24,14 @@ from shardwise.cli.train_args import TrainConfig
 from shardwise.sharded_tensor import ChunkShardingSpec, shard_module
 
 
-def gpt_plan(world_size: int) -> tuple[dict[str, ChunkShardingSpec], list[str]]:
-    """The demo GPT's sharding plan and the modules whose output is gathered."""
-    ranks = list(range(world_size))
+def gpt_plan(ranks: int | Sequence[int] | dist.ProcessGroup
+             ) -> tuple[dict[str, ChunkShardingSpec], list[str]]:
+    """The demo GPT's sharding plan over a tensor-parallel group and the modules whose output is
+    gathered. Placements name global ranks ([Note: global ranks in placements]): pass the group,
+    or its global ranks in order; an int ``n`` means the global ranks 0..n-1."""
+    if isinstance(ranks, dist.ProcessGroup):
+        ranks = dist.get_process_group_ranks(ranks)
+    ranks = list(range(ranks)) if isinstance(ranks, int) else list(ranks)
     colwise, rowwise = ChunkShardingSpec(0, ranks), ChunkShardingSpec(1, ranks)
     plan = {
         "tok_emb": colwise,  # chunked on the vocabulary
@@ -52,7 +59,7 @@ def build(model: nn.Module, cfg: TrainConfig, group: dist.ProcessGroup,
     world = dist.get_world_size(group)
     check_gpt(model, world)
     model.to(device)  # before sharding: see [Note: how a sharded parameter appears]
-    plan, gathered = gpt_plan(world)
+    plan, gathered = gpt_plan(group)
     shard_module(model, plan, gather_output=gathered, process_group=group)
     optimizer = make_adamw(model.parameters(), cfg)  # this rank's shards + replicated params
 

@@ -4,6 +4,7 @@ across ranks; each unit's parameters gathered just for its forward and backward.
 Start with [Note: flat parameters] (flat_param.py) and [Note: FSDP schedule] (root.py).
 """
 
+from shardwise.fsdp import wrap  # the module; calling it wraps (wrap.py)
 from shardwise.fsdp.clip_grad import clip_grad_norm_
 from shardwise.fsdp.flat_param import ShardState
 from shardwise.fsdp.fsdp1_config import (
@@ -46,6 +47,7 @@ from shardwise.fsdp.state_dict import (
 )
 from shardwise.fsdp.sync import no_sync, set_requires_gradient_sync
 from shardwise.fsdp.unit import units_of
+from shardwise.fsdp.wrap import enable_wrap
 from shardwise.fsdp.wrapper import FullyShardedDataParallel
 
 
@@ -90,6 +92,7 @@ __all__ = [
     "UnshardHandle",
     "always_wrap_policy",
     "clip_grad_norm_",
+    "enable_wrap",
     "full_state_dict",
     "fully_shard",
     "lambda_auto_wrap_policy",
@@ -102,4 +105,5 @@ __all__ = [
     "transformer_auto_wrap_policy",
     "unsharded_bytes",
     "unsharded_grad_bytes",
+    "wrap",
 ]

@@ -21,7 +21,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from shardwise.fsdp import tp_params
-from shardwise.fsdp.dtensor import local_tensor, sharded_dtensor
+from shardwise.fsdp.dtensor import sharded_dtensor, sharded_like
 from shardwise.fsdp.unit import FSDPUnit, units_of
 
 WRAPPED = "_fsdp_wrapped_module."  # the FullyShardedDataParallel wrapper's child name
@@ -55,30 +55,95 @@ def _load_params_hook(unit: FSDPUnit):
                                      f"{tuple(value.shape)}, the parameter has {tuple(slot.shape)}")
                 start = slot.layout.row_start(handle.rank)
                 rows = value.detach()[start : start + slot.layout.local_rows(handle.rank)]
-                state_dict[key] = sharded_dtensor(rows.to(slot.local.device), slot.layout,
-                                                  handle.mesh)
+                # a unit still on the meta device takes the rows where they are (an assigning
+                # load then materialises it there: see _readopt_hook)
+                device = value.device if slot.local.is_meta else slot.local.device
+                state_dict[key] = sharded_dtensor(rows.to(device), slot.layout, handle.mesh)
 
     return hook
 
 
 def _readopt_hook(unit: FSDPUnit):
-    """After ``load_state_dict(assign=True)`` replaced parameters, copy the assigned values into
-    the unit's shard and put the unit's own parameters back."""
+    """After ``load_state_dict(assign=True)`` replaced parameters, put the unit's own parameters
+    back, holding the assigned values: copied into the unit's flat shard, or, where the unit is
+    still on the meta device (torch's meta-device init followed by an assigning load, the way
+    torch's FSDP2 example resumes), adopted as its new flat shard on their device."""
 
     def hook(module: nn.Module, incompatible_keys: Any) -> None:
         handle = unit.handle
         if handle is None:
             return
-        for slot in handle.slots:
-            for owner, name in slot.aliases:
-                current = owner._parameters.get(name)
-                if current is not None and current is not slot.shard_param:
-                    with torch.no_grad():
-                        slot.local.copy_(local_tensor(current))
-                    slot.shard_param.requires_grad_(current.requires_grad)
-                    owner._parameters[name] = slot.shard_param
+        assigned = _assigned_locals(handle)
+        if not assigned:
+            return
+        handle.use_sharded_params()
+        if handle.shard.is_meta:
+            _adopt_assigned(unit, assigned)
+            return
+        with torch.no_grad():
+            for index, local in assigned.items():
+                handle.slots[index].local.copy_(local)
 
     return hook
+
+
+def _assigned_locals(handle: Any) -> dict[int, torch.Tensor]:
+    """``slot index -> this rank's rows`` of every parameter a load replaced (its own layout;
+    ``requires_grad`` carried over to the unit's parameter)."""
+    out = {}
+    for index, slot in enumerate(handle.slots):
+        for owner, name in slot.aliases:
+            current = owner._parameters.get(name)
+            if current is None or current is slot.shard_param:
+                continue
+            out[index] = _rows_of(current, slot, handle)
+            slot.shard_param.requires_grad_(current.requires_grad)
+            break
+    return out
+
+
+def _rows_of(value: torch.Tensor, slot: Any, handle: Any) -> torch.Tensor:
+    """This rank's rows of an assigned parameter, laid out as the unit shards it."""
+    if isinstance(value, DTensor):
+        if (value.device_mesh != handle.mesh
+                or tuple(value.placements) != tuple(slot.shard_param.placements)):
+            value = value.full_tensor()  # collective over the value's mesh
+        else:
+            value = value.to_local()
+    value = value.detach()
+    if tuple(value.shape) == tuple(slot.shape) and tuple(slot.local.shape) != tuple(slot.shape):
+        start = slot.layout.row_start(handle.rank)
+        value = value[start : start + slot.layout.local_rows(handle.rank)]
+    if tuple(value.shape) != tuple(slot.local.shape):
+        raise ValueError(f"the value assigned to {slot.fqns[0]} has local shape "
+                         f"{tuple(value.shape)}; this rank holds {tuple(slot.local.shape)}")
+    return value
+
+
+def _adopt_assigned(unit: FSDPUnit, assigned: dict[int, torch.Tensor]) -> None:
+    """Make the assigned rows the unit's new flat shard, on their device and in their dtype."""
+    handle = unit.handle
+    left = [slot.fqns[0] for i, slot in enumerate(handle.slots) if i not in assigned]
+    if left:
+        raise RuntimeError(
+            f"load_state_dict(assign=True) gave values to some parameters of the unit "
+            f"{type(unit.module).__name__} but not to {left}, which are still on the meta "
+            "device: a unit's parameters live in one flat buffer, so load all of them, or "
+            "call module.to_empty(device=...) before loading")
+    devices = {(t.device, t.dtype) for t in assigned.values()}
+    if len(devices) > 1:
+        raise RuntimeError(f"load_state_dict(assign=True) gave the parameters of the unit "
+                           f"{type(unit.module).__name__} values on several devices or "
+                           f"dtypes {sorted(map(str, devices))}; they share one flat buffer")
+    for index, local in assigned.items():
+        slot = handle.slots[index]
+        # a DTensor's device is fixed when it is made: swap in one on the new device, keeping
+        # the Parameter object (as nn.Module._apply does for DTensor parameters) and its spec
+        # (1D, or 2D over torch's tensor parallelism)
+        new = nn.Parameter(sharded_like(local, slot.shard_param),
+                           requires_grad=slot.shard_param.requires_grad)
+        torch.utils.swap_tensors(slot.shard_param, new)
+    unit.adopt_applied_params()
 
 
 def full_params(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -147,10 +212,17 @@ def check_keys(model: nn.Module, state: dict[str, Any]) -> None:
 
 def load_full_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
     """Load a full state dict (e.g. the plain model's) into a sharded model; every rank needs
-    the full tensors. Missing or extra keys raise KeyError listing them."""
+    the full tensors. Missing or extra keys raise KeyError listing them. A model still on the
+    meta device (built there and sharded, not yet ``to_empty``) is materialised on the
+    tensors' device (an assigning load). No collective."""
     check_keys(model, state)
     inner = getattr(model, "_fsdp_wrapped_module", model)
-    inner.load_state_dict(state)
+    inner.load_state_dict(state, assign=on_meta(model))
+
+
+def on_meta(model: nn.Module) -> bool:
+    """Whether any of ``model``'s parameters or buffers is still on the meta device."""
+    return any(t.is_meta for t in [*model.parameters(), *model.buffers()])
 
 
 def sharded_state_dict(model: nn.Module) -> dict[str, Any]:
@@ -179,23 +251,39 @@ def load_sharded_state_dict(model: nn.Module, state: dict[str, Any]) -> None:
         if unit.handle is None:
             continue
         unit.handle.reshard()
-        for slot in unit.handle.slots:
+        rows = {}
+        for index, slot in enumerate(unit.handle.slots):
             for fqn in slot.fqns:
                 key = prefix + fqn
                 seen.add(key)
-                _load_rows(key, state.get(key), slot, unit.handle.rank)
-    for name, buf in model.named_buffers():
+                rows[index] = _checked_rows(key, state.get(key), slot, unit.handle.rank)
+        if unit.handle.shard.is_meta:  # built on the meta device: these rows become the shard
+            _adopt_assigned(unit, rows)
+            continue
+        with torch.no_grad():
+            for index, value in rows.items():
+                unit.handle.slots[index].local.copy_(value)
+    for name, buf in list(model.named_buffers()):
         key = clean_name(name)
         if key in state:
-            with torch.no_grad():
-                buf.copy_(state[key])
+            _load_buffer(model, name, buf, state[key])
         seen.add(key)
     extra = sorted(set(state) - seen)
     if extra:
         raise KeyError(f"sharded state dict has unexpected keys {extra}")
 
 
-def _load_rows(key: str, entry: dict | None, slot: Any, rank: int) -> None:
+def _load_buffer(model: nn.Module, name: str, buf: torch.Tensor, value: torch.Tensor) -> None:
+    if not buf.is_meta:
+        with torch.no_grad():
+            buf.copy_(value)
+        return
+    owner_name, _, attr = name.rpartition(".")
+    owner = model.get_submodule(owner_name)
+    owner._buffers[attr] = value.detach().clone().to(buf.dtype)
+
+
+def _checked_rows(key: str, entry: dict | None, slot: Any, rank: int) -> torch.Tensor:
     if entry is None:
         raise KeyError(f"sharded state dict has no entry for parameter {key}")
     if (entry.get("row_start") != slot.layout.row_start(rank)
@@ -203,8 +291,7 @@ def _load_rows(key: str, entry: dict | None, slot: Any, rank: int) -> None:
             or tuple(entry["shard"].shape) != tuple(slot.local.shape)):
         raise ValueError(f"sharded state dict entry {key} was saved with another sharding "
                          "(world size or wrapping differs)")
-    with torch.no_grad():
-        slot.local.copy_(entry["shard"])
+    return entry["shard"].detach()
 
 
 def _unit_prefixes(model: nn.Module) -> list[tuple[str, FSDPUnit]]:

@@ -17,10 +17,12 @@ import torch
 import torch.distributed as dist
 
 from shardwise.sharded_tensor.metadata import (
+    Placement,
     ShardedTensorMetadata,
     ShardingError,
     ShardMetadata,
     TensorProperties,
+    to_group_ranks,
     validate_shards,
 )
 from shardwise.sharded_tensor.redistribute import redistribute
@@ -29,6 +31,7 @@ from shardwise.sharded_tensor.sharded_tensor import (
     ShardedTensor,
     _size_arg,
     check_torch_only,
+    group_global_ranks,
     group_rank,
     resolved_metadata,
 )
@@ -131,10 +134,15 @@ def init_from_local_shards(local_shards: list[Shard], *global_size: int,
     check_torch_only("init_from_local_shards", torch_only)
     size = _size_arg(global_size)
     rank, world = group_rank(process_group)
+    me = dist.get_rank()  # placements name global ranks, as torch's do
     for s in local_shards:
-        if s.metadata.rank != rank:
-            raise ShardingError(f"rank {rank}: local shard {s.metadata.describe()} is placed on "
-                                f"rank {s.metadata.rank}, not on this rank")
+        if s.metadata.rank != me:
+            raise ShardingError(f"rank {me}: local shard {s.metadata.describe()} is placed on "
+                                f"rank {s.metadata.rank}, not on this rank (placements name "
+                                "global ranks)")
+    ranks = group_global_ranks(process_group)
+    local_shards = [Shard(s.tensor, m) for s, m in zip(local_shards, to_group_ranks(
+        [s.metadata for s in local_shards], ranks, "init_from_local_shards"))]
     mine = [(s.metadata, s.tensor.dtype) for s in local_shards]
     everyone: list = [None] * world
     dist.all_gather_object(everyone, mine, group=process_group)
@@ -147,5 +155,7 @@ def init_from_local_shards(local_shards: list[Shard], *global_size: int,
     dtype = dtypes.pop() if dtypes else torch.get_default_dtype()
     rg = any(s.tensor.requires_grad for s in local_shards)
     meta = ShardedTensorMetadata(metas, size, TensorProperties(dtype, rg))
-    return ShardedTensor._from_parts(list(local_shards), meta, EnumerableShardingSpec(metas),
+    spec = EnumerableShardingSpec([ShardMetadata(m.shard_offsets, m.shard_sizes, Placement(
+        ranks[m.rank], m.placement.device)) for m in metas])  # global ranks, as given
+    return ShardedTensor._from_parts(list(local_shards), meta, spec,
                                      process_group)

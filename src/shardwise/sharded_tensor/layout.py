@@ -19,10 +19,12 @@ def chunk_dim(func: Callable, st: ShardedTensor, args: Any) -> int:
     if not isinstance(spec, ChunkShardingSpec):
         raise unsupported(func, args, "only ChunkShardingSpec is supported here")
     world = dist.get_world_size(st.process_group)
-    ranks = sorted(p.rank for p in spec.placements)
+    # the metadata's ranks are ranks of the group ([Note: global ranks in placements])
+    ranks = sorted(m.rank for m in st.metadata().shards_metadata)
     if ranks != list(range(world)):
+        places = [p.rank for p in spec.placements]
         raise unsupported(func, args, f"the spec must place one chunk on each of the {world} "
-                          f"ranks of the group, it places chunks on ranks {ranks}")
+                          f"ranks of the group, it places chunks on global ranks {places}")
     return spec.sharded_dim(st.dim())
 
 

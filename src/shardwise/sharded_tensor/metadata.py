@@ -1,8 +1,18 @@
 """Sharding metadata as pure values: placements, shard boxes, chunk math and validation.
 
 Nothing here starts a process or touches a tensor's data: every function is unit-tested on its own.
-A shard is a box of the global tensor (``shard_offsets`` + ``shard_sizes``) placed on one rank of
-the process group (ranks are ranks *within the group*, as c10d's group collectives number them).
+A shard is a box of the global tensor (``shard_offsets`` + ``shard_sizes``) placed on one rank.
+
+[Note: global ranks in placements]
+As in torch's ``torch.distributed._shard``, the rank in a placement (``"rank:N/device"`` in a
+``ChunkShardingSpec`` or ``EnumerableShardingSpec``, a ``ShardMetadata``'s placement, the rank of
+``Shard.from_tensor_and_offsets``) is a *global* rank, which must belong to the process group the
+tensor is sharded over (else torch's error, "Global rank N does not exist in input process
+group"). A spec thus names processes, whatever group it is used on: on a tensor-parallel group
+made of global ranks [2, 3], ``ChunkShardingSpec(0, ["rank:2", "rank:3"])`` puts chunk 0 on
+process 2. When a ShardedTensor is made, its shards' metadata is translated once into ranks of
+the group (``to_group_ranks``), which is what the collectives and the sharded ops use; specs
+keep the global ranks they were given.
 """
 
 from __future__ import annotations
@@ -139,8 +149,9 @@ def overlap(a: ShardMetadata, b: ShardMetadata) -> tuple[tuple[int, ...], tuple[
 
 def validate_shards(shards: Sequence[ShardMetadata], size: Sequence[int],
                     world_size: int | None = None) -> None:
-    """Shards must lie inside ``size``, not overlap, cover every element, and sit on ranks of the
-    group; the error names the offending shards or ranks."""
+    """Shards must lie inside ``size``, not overlap, cover every element, and (given
+    ``world_size``) sit on ranks 0..world_size-1 (ranks of the group, after ``to_group_ranks``);
+    the error names the offending shards or ranks."""
     size = tuple(size)
     for s in shards:
         if len(s.shard_sizes) != len(size):
@@ -160,11 +171,24 @@ def validate_shards(shards: Sequence[ShardMetadata], size: Sequence[int],
                             f"{size}: pieces are missing")
 
 
-def check_ranks(placements: Sequence[Placement], world_size: int, what: str) -> None:
-    bad = sorted({p.rank for p in placements if p.rank >= world_size})
+def check_ranks(placements: Sequence[Placement], group_ranks: Sequence[int], what: str) -> None:
+    """Every placement names a global rank of the group (``group_ranks``: its global ranks in
+    group order); torch's error otherwise. See [Note: global ranks in placements]."""
+    bad = sorted({p.rank for p in placements if p.rank not in group_ranks})
     if bad:
-        raise ShardingError(f"{what} places shards on ranks {bad}, outside the group of "
-                            f"{world_size} ranks (0..{world_size - 1})")
+        raise ShardingError(f"{what}: Global rank {bad[0]} does not exist in input process "
+                            f"group (placements name global ranks, as in torch; the group's "
+                            f"global ranks are {list(group_ranks)}; ranks {bad} are outside it)")
+
+
+def to_group_ranks(shards: Sequence[ShardMetadata], group_ranks: Sequence[int], what: str
+                   ) -> list[ShardMetadata]:
+    """The shards with each placement's global rank replaced by its rank within the group
+    (checked: torch's error for a rank outside the group)."""
+    check_ranks([s.placement for s in shards], group_ranks, what)
+    index = {g: i for i, g in enumerate(group_ranks)}
+    return [ShardMetadata(s.shard_offsets, s.shard_sizes,
+                          Placement(index[s.rank], s.placement.device)) for s in shards]
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,9 @@
 """ShardedTensor: one logical tensor whose shards live on the ranks of a process group (SPMD).
 
+Specs and user-made shards name global ranks, as torch's do; the metadata a ShardedTensor keeps
+(``metadata()``, each local shard's) numbers the ranks within its group ([Note: global ranks in
+placements], metadata.py).
+
 Each rank holds its local shards (``Shard``: a tensor and its box) and the global metadata (every
 shard's box and rank). Torch calls that receive a ShardedTensor reach ``__torch_function__`` and
 are dispatched to the registered sharded implementations (``ops_*.py``); any other op raises
@@ -37,11 +41,17 @@ def group_rank(group) -> tuple[int, int]:
     return dist.get_rank(group), dist.get_world_size(group)
 
 
+def group_global_ranks(group) -> list[int]:
+    """The global ranks of ``group`` (None: the default group), in group order."""
+    return dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
+
+
 def resolved_metadata(spec: ShardingSpec, size: Sequence[int], group) -> list[ShardMetadata]:
-    """The spec's shards for ``size`` with every placement's device made explicit."""
+    """The spec's shards for ``size`` on ranks of ``group`` (the spec's placements name global
+    ranks: [Note: global ranks in placements]) with every placement's device made explicit."""
     backend = dist.get_backend(group)
     out = []
-    for s in spec.build_metadata(size, dist.get_world_size(group)):
+    for s in spec.group_metadata(size, group_global_ranks(group)):
         place = type(s.placement)(s.placement.rank, resolve_device(s.placement, backend))
         out.append(ShardMetadata(s.shard_offsets, s.shard_sizes, place))
     return out

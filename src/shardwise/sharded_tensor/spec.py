@@ -4,6 +4,7 @@
 ``torch.chunk`` does (uneven last chunk, empty trailing chunks) and puts chunk ``i`` on
 ``placements[i]``. ``EnumerableShardingSpec(shards)`` lists every shard's box and placement and is
 validated once the tensor size is known (no overlap, full coverage, ranks inside the group).
+Placements name global ranks ([Note: global ranks in placements], metadata.py).
 """
 
 from __future__ import annotations
@@ -17,10 +18,10 @@ from shardwise.sharded_tensor.metadata import (
     Placement,
     ShardingError,
     ShardMetadata,
-    check_ranks,
     chunk_offsets,
     chunk_sizes,
     parse_placement,
+    to_group_ranks,
     validate_shards,
 )
 
@@ -29,7 +30,17 @@ class ShardingSpec(ABC):
     @abstractmethod
     def build_metadata(self, size: Sequence[int], world_size: int | None = None
                        ) -> list[ShardMetadata]:
-        """Every shard's box for a tensor of ``size``; validated against the group's size."""
+        """Every shard's box for a tensor of ``size``, placements as given (global ranks);
+        with ``world_size``, checked against a group of the global ranks 0..world_size-1."""
+
+    def group_metadata(self, size: Sequence[int], group_ranks: Sequence[int]
+                       ) -> list[ShardMetadata]:
+        """The shards for ``size`` placed on ranks *of the group* whose global ranks are
+        ``group_ranks`` (torch's error for a placement outside it)."""
+        shards = self.build_metadata(size)
+        local = to_group_ranks(shards, group_ranks, repr(self))
+        validate_shards(local, size, len(group_ranks))
+        return local
 
     @abstractmethod
     def placements_list(self) -> list[Placement]:
@@ -66,7 +77,8 @@ class ChunkShardingSpec(ShardingSpec):
         size = tuple(size)
         dim = self.sharded_dim(len(size))
         if world_size is not None:
-            check_ranks(self.placements, world_size, repr(self))
+            to_group_ranks([ShardMetadata((0,), (0,), p) for p in self.placements],
+                           range(world_size), repr(self))
         n = len(self.placements)
         shards = []
         for place, off, length in zip(self.placements, chunk_offsets(size[dim], n),
@@ -107,7 +119,9 @@ class EnumerableShardingSpec(ShardingSpec):
 
     def build_metadata(self, size: Sequence[int], world_size: int | None = None
                        ) -> list[ShardMetadata]:
-        validate_shards(self.shards, size, world_size)
+        if world_size is not None:
+            to_group_ranks(self.shards, range(world_size), repr(self))
+        validate_shards(self.shards, size)
         return list(self.shards)
 
     def __eq__(self, other: object) -> bool:
