@@ -47,6 +47,26 @@ def make_batch(seed: int, ntoken: int, steps: int, batch: int) -> tuple:
     return data, torch.randint(0, ntoken, (steps, batch), generator=gen)
 
 
+def make_batch_np(seed: int, ntoken: int, steps: int, batch: int) -> tuple:
+    """``make_batch``'s inputs and targets as numpy arrays (as the RL example's states travel)."""
+    data, target = make_batch(seed, ntoken, steps, batch)
+    return data.numpy(), target.numpy()
+
+
+class ModelStore:
+    """Lives on the parameter server: builds a model of a library (``visionlike``, a module
+    outside the program's directories, as torchvision is) and hands it out through a method
+    called on its RRef, as the batch parameter server's ``get_model`` does."""
+
+    def __init__(self, seed: int):
+        import visionlike
+
+        self.model = visionlike.make(seed)
+
+    def get_model(self) -> nn.Module:
+        return self.model
+
+
 class EmbeddingTable(nn.Module):
     """Lives on the parameter server."""
 
