@@ -32,9 +32,12 @@ def forge() -> None:
         time.sleep(0.001)
 
 
+thread = threading.Thread(target=forge, daemon=True)
 if dist.get_rank() == 0:
-    thread = threading.Thread(target=forge, daemon=True)
     thread.start()
 time.sleep(seconds)
+if thread.is_alive():
+    thread.join()
 dist.barrier(group=group)
 print(f"rank {dist.get_rank()} done", flush=True)
+dist.destroy_process_group()
