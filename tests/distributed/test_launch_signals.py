@@ -55,7 +55,8 @@ def test_signal_stops_every_rank_within_the_grace_period(sig, ignore_term):
     launcher, pids = _start_job(*(["--ignore-term"] if ignore_term else []))
     launcher.send_signal(sig)
     assert _wait_gone(pids, GRACE + 2.0) == []
-    assert launcher.wait(timeout=10) == 128 + sig
+    # the ranks are gone (above); the launcher itself may take seconds more to tear down
+    assert launcher.wait(timeout=60) == 128 + sig
     assert f"received {signal.Signals(sig).name}" in launcher.stderr.read()
 
 

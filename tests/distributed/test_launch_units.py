@@ -343,7 +343,7 @@ def test_the_link_sees_whether_every_other_node_beat_since_a_moment():
     from shardwise.distributed.nodes import NodeLink
 
     store = dist.HashStore()
-    links = [NodeLink(store, k, 3, 1, 0, 30.0) for k in range(3)]
+    links = [NodeLink(store, k, 3, 1, 0, 30.0, b"job secret") for k in range(3)]
     for link in links:
         link.beat()
     links[0].lost_nodes(now=1.0)  # node 0's first look at the others' beats
@@ -353,3 +353,104 @@ def test_the_link_sees_whether_every_other_node_beat_since_a_moment():
     links[2].beat()
     links[0].lost_nodes(now=3.0)
     assert links[0].beaten_since(1.5) and not links[0].beaten_since(2.5)
+
+
+# -- records a process without the job's secret writes change nothing (issue 25, point 5) --
+
+def _links(n=2, timeout=30.0):
+    import torch.distributed as dist
+
+    from shardwise.distributed.nodes import NodeLink
+
+    store = dist.HashStore()
+    return store, [NodeLink(store, k, n, 1, 0, timeout, b"job secret") for k in range(n)]
+
+
+def test_forged_node_records_are_ignored():
+    store, (node0, node1) = _links()
+    # what a process that reaches the store but lacks the secret writes, as plain values
+    store.set("shardwise/attempt_0/failed/1", "node 1's ranks failed (forged)")
+    store.set("shardwise/job_stopped", "node 1's launcher received SIGTERM (forged)")
+    store.set("shardwise/attempt_0/finished/1", "1")
+    store.set("shardwise/attempt_0/ready/1", "1")
+    store.set("shardwise/nodes/1", '{"nnodes": 2, "nproc": 1, "max_restarts": 5}')
+    assert node0.remote_failure(0) is None
+    assert node0.stopped() is None
+    assert not node0.all_finished(0)
+    assert node0._records().keys() == set()  # node 0 has not written its record either
+    # true records from node 1 are seen
+    node1.report_failure(0, "rank 1 raised")
+    assert node0.remote_failure(0) == (1, "rank 1 raised")
+
+
+def test_a_forged_beat_never_makes_a_node_lost():
+    store, (node0, node1) = _links(timeout=5.0)
+    node1.beat()
+    assert node0.lost_nodes(now=0.0) == []
+    store.set("shardwise/node_beat/1", "1")  # a forged (unsigned) beat, over and over
+    assert node0.lost_nodes(now=10.0) == []
+    assert node0.lost_nodes(now=20.0) == []
+    node1.beat()  # a true one: still alive
+    assert node0.lost_nodes(now=30.0) == []
+    assert node0.lost_nodes(now=36.0) == [1]  # a true silence is still seen
+
+
+def test_a_forged_claim_is_taken_over_and_a_true_one_is_not():
+    store, (node0, _) = _links()
+    store.set("shardwise/node_claims/0", "someone")
+    assert node0._claim()
+    store2, (first, _) = _links()
+    assert first._claim()
+    from shardwise.distributed.nodes import NodeLink
+
+    second = NodeLink(store2, 0, 2, 1, 0, 30.0, b"job secret")
+    assert not second._claim()  # a second launcher for node 0: a true claim is there
+
+
+def test_a_forged_or_replayed_progress_record_is_false():
+    import json
+
+    import torch.distributed as dist
+
+    from shardwise.distributed import progress
+
+    store = dist.HashStore()
+    beat = progress.Heartbeat(store, 0, 1, 2, interval=1.0, secret=b"job secret")
+    beat.publish()
+    first = progress.read_progress(store, 0, 1, b"job secret")
+    assert first["n"] == 1
+    old = store.get(progress.progress_key(0, 1))
+    beat.publish()
+    newest = progress.read_progress(store, 0, 1, b"job secret", first)
+    assert newest["n"] == 2
+    store.set(progress.progress_key(0, 1), old)  # a true record written back
+    assert progress.read_progress(store, 0, 1, b"job secret", newest) is progress.FALSE
+    store.set(progress.progress_key(0, 1), json.dumps({"seq": 0, "beats": 0, "t": 1.0}))
+    assert progress.read_progress(store, 0, 1, b"job secret", newest) is progress.FALSE
+    assert progress.read_progress(store, 0, 1, b"another secret") is progress.FALSE
+
+
+def test_a_tampered_record_is_never_evidence_against_a_rank():
+    from shardwise.distributed.watchdog import Watchdog
+
+    dog = Watchdog([0, 1], timeout=5.0)
+    dog.observe(1, {"seq": 1, "beats": 0, "t": 0.0, "n": 1, "exiting": False}, now=0.0)
+    dog.tampered(1, now=4.0)
+    assert dog.verdict(now=8.0) is None
+    assert dog.verdict(now=10.0).ranks == [1]
+
+
+def test_a_rank_that_left_with_exit_code_0_is_named_before_the_consequence():
+    exits = [RankExit(0, 1, 5.2, False, _record(0, 5.1, True, message=RESET)),
+             RankExit(1, 0, 5.0, False, None)]
+    found = blame(exits)
+    assert found.ranks == [1] and found.code == 1 and not found.consequence
+    assert found.text.startswith("shardwise: rank 1 left first (exit code 0, 0.10 s before "
+                                 "rank 0 failed)"), found.text
+    assert "then: rank 0 failed" in found.text
+
+
+def test_a_real_error_still_comes_before_a_rank_that_left():
+    exits = [RankExit(0, 0, 4.0, False, None),
+             RankExit(1, 1, 5.0, False, _record(1, 4.9, message="rank one broke"))]
+    assert blame(exits).text.startswith("shardwise: rank 1 failed")

@@ -54,28 +54,65 @@ def signal_name(number: int) -> str:
 
 
 def blame(exits: list[RankExit]) -> Blame | None:
-    """The root cause among ``exits``; None when nothing failed."""
+    """The root cause among ``exits``; None when nothing failed.
+
+    A failure that is not a consequence comes first. Else, a rank that left on its own (exit
+    code 0: a failure would be the rule above) while the others still needed it is the cause,
+    and the consequence follows it in the report."""
     for e in exits:
         e.stderr, e.output = _plain(e.stderr), _plain(e.output)
+    found, consequence = _cause(exits)
+    if found is None or not consequence:
+        return found
+    left = [e for e in exits if e.code == 0 and not e.stopped and e.time is not None]
+    if not left:
+        return found
+    return _blame_leaver(min(left, key=lambda e: e.time), exits, found)
+
+
+def _blame_leaver(first: RankExit, exits: list[RankExit], then: Blame) -> Blame:
+    """Rank ``first`` left (exit code 0) before the job was done; ``then`` is what followed."""
+    when = []
+    for e in sorted(exits, key=lambda e: e.rank):
+        at = e.record.time if e.record is not None else e.time if not e.stopped else None
+        if e is first or at is None:
+            continue
+        gap = at - first.time
+        verb = "failed" if e.code != 0 or e.record is not None else "left"
+        when.append(f"{gap:.2f} s before rank {e.rank} {verb}" if gap >= 0 else
+                    f"{-gap:.2f} s after rank {e.rank} {verb} (as the launcher saw them)")
+    relative = f", {', '.join(when)}" if when else ""
+    text = (f"shardwise: rank {first.rank} left first (exit code 0{relative}) while the other "
+            f"ranks still needed it; the other ranks were stopped.\n"
+            f"then: {then.text.removeprefix('shardwise: ').replace(_STOPPED, '.', 1)}")
+    return Blame([first.rank], text, 1)
+
+
+_STOPPED = "; the other ranks were stopped."
+
+
+def _cause(exits: list[RankExit]) -> tuple[Blame | None, bool]:
+    """The root cause by the rules of [Note: blame], and whether it is only a consequence."""
     by_rank = {e.rank: e for e in exits}
     own = [e for e in exits if e.code not in (None, 0) and not e.stopped]
     candidates = [(e.record.time, e) for e in exits if e.record and not e.record.consequence]
     candidates += [(e.time or 0.0, e) for e in own if e.record is None
                    and not says_consequence(last_traceback(e.stderr)[-300:])]
     if candidates:
-        return _blame_one(min(candidates, key=lambda c: c[0])[1])
+        return _blame_one(min(candidates, key=lambda c: c[0])[1]), False
     cause = root_cause([e.record for e in exits if e.record])
     if cause is not None and cause.waiting_for:
-        return _blame_missing(cause, [by_rank[r] for r in cause.waiting_for if r in by_rank])
+        return _blame_missing(cause, [by_rank[r] for r in cause.waiting_for if r in by_rank]), \
+            True
     if cause is not None:
-        return _blame_one(by_rank[cause.rank])
+        return _blame_one(by_rank[cause.rank]), True
     if own:  # only consequences, none recorded: the first to go
-        return _blame_one(min(own, key=lambda e: e.time or 0.0))
-    return None
+        return _blame_one(min(own, key=lambda e: e.time or 0.0)), True
+    return None, False
 
 
 def _blame_one(e: RankExit) -> Blame:
-    stopped = "; the other ranks were stopped."
+    stopped = _STOPPED
     if e.record is not None:
         how = _how(e.code) if e.code not in (None, 0) and not e.stopped else "it raised"
         kind = " (a consequence: a peer went away or timed out)" if e.record.consequence else ""

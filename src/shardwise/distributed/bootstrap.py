@@ -3,7 +3,8 @@
 It runs TARGET (a script path, or a module with ``-m``) as ``__main__`` with the remaining
 arguments, as ``python`` would, after setting up what the launcher relies on:
 
-* the lifeline (the rank exits when the launcher dies, lifeline.py);
+* the lifeline (the rank exits when the launcher dies, lifeline.py), unless rank_boot.py, which
+  the launcher runs first, armed it already (before shardwise and torch were imported);
 * a stack dump of every thread on ``SIGUSR1`` (faulthandler), which the watchdog asks for before
   it stops a rank that hangs, so the report can say where it was;
 * the heartbeat that publishes this rank's progress record in the launcher's store (progress.py);
@@ -24,7 +25,7 @@ import sys
 import traceback
 from datetime import timedelta
 
-from shardwise.distributed import errors, lifeline, progress
+from shardwise.distributed import errors, job_secret, lifeline, progress
 from shardwise.distributed.env import flag_var, int_var
 from shardwise.distributed.timeouts import default_timeout
 
@@ -96,8 +97,11 @@ def _record(exc: BaseException, heartbeat) -> None:
 
 
 def _start_heartbeat() -> progress.Heartbeat | None:
-    """Publish progress records when the launcher hosts the store (else None)."""
-    if not (flag_var("TORCHELASTIC_USE_AGENT_STORE") and os.environ.get("MASTER_PORT")):
+    """Publish progress records when the launcher hosts the store and handed this rank the
+    job's secret to sign them with (else None)."""
+    secret = job_secret.of_rank()
+    if secret is None or not (flag_var("TORCHELASTIC_USE_AGENT_STORE")
+                              and os.environ.get("MASTER_PORT")):
         return None
     import torch.distributed as dist
 
@@ -112,7 +116,7 @@ def _start_heartbeat() -> progress.Heartbeat | None:
     heartbeat = progress.Heartbeat(
         store, int_var("TORCHELASTIC_RESTART_COUNT", default=0, minimum=0),
         int_var("RANK", minimum=0), int_var("WORLD_SIZE", minimum=1),
-        interval=min(1.0, timeout / 5))
+        interval=min(1.0, timeout / 5), secret=secret)
     heartbeat.publish()
     heartbeat.start()
     # registered before the script runs, so it runs after the script's own exit handlers: the

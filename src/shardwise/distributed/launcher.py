@@ -33,19 +33,21 @@ import time
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 from typing import TextIO
 
 import torch.distributed as dist
 
+from shardwise.distributed import descendants, job_secret, rank_boot, signed_store
 from shardwise.distributed.blame import Blame, RankExit, blame
-from shardwise.distributed.env import AGENT_STORE_VAR, RPC_SECRET_VAR
+from shardwise.distributed.env import AGENT_STORE_VAR, RPC_SECRET_FILE_VAR, RPC_SECRET_VAR
 from shardwise.distributed.errors import ERROR_FILE_VAR, read_record
 from shardwise.distributed.lifeline import LAUNCHER_FD_VAR, LAUNCHER_PID_VAR
 from shardwise.distributed.nodes import Layout, NodeError, NodeLink, open_store
 from shardwise.distributed.output import PrefixedRelay, lines_since, stack_dump
 from shardwise.distributed.preemption import DEFAULT_GRACE_SECONDS, GRACE_VAR
-from shardwise.distributed.progress import read_progress
+from shardwise.distributed.progress import FALSE, SCOPE, read_progress
 from shardwise.distributed.timeouts import as_timedelta
 from shardwise.distributed.watchdog import Hang, Watchdog
 
@@ -54,13 +56,17 @@ SETTLE_SECONDS = 2.0  # after a first failure: time for the other ranks' records
 POLL_SECONDS = 0.2
 _SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
 _STORE_ERRORS = (RuntimeError, dist.DistError, OSError)
+_SECRET_FILE = "shardwise/secret/file_id"  # node 0's secret file, for launchers on its host
+_SECRET_HOST = "shardwise/secret/host"  # node 0's host
+_SECRET_CHECK = "shardwise/secret/check"  # signed by node 0: the others check their secret
 
 
 def python_command(target: str, args: Sequence[str] = (), module: bool = False) -> list[str]:
     """The command that runs a Python script (or ``-m`` module) as a rank the launcher owns:
-    through bootstrap.py, for the lifeline, the failure record and the progress records."""
+    through rank_boot.py (the lifeline and the guard, armed before anything heavy is imported)
+    and bootstrap.py (the failure record and the progress records)."""
     head = ["-m", target] if module else [target]
-    return [sys.executable, "-m", "shardwise.distributed.bootstrap", *head, *args]
+    return [sys.executable, str(Path(rank_boot.__file__).resolve()), *head, *args]
 
 
 def launch(
@@ -103,18 +109,31 @@ def launch(
     job = _Job(list(argv), dict(os.environ if env is None else env), stdout or sys.stdout,
                stderr or sys.stderr, max_restarts, grace_seconds, seconds)
     job.nproc, job.node_rank, job.nnodes = nproc, node_rank, nnodes
-    if rdzv_endpoint is None:
-        job.store = dist.TCPStore(LOCALHOST, 0, None, is_master=True, wait_for_workers=False)
-        job.host, job.layout = LOCALHOST, Layout(0, nproc)
-    else:
-        job.endpoint = rdzv_endpoint
-        job.host = rdzv_endpoint.rpartition(":")[0].strip("[]")
-        job.first_attempt = job.connect(0)
-    if nnodes == 1:  # one host: the ranks' RPC secret, private to them (rpc/secret.py)
-        job.base_env.setdefault(RPC_SECRET_VAR, secrets.token_hex(32))
-    with _SignalTrap() as trap:
-        job.trap = trap
-        return job.run()
+    try:
+        if rdzv_endpoint is None:
+            job.store = dist.TCPStore(LOCALHOST, 0, None, is_master=True,
+                                      wait_for_workers=False)
+            job.host, job.layout = LOCALHOST, Layout(0, nproc)
+            job.use_secret(_given_secret(job.base_env) or job_secret.fresh())
+        else:
+            job.endpoint = rdzv_endpoint
+            job.host = rdzv_endpoint.rpartition(":")[0].strip("[]")
+            job.first_attempt = job.connect(0)
+        if nnodes == 1:  # one host: the ranks' RPC secret, private to them (rpc/secret.py)
+            job.base_env.setdefault(RPC_SECRET_VAR, secrets.token_hex(32))
+        with _SignalTrap() as trap:
+            job.trap = trap
+            return job.run()
+    finally:
+        if job.secret_file is not None:
+            job.secret_file.unlink(missing_ok=True)
+
+
+def _given_secret(environ: Mapping[str, str]) -> bytes | None:
+    try:
+        return job_secret.from_environment(environ)
+    except job_secret.SecretFileError as exc:
+        raise NodeError(str(exc)) from exc
 
 
 @dataclass
@@ -179,15 +198,68 @@ class _Job:
     lost_nodes: list[int] = field(default_factory=list)  # nodes whose launcher went silent
     store_lost: bool = False  # node 0, and the store with it, is gone
     job_stopped: bool = False  # a launcher of the job was told to stop: no restart
+    launch_id: str = field(default_factory=lambda: secrets.token_hex(16))  # marks descendants
+    secret: bytes = b""  # signs the records in the store ([Note: launcher records])
+    secret_file: Path | None = None  # node 0 wrote the secret for launchers on its host
+
+    def use_secret(self, secret: bytes) -> None:
+        self.secret = secret
+        self.base_env[job_secret.LAUNCH_SECRET_VAR] = secret.hex()
 
     def connect(self, attempt: int) -> int:
         """Reach (node 0: host) the rendezvous store and join the other nodes; the attempt to
         run first."""
         self.store = open_store(self.endpoint, self.node_rank, self.nnodes, self.timeout)
+        self.use_secret(self._agree_secret())
         self.link = NodeLink(self.store, self.node_rank, self.nnodes, self.nproc,
-                             self.max_restarts, self.timeout)
+                             self.max_restarts, self.timeout, self.secret)
         self.layout, first = self.link.join(attempt)
         return first
+
+    def _agree_secret(self) -> bytes:
+        """The job's secret, the same on every node (the rule is in job_secret.py); node 0
+        signs a check record with it, which the others must open."""
+        given = _given_secret(self.base_env)
+        if self.node_rank == 0:
+            secret = given or job_secret.fresh()
+            if given is None:
+                if self.secret_file is not None:
+                    self.secret_file.unlink(missing_ok=True)
+                file_id, self.secret_file = job_secret.write_shared(secret)
+                self.store.set(_SECRET_FILE, file_id)
+            self.store.set(_SECRET_HOST, job_secret.host_identity())
+            signed_store.put(self.store, _SECRET_CHECK, "node 0", secret, SCOPE)
+            return secret
+        try:
+            self.store.wait([_SECRET_CHECK], timedelta(seconds=self.timeout))
+        except _STORE_ERRORS as exc:
+            raise NodeError(f"node {self.node_rank}: node 0's launcher did not publish its "
+                            f"record within {self.timeout:g} s ({exc})") from exc
+        secret = given or self._shared_secret()
+        try:
+            signed_store.open_record(_SECRET_CHECK, self.store.get(_SECRET_CHECK), secret,
+                                     SCOPE)
+        except signed_store.BadRecord as exc:
+            raise NodeError(f"node {self.node_rank}'s secret is not node 0's: give every "
+                            f"launcher the same ${RPC_SECRET_VAR} (or "
+                            f"${RPC_SECRET_FILE_VAR})") from exc
+        return secret
+
+    def _shared_secret(self) -> bytes:
+        """The secret node 0 drew, read from its file: only on node 0's host."""
+        if not self.store.check([_SECRET_FILE]):
+            raise NodeError(f"node 0 was given a secret and node {self.node_rank} was not: set "
+                            f"the same ${RPC_SECRET_VAR} (or ${RPC_SECRET_FILE_VAR}) for every "
+                            "launcher")
+        if self.store.get(_SECRET_HOST).decode(errors="replace") != job_secret.host_identity():
+            raise NodeError(f"node {self.node_rank} is on another host than node 0 and no job "
+                            f"secret is set: set ${RPC_SECRET_VAR} (the same value on every node, "
+                            "e.g. from `python -c 'import secrets; print(secrets.token_hex(32))'`)"
+                            f" or ${RPC_SECRET_FILE_VAR} (a file of mode 0600) for every launcher")
+        try:
+            return job_secret.read_shared(self.store.get(_SECRET_FILE).decode(errors="replace"))
+        except job_secret.SecretFileError as exc:
+            raise NodeError(f"node {self.node_rank}: {exc}") from exc
 
     def run(self) -> int:
         workdir = Path(tempfile.mkdtemp(prefix="shardwise-launch-"))
@@ -251,6 +323,7 @@ class _Job:
             return 1, not self.store_lost
         finally:
             self._stop(ranks)
+            self._end_descendants(ranks)
             for rank in ranks:
                 for relay in rank.relays:
                     relay.join(timeout=5)
@@ -298,11 +371,15 @@ class _Job:
             if not rank.alive():
                 continue
             try:
-                record = read_progress(self.store, attempt, rank.rank)
+                record = read_progress(self.store, attempt, rank.rank, self.secret,
+                                       watchdog.last(rank.rank))
             except _STORE_ERRORS as exc:
                 self.store_lost = True
                 raise NodeError(f"lost contact with node 0 (the host of the rendezvous "
                                 f"store) ({exc})") from exc
+            if record is FALSE:
+                watchdog.tampered(rank.rank, now)
+                continue
             rank.published = rank.published or record is not None
             watchdog.observe(rank.rank, record, now)
 
@@ -482,6 +559,7 @@ class _Job:
         env[ERROR_FILE_VAR] = str(error_file)
         env[LAUNCHER_PID_VAR] = str(os.getpid())
         env[LAUNCHER_FD_VAR] = str(self._read_end)
+        env[descendants.LAUNCH_ID_VAR] = self.launch_id
         env[GRACE_VAR] = repr(self.grace)
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // self.nproc)))
         return env
@@ -519,6 +597,14 @@ class _Job:
             except subprocess.TimeoutExpired:
                 _signal_group(rank.proc, signal.SIGKILL)
                 rank.proc.wait()
+
+    def _end_descendants(self, ranks: list[_Rank]) -> None:
+        """End every process the ranks started that is still there (SIGTERM, the grace period,
+        SIGKILL): [Note: a rank's descendants] in descendants.py."""
+        left = descendants.end({r.proc.pid for r in ranks}, self.launch_id, self.grace)
+        if left:
+            self._say(f"shardwise: ended {len(left)} process(es) the ranks had started and left "
+                      f"running (pids {', '.join(map(str, sorted(left)))})")
 
     def _say(self, text: str) -> None:
         with self.lock:

@@ -8,6 +8,12 @@ Two mechanisms, because neither alone is enough:
   (``SHARDWISE_LAUNCHER_FD``); a watcher thread blocks reading it, and end-of-file means the
   launcher is gone: the rank says so on stderr and exits at once (the launcher can no longer
   stop it, nor report anything it does).
+
+Both are armed before the rank imports anything heavy: rank_boot.py loads this file (standard
+library only) by its path and calls ``install`` first, then forks the rank's guard
+(descendants.py), and only then imports shardwise and torch. ``install`` notes in the
+environment that this process is armed (``SHARDWISE_LIFELINE_ARMED``, its pid), so a second call
+(bootstrap.py's, for ranks started without rank_boot.py) does nothing.
 """
 
 from __future__ import annotations
@@ -19,23 +25,42 @@ import signal
 import sys
 import threading
 
-from shardwise.distributed.env import int_var
-
 LAUNCHER_PID_VAR = "SHARDWISE_LAUNCHER_PID"
 LAUNCHER_FD_VAR = "SHARDWISE_LAUNCHER_FD"
 PR_SET_PDEATHSIG = 1
 EXIT_LAUNCHER_GONE = 128 + signal.SIGHUP
+ARMED_VAR = "SHARDWISE_LIFELINE_ARMED"
 
 
 def install() -> None:
-    """Tie this process's life to the launcher named in the environment (no-op without one)."""
-    pid = int_var(LAUNCHER_PID_VAR, default=0, minimum=0)
-    fd = int_var(LAUNCHER_FD_VAR, default=-1, minimum=-1)
+    """Tie this process's life to the launcher named in the environment (no-op without one,
+    and when this process is armed already)."""
+    if os.environ.get(ARMED_VAR) == str(os.getpid()):
+        return
+    pid = _int_var(LAUNCHER_PID_VAR, default=0, minimum=0)
+    fd = _int_var(LAUNCHER_FD_VAR, default=-1, minimum=-1)
+    os.environ[ARMED_VAR] = str(os.getpid())
     if pid:
         _die_with_parent(pid)
     if fd >= 0:
         threading.Thread(target=_watch_pipe, args=(fd,), daemon=True,
                          name="shardwise-lifeline").start()
+
+
+def _int_var(name: str, default: int, minimum: int) -> int:
+    """env.int_var's rule, without importing the package (this runs before torch is)."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        value = None
+    if value is None or value < minimum:
+        from shardwise.distributed.env import int_var  # the named error (imports the package)
+
+        return int_var(name, default, minimum=minimum)
+    return value
 
 
 def _die_with_parent(launcher_pid: int) -> None:

@@ -19,17 +19,26 @@ launcher and join again; every record carries the attempt its launcher is about 
 take the largest, so node 0's new launcher (which knows nothing) continues the job's count. Each
 attempt starts when every node has said it is ready for it (``wait_ready``), so the survivors wait
 for the lost node to rejoin, within the timeout.
+
+Every record here is signed under the job's secret ([Note: launcher records] in job_secret.py):
+a record that fails its MAC is ignored and logged. A false beat counts as a sign of life (a node
+is never declared lost on evidence someone tampered with), a false claim is taken over, and the
+claims, "finished" and "saw the stop" are one signed record per node instead of counters.
 """
 
 from __future__ import annotations
 
 import json
+import secrets
 import socket
 import time
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch.distributed as dist
+
+from shardwise.distributed import signed_store
+from shardwise.distributed.progress import SCOPE
 
 _NODE = "shardwise/nodes/"
 _CLAIM = "shardwise/node_claims/"
@@ -72,7 +81,7 @@ def open_store(endpoint: str, node_rank: int, nnodes: int, timeout: float) -> di
 
 class NodeLink:
     def __init__(self, store: dist.Store, node_rank: int, nnodes: int, nproc: int,
-                 max_restarts: int, timeout: float):
+                 max_restarts: int, timeout: float, secret: bytes):
         if nnodes < 1:
             raise NodeError(f"--nnodes must be at least 1, got {nnodes}")
         if not 0 <= node_rank < nnodes:
@@ -81,19 +90,59 @@ class NodeLink:
         self.store, self.node_rank, self.nnodes = store, node_rank, nnodes
         self.mine = {"nnodes": nnodes, "nproc": nproc, "max_restarts": max_restarts,
                      "host": socket.gethostname()}
-        self.timeout = timeout
+        self.timeout, self.secret = timeout, secret
+        self._id = secrets.token_hex(8)  # this launcher, in its claim
         self._beats = 0
-        self._seen: dict[int, tuple[str, float]] = {}
+        self._seen: dict[int, tuple[int, float]] = {}
         self._stop_seen = False
+
+    # -- signed records ([Note: launcher records]) --------------------------------------------
+
+    def _put(self, key: str, value: str) -> None:
+        signed_store.put(self.store, key, value, self.secret, SCOPE)
+
+    def _sealed(self, key: str, value: str) -> bytes:
+        return signed_store.seal(key, value, self.secret, SCOPE)
+
+    def _read(self, key: str) -> tuple[str | None, bool]:
+        """(the true value under ``key`` or None, whether a false record is there)."""
+        if not self.store.check([key]):
+            return None, False
+        raw = self.store.get(key)
+        try:
+            return signed_store.open_record(key, raw, self.secret, SCOPE).decode(
+                errors="replace"), False
+        except signed_store.BadRecord as why:
+            signed_store._warn_once(key, bytes(raw), why)
+            return None, True
+
+    def _value(self, key: str) -> str:
+        return self._read(key)[0] or ""
+
+    def _claim(self) -> bool:
+        """Claim this node rank; False when a launcher claimed it before (a true claim)."""
+        key, mine = f"{_CLAIM}{self.node_rank}", self._sealed(f"{_CLAIM}{self.node_rank}",
+                                                               self._id)
+        expected = b""
+        for _ in range(100):
+            now = bytes(self.store.compare_set(key, expected, mine))
+            if now == mine:
+                return True
+            value, false = self._read(key)
+            if value is not None:
+                return value == self._id
+            expected = bytes(self.store.get(key)) if false else b""
+        raise NodeError(f"node {self.node_rank}: could not claim the node rank: its claim in "
+                        f"the store keeps being overwritten")
 
     def join(self, attempt: int = 0) -> tuple[Layout, int]:
         """Announce this node and wait for all others; the global rank layout and the attempt
         to run first (``attempt``, or later when this launcher replaces a lost one or others
         are further on)."""
-        if self.store.add(f"{_CLAIM}{self.node_rank}", 1) > 1:
+        if not self._claim():
             attempt = max(attempt, self._take_lost_place())
         self.mine["attempt"] = attempt
-        self.store.set(f"{_NODE}{self.node_rank}", json.dumps(self.mine))
+        self._put(f"{_NODE}{self.node_rank}", json.dumps(self.mine))
         deadline = time.monotonic() + self.timeout
         while True:
             records = self._records()
@@ -126,27 +175,28 @@ class NodeLink:
                                 f"other nodes did not declare it lost within {patience:g} s (a "
                                 f"lost node rejoins only while the job has restarts left)")
             time.sleep(0.1)
-        return int(self.store.get(_NEXT))
+        return int(self._value(_NEXT) or 0)
 
     def _take(self, key: str) -> bool:
         """Turn the mark at ``key`` from "1" to "0"; True for the one launcher that did."""
-        return self._value(key) == "1" and self.store.compare_set(key, "1", "0") == b"0"
+        one, zero = self._sealed(key, "1"), self._sealed(key, "0")
+        return self._value(key) == "1" and bytes(self.store.compare_set(key, one, zero)) == zero
 
     def mark_lost(self, nodes: list[int], next_attempt: int) -> None:
         """Declare ``nodes`` lost: a launcher started again for one of them joins
         ``next_attempt``."""
-        self.store.set(_NEXT, str(next_attempt))
+        self._put(_NEXT, str(next_attempt))
         for k in nodes:
-            self.store.set(f"{_LOST}{k}", "1")
+            self._put(f"{_LOST}{k}", "1")
 
     def wait_ready(self, attempt: int) -> None:
         """Say this node is ready for ``attempt`` and wait (up to the timeout) until every node
         is; the error names the nodes that did not come."""
-        self.store.set(f"shardwise/attempt_{attempt}/ready/{self.node_rank}", "1")
+        self._put(f"shardwise/attempt_{attempt}/ready/{self.node_rank}", "1")
         deadline = time.monotonic() + self.timeout
         while True:
             missing = [k for k in range(self.nnodes)
-                       if not self.store.check([f"shardwise/attempt_{attempt}/ready/{k}"])]
+                       if self._value(f"shardwise/attempt_{attempt}/ready/{k}") != "1"]
             if not missing:
                 break
             if time.monotonic() > deadline:
@@ -157,28 +207,26 @@ class NodeLink:
 
     def say_stopped(self, text: str) -> None:
         """This launcher was told to stop (a signal): the job ends, no node restarts."""
-        self.store.set(_STOPPED, text)
+        self._put(_STOPPED, text)
 
     def stopped(self) -> str | None:
         """Why the job was stopped (by a signal to some node's launcher), once seen here."""
         text = self._value(_STOPPED)
         if text and not self._stop_seen:
             self._stop_seen = True
-            self.store.add(f"{_STOPPED}/seen", 1)
+            self._put(f"{_STOPPED}/seen/{self.node_rank}", "1")
         return text or None
 
     def others_saw_stop(self) -> bool:
-        return self.store.add(f"{_STOPPED}/seen", 0) >= self.nnodes - 1
-
-    def _value(self, key: str) -> str:
-        return self.store.get(key).decode(errors="replace") if self.store.check([key]) else ""
+        return all(self._value(f"{_STOPPED}/seen/{k}") == "1"
+                   for k in range(self.nnodes) if k != self.node_rank)
 
     def _records(self) -> dict[int, dict]:
         records = {}
         for k in range(self.nnodes):
-            key = f"{_NODE}{k}"
-            if self.store.check([key]):
-                records[k] = json.loads(self.store.get(key))
+            text = self._value(f"{_NODE}{k}")
+            if text:
+                records[k] = json.loads(text)
                 self._check_agrees(k, records[k])
         return records
 
@@ -191,7 +239,7 @@ class NodeLink:
 
     def beat(self) -> None:
         self._beats += 1
-        self.store.set(f"{_BEAT}{self.node_rank}", str(self._beats))
+        self._put(f"{_BEAT}{self.node_rank}", str(self._beats))
 
     def beaten_since(self, t: float) -> bool:
         """Whether ``lost_nodes`` saw every other node's beat change after ``t`` (this
@@ -200,32 +248,38 @@ class NodeLink:
                    for k in range(self.nnodes) if k != self.node_rank)
 
     def lost_nodes(self, now: float) -> list[int]:
-        """Nodes whose beat has not changed for the timeout (judged by this launcher's clock)."""
+        """Nodes whose beat has not changed for the timeout (judged by this launcher's clock).
+        A false beat counts as a beat: no node is declared lost on evidence someone tampered
+        with."""
         lost = []
         for k in range(self.nnodes):
             if k == self.node_rank:
                 continue
-            value = self._value(f"{_BEAT}{k}")
+            text, false = self._read(f"{_BEAT}{k}")
+            value = int(text) if text and text.isdigit() else 0
             last = self._seen.get(k)
-            if last is None or last[0] != value:
+            if last is None or value != last[0] or false:
                 self._seen[k] = (value, now)
             elif now - last[1] > self.timeout:
                 lost.append(k)
         return lost
 
     def report_failure(self, attempt: int, text: str) -> None:
-        self.store.set(f"shardwise/attempt_{attempt}/failed/{self.node_rank}", text)
+        self._put(f"shardwise/attempt_{attempt}/failed/{self.node_rank}", text)
 
     def remote_failure(self, attempt: int) -> tuple[int, str] | None:
         for k in range(self.nnodes):
-            key = f"shardwise/attempt_{attempt}/failed/{k}"
-            if k != self.node_rank and self.store.check([key]):
-                return k, self.store.get(key).decode(errors="replace")
+            if k != self.node_rank:
+                text = self._value(f"shardwise/attempt_{attempt}/failed/{k}")
+                if text:
+                    return k, text
         return None
 
     def finish(self, attempt: int) -> bool:
-        """Say this node's ranks all succeeded; True when it is the last node to say so."""
-        return self.store.add(f"shardwise/attempt_{attempt}/finished", 1) >= self.nnodes
+        """Say this node's ranks all succeeded; True when every node has said so."""
+        self._put(f"shardwise/attempt_{attempt}/finished/{self.node_rank}", "1")
+        return self.all_finished(attempt)
 
     def all_finished(self, attempt: int) -> bool:
-        return self.store.add(f"shardwise/attempt_{attempt}/finished", 0) >= self.nnodes
+        return all(self._value(f"shardwise/attempt_{attempt}/finished/{k}") == "1"
+                   for k in range(self.nnodes))

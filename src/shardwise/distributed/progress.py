@@ -13,6 +13,12 @@ calls it once per step), ``t`` is the wall time of the write. Two readers use th
 
 Reads and writes go through the thread's own store client, under a lock, never the client the
 process group uses.
+
+Records are signed (signed_store.py, [Note: launcher records] in job_secret.py) under the secret
+the launcher handed its ranks, and carry a count ``n`` that only grows: a reader ignores (and
+logs) a record that fails its MAC, and reports a record older than one it has seen (a genuine
+record written back by someone else) as false too, so that no one without the secret can make
+a rank look frozen, stuck or behind.
 """
 
 from __future__ import annotations
@@ -25,8 +31,18 @@ from typing import Any
 
 import torch.distributed as dist
 
+from shardwise.distributed import signed_store
+
 PREFIX = "shardwise/progress/"
+SCOPE = "shardwise-launcher"  # signed_store's scope of every launcher record
 _beats = 0
+
+
+class FalseRecord:
+    """What ``read_progress`` returns for a record that fails its MAC or goes back in time."""
+
+
+FALSE = FalseRecord()
 
 
 def progress_key(attempt: int, rank: int) -> str:
@@ -56,26 +72,43 @@ def parse_record(raw: bytes | str | None) -> dict[str, Any] | None:
     try:
         record = json.loads(raw)
         return {"seq": int(record["seq"]), "beats": int(record["beats"]),
-                "t": float(record["t"]), "exiting": bool(record.get("exiting", False))}
+                "t": float(record["t"]), "n": int(record.get("n", 0)),
+                "exiting": bool(record.get("exiting", False))}
     except (ValueError, KeyError, TypeError):
         return None
 
 
-def read_progress(store: dist.Store, attempt: int, rank: int) -> dict[str, Any] | None:
-    """Rank ``rank``'s latest record, or None if it has written none (never blocks)."""
+def read_progress(store: dist.Store, attempt: int, rank: int, secret: bytes,
+                  newest: dict[str, Any] | None = None) -> dict[str, Any] | FalseRecord | None:
+    """Rank ``rank``'s latest record; None if it has written none; ``FALSE`` for a record
+    that is not a true one of this job (fails its MAC, or is older than ``newest``, a record
+    read before). Never blocks."""
     key = progress_key(attempt, rank)
     if not store.check([key]):
         return None
-    return parse_record(store.get(key))
+    raw = store.get(key)
+    try:
+        record = parse_record(signed_store.open_record(key, raw, secret, SCOPE))
+    except signed_store.BadRecord as why:
+        signed_store._warn_once(key, bytes(raw), why)
+        return FALSE
+    if record is None:
+        return FALSE
+    if newest is not None and record["n"] < newest["n"]:
+        signed_store._warn_once(key, bytes(raw), signed_store.BadRecord(
+            f"store record {key!r} is an older record of rank {rank} written back"))
+        return FALSE
+    return record
 
 
 class Heartbeat(threading.Thread):
     """Publishes this rank's progress record every ``interval`` seconds until ``stop()``."""
 
     def __init__(self, store: dist.Store, attempt: int, rank: int, world_size: int,
-                 interval: float):
+                 interval: float, secret: bytes):
         super().__init__(daemon=True, name="shardwise-heartbeat")
         self.store, self.attempt, self.rank = store, attempt, rank
+        self.secret, self._count = secret, 0
         self.world_size, self.interval = world_size, interval
         self._lock = threading.Lock()
         self._stopped = threading.Event()
@@ -91,17 +124,20 @@ class Heartbeat(threading.Thread):
     def publish(self, exiting: bool = False) -> None:
         """Write this rank's record; ``exiting``: its script is done and the interpreter is
         tearing down (no more records: the launcher is patient with it, see watchdog.py)."""
-        record = {"seq": collective_count(), "beats": _beats, "t": time.time(),
-                  "pid": os.getpid(), "exiting": exiting}
         with self._lock:
-            self.store.set(progress_key(self.attempt, self.rank), json.dumps(record))
+            self._count += 1
+            record = {"seq": collective_count(), "beats": _beats, "t": time.time(),
+                      "n": self._count, "pid": os.getpid(), "exiting": exiting}
+            signed_store.put(self.store, progress_key(self.attempt, self.rank),
+                             json.dumps(record), self.secret, SCOPE)
 
     def stop(self) -> None:
         self._stopped.set()
 
     def stragglers(self) -> list[int]:
         """Ranks whose published collective count is behind this rank's: those that never
-        reached the collective this rank is waiting in (empty when unknown)."""
+        reached the collective this rank is waiting in (empty when unknown, or when some rank's
+        record is false: then no one can be named)."""
         mine = collective_count()
         if mine < 0:
             return []
@@ -111,8 +147,10 @@ class Heartbeat(threading.Thread):
                 if rank == self.rank:
                     continue
                 try:
-                    record = read_progress(self.store, self.attempt, rank)
+                    record = read_progress(self.store, self.attempt, rank, self.secret)
                 except (RuntimeError, dist.DistError, OSError):
+                    return []
+                if record is FALSE:
                     return []
                 if record is None or record["seq"] < mine:
                     behind.append(rank)

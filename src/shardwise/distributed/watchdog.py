@@ -57,6 +57,17 @@ class Watchdog:
         if moved:
             seen.progress_at = now
 
+    def last(self, rank: int) -> dict[str, Any] | None:
+        """The newest true record seen of ``rank``."""
+        return self._seen[rank].record
+
+    def tampered(self, rank: int, now: float) -> None:
+        """Someone without the job's secret wrote over ``rank``'s record: its heartbeat cannot
+        be judged now, so it counts as a beat with progress (a rank is never blamed on evidence
+        that was tampered with)."""
+        seen = self._seen[rank]
+        seen.beat_at = seen.progress_at = now
+
     def exited(self, rank: int, code: int, now: float) -> None:
         self._seen[rank].exit_code = code
         if code == 0:

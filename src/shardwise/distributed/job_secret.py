@@ -1,0 +1,129 @@
+"""The secret under which a launcher and its ranks sign the records they trust in the store.
+
+[Note: launcher records] The rendezvous store has no authentication: any process that reaches
+its port can read, list, write and delete any key. So every record the launchers and their
+ranks write there and later act on (progress heartbeats, node records and beats, failure
+reports, stop notices, lost-node marks, the next attempt, readiness) is written with
+signed_store.py's MAC under this secret, with the record's key inside the MAC; a record that
+fails is ignored and logged. Counters made with the store's ``add`` cannot carry a MAC; the
+launcher keeps none that decides anything: node-rank claims, "finished" and "saw the stop"
+are one signed record per node instead.
+
+Where the secret comes from (the RPC's rule, rpc/secret.py, for several hosts):
+
+* ``$SHARDWISE_RPC_SECRET``, or the file named by ``$SHARDWISE_RPC_SECRET_FILE`` (owned by this
+  user, not readable or writable by group or others), when set: the same on every node;
+* else, on one node, 32 random bytes the launcher draws for the job;
+* else, for several launchers on one host (node 0's host), a file of mode 0600 that node 0
+  writes in a directory of mode 0700 of this user, named by a random id published in the
+  store; launchers on other hosts without a secret are refused (``NodeError`` saying how to
+  set one).
+
+The launcher hands it to its ranks as ``$SHARDWISE_LAUNCH_SECRET`` (hex; the environment of a
+process is readable only by its user).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import socket
+import stat
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+
+from shardwise.distributed.env import RPC_SECRET_FILE_VAR, RPC_SECRET_VAR
+
+LAUNCH_SECRET_VAR = "SHARDWISE_LAUNCH_SECRET"
+
+
+class SecretFileError(RuntimeError):
+    """A secret file that may not be trusted (another owner, open to others, unreadable)."""
+
+
+def from_environment(environ: Mapping[str, str] = os.environ) -> bytes | None:
+    """The secret the user set for the job (``$SHARDWISE_RPC_SECRET`` or its file, in
+    ``environ``: the environment the launcher gives its ranks), or None."""
+    value = environ.get(RPC_SECRET_VAR)
+    if value:
+        return value.encode()
+    path = environ.get(RPC_SECRET_FILE_VAR)
+    return read_private_file(Path(path), f"${RPC_SECRET_FILE_VAR} file") if path else None
+
+
+def read_private_file(path: Path, what: str) -> bytes:
+    """The contents of ``path``, which must be a regular file of this user that no one else
+    may read or write."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError as exc:
+        raise SecretFileError(f"cannot read {what} {path}: {exc}") from exc
+    with os.fdopen(fd, "rb") as f:
+        info = os.fstat(f.fileno())
+        if not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid():
+            raise SecretFileError(f"{what} {path} is not a regular file owned by this user")
+        if info.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
+            raise SecretFileError(f"{what} {path} is open to group or others; chmod 600 it")
+        data = f.read().strip()
+    if not data:
+        raise SecretFileError(f"{what} {path} is empty")
+    return data
+
+
+def of_rank() -> bytes | None:
+    """In a rank: the secret its launcher handed it, or None (not started by our launcher)."""
+    value = os.environ.get(LAUNCH_SECRET_VAR, "")
+    try:
+        return bytes.fromhex(value) or None
+    except ValueError:
+        return None
+
+
+def fresh() -> bytes:
+    return secrets.token_bytes(32)
+
+
+def host_identity() -> str:
+    with contextlib.suppress(OSError):
+        text = Path("/etc/machine-id").read_text().strip()
+        if text:
+            return f"machine:{text}"
+    return f"host:{socket.gethostname()}"
+
+
+def _private_dir() -> Path:
+    base = os.environ.get("XDG_RUNTIME_DIR")
+    path = Path(base) / "shardwise-launch" if base else \
+        Path(tempfile.gettempdir()) / f"shardwise-launch-{os.getuid()}"
+    with contextlib.suppress(FileExistsError):
+        path.mkdir(mode=0o700)
+    info = os.lstat(path)
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() \
+            or info.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
+        raise SecretFileError(f"{path} is not a private directory of this user (mode 0700); "
+                              f"remove it, or set ${RPC_SECRET_VAR}")
+    return path
+
+
+def write_shared(secret: bytes) -> tuple[str, Path]:
+    """Node 0 without a given secret: write ``secret`` for the launchers on this host; (the
+    file's id, to publish; its path, to delete when the job ends)."""
+    file_id = secrets.token_hex(16)
+    path = _private_dir() / f"secret-{file_id}"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(secret.hex().encode())
+    return file_id, path
+
+
+def read_shared(file_id: str) -> bytes:
+    """Another launcher on node 0's host: the secret node 0 wrote under ``file_id``."""
+    if not file_id.isalnum():
+        raise SecretFileError(f"the job's secret file id {file_id!r} is not a plain name")
+    text = read_private_file(_private_dir() / f"secret-{file_id}", "the job's secret file")
+    try:
+        return bytes.fromhex(text.decode())
+    except ValueError as exc:
+        raise SecretFileError("the job's secret file does not hold a hex secret") from exc

@@ -1,0 +1,209 @@
+"""What the launcher must not miss (issue 25, point 6): a rank that leaves with exit code 0 is
+named first; every process a rank started ends with the job, in all five endings; the lifeline
+holds while the ranks still import torch."""
+
+import contextlib
+import io
+import os
+import re
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from shardwise.distributed import launch
+from shardwise.distributed.launcher import python_command
+from tests.harness import zygote
+
+SCRIPTS = Path(__file__).parent / "scripts"
+GRACE = 2.0
+LONG = 60.0
+
+
+def _launch(nproc, script, *args, **kwargs):
+    out, err = io.StringIO(), io.StringIO()
+    env = {**os.environ, "SHARDWISE_TIMEOUT": str(LONG)}
+    code = launch(nproc, python_command(str(SCRIPTS / script), args), env=env, stdout=out,
+                  stderr=err, timeout=LONG, grace_seconds=GRACE, **kwargs)
+    return code, out.getvalue(), err.getvalue()
+
+
+def _report(err):
+    lines = err.splitlines()
+    starts = [i for i, line in enumerate(lines) if line.startswith("shardwise: ")]
+    assert starts, err
+    return "\n".join(lines[starts[-1]:])
+
+
+def _alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as f:  # a zombie is dead
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _wait_gone(pids, seconds):
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and any(_alive(p) for p in pids):
+        time.sleep(0.05)
+    return [p for p in pids if _alive(p)]
+
+
+def _kill_quietly(pids):
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+# -- the rank that left first ---------------------------------------------------------------
+
+def _check_leaver_named(rank):
+    code, _, err = _launch(2, "leave_at_step3.py", str(rank))
+    report = _report(err)
+    assert code == 1, err
+    assert re.match(rf"shardwise: rank {rank} left first \(exit code 0, [0-9.]+ s (before|after) "
+                    rf"rank {1 - rank} failed", report), report
+    # the consequence comes after, and is said to be one
+    assert "then: rank" in report and report.index("then:") > report.index("left first")
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_rank_that_leaves_with_exit_code_0_is_named_first(rank):
+    _check_leaver_named(rank)
+
+
+@pytest.mark.slow  # 20 launches: `pytest -m slow`
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_rank_that_leaves_is_named_first_ten_times_of_ten(rank):
+    for _ in range(10):
+        _check_leaver_named(rank)
+
+
+# -- descendants end with the job -----------------------------------------------------------
+
+def _grandchildren(folder, count=2, timeout=LONG):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = sorted(folder.glob("rank_*.pid"))
+        if len(found) == count:
+            return [int(p.read_text()) for p in found]
+        time.sleep(0.05)
+    raise AssertionError(f"the ranks did not start their children: {list(folder.iterdir())}")
+
+
+@pytest.mark.parametrize(("how", "code"), [("ok", 0), ("fail", 1)])
+def test_a_child_that_ignores_sigterm_ends_with_the_job(tmp_path, how, code):
+    got, _, err = _launch(2, "grandchild.py", str(tmp_path), how)
+    pids = _grandchildren(tmp_path, timeout=1)
+    try:
+        assert got == code, err
+        # launch() returned: the sweep already ran (SIGTERM, the grace period, SIGKILL)
+        assert _wait_gone(pids, 2.0) == [], err
+        assert "process(es) the ranks had started and left running" in err
+    finally:
+        _kill_quietly(pids)
+
+
+_SETSID = ("import os, runpy, sys; os.setsid(); sys.argv = ['shardwise', *sys.argv[1:]]; "
+           "runpy.run_module('shardwise', run_name='__main__', alter_sys=True)")
+
+
+def _start_launcher(folder, setsid=False):
+    args = ["run", "--nproc", "2", "--grace-seconds", str(GRACE),
+            str(SCRIPTS / "grandchild.py"), str(folder), "wait"]
+    cmd = ["-c", _SETSID, *args] if setsid else ["-m", "shardwise", *args]
+    return zygote.start(cmd, dict(os.environ, OMP_NUM_THREADS="1"), merge_stderr=False,
+                        streams=True)
+
+
+@pytest.mark.parametrize("ending", ["sigterm", "setsid", "sigkill"])
+def test_a_child_that_ignores_sigterm_ends_when_the_launcher_is_stopped(tmp_path, ending):
+    launcher = _start_launcher(tmp_path, setsid=ending == "setsid")
+    pids = []
+    try:
+        pids = _grandchildren(tmp_path)
+        if ending == "sigterm":
+            launcher.send_signal(signal.SIGTERM)
+        elif ending == "setsid":  # the launcher leads its own session: its whole group
+            os.killpg(launcher.pid, signal.SIGTERM)
+        else:
+            launcher.kill()
+        assert _wait_gone(pids, GRACE + 2.0) == []
+        expected = -signal.SIGKILL if ending == "sigkill" else 128 + signal.SIGTERM
+        assert launcher.wait(timeout=60) == expected
+    finally:
+        _kill_quietly(pids)
+        if launcher.poll() is None:
+            launcher.kill()
+
+
+# -- the lifeline is armed before the heavy imports ----------------------------------------
+
+def _children(pid):
+    found = []
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        found.append(int(name))
+            except (FileNotFoundError, ProcessLookupError, IndexError):
+                pass
+    return found
+
+
+def test_sigkill_to_the_launcher_while_its_ranks_import_torch_leaves_no_rank():
+    launcher = zygote.start(["-m", "shardwise", "run", "--nproc", "2", "--grace-seconds",
+                             str(GRACE), str(SCRIPTS / "forever.py")],
+                            dict(os.environ, OMP_NUM_THREADS="1"), merge_stderr=False,
+                            streams=True)
+    ranks = []
+    try:
+        deadline = time.monotonic() + LONG
+        while len(ranks) < 2 and time.monotonic() < deadline:
+            ranks = [p for p in _children(launcher.pid) if _alive(p)]
+            time.sleep(0.01)
+        assert len(ranks) == 2
+        launcher.kill()  # the ranks are still starting: importing shardwise and torch
+        launcher.wait()
+        assert _wait_gone(ranks, 2.0) == []
+    finally:
+        _kill_quietly(ranks)
+
+
+def test_the_lifeline_is_armed_before_shardwise_or_torch_is_imported():
+    # a rank whose launcher is already gone (its PID is not the parent's) exits at once, and
+    # `-X importtime` shows that nothing of shardwise or torch was imported before
+    cmd = python_command(str(SCRIPTS / "forever.py"))
+    env = {**os.environ, "SHARDWISE_LAUNCHER_PID": "1", "RANK": "3"}
+    env.pop("SHARDWISE_LAUNCHER_FD", None)
+    done = subprocess.run([cmd[0], "-X", "importtime", *cmd[1:]], env=env, capture_output=True,
+                          text=True, timeout=LONG)
+    assert done.returncode == 128 + signal.SIGHUP, done.stderr
+    assert "shardwise: rank 3: the launcher is gone; exiting" in done.stderr
+    imported = [line.rsplit("|", 1)[-1].strip() for line in done.stderr.splitlines()
+                if line.startswith("import time:")]
+    assert imported and not [m for m in imported if m.split(".")[0] in ("torch", "shardwise")]
+
+
+# -- a forged progress record changes nothing (issue 25, point 5) ---------------------------
+
+def test_a_forged_progress_record_blames_no_one(caplog):
+    # rank 0 writes, every millisecond, a frozen record over rank 1's for 6 s, twice the
+    # watchdog's patience: the job must finish and no one be named
+    out, err = io.StringIO(), io.StringIO()
+    env = {**os.environ, "SHARDWISE_TIMEOUT": str(LONG)}
+    with caplog.at_level("WARNING", logger="shardwise.store"):
+        code = launch(2, python_command(str(SCRIPTS / "forge_progress.py"), ["6"]), env=env,
+                      stdout=out, stderr=err, timeout=3.0, grace_seconds=GRACE)
+    assert code == 0, err.getvalue()
+    assert "[rank1]: rank 1 done" in out.getvalue()
+    assert "no heartbeat" not in err.getvalue()
+    assert "shardwise/progress/attempt_0/rank_1" in caplog.text  # the forgery was logged
