@@ -94,7 +94,7 @@ def test_plan_prints_the_mesh_layouts_asked_for(capsys):
     assert rows["fsdp x tp4"][3] == pytest.approx(rows["fsdp x tp2"][3], rel=1e-2)
     for bad, message in [(["--tp", "3"], "--tp 3 must divide n_head (8)"),
                          (["--replicas", "3"], "not divisible by replicas (3)"),
-                         (["--tp", "0"], "--tp must be at least 1")]:
+                         (["--tp", "0"], "must be at least 1, got 0")]:
         with pytest.raises(SystemExit) as exit_info:
             main([*base, *bad])
         assert exit_info.value.code == 2 and message in capsys.readouterr().err
