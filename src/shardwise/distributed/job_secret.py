@@ -25,16 +25,13 @@ process is readable only by its user).
 
 from __future__ import annotations
 
-import contextlib
 import os
 import secrets
-import socket
-import stat
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 
 from shardwise.distributed.env import RPC_SECRET_FILE_VAR, RPC_SECRET_VAR
+from shardwise.distributed.private_files import private_dir, read_private_file
 
 LAUNCH_SECRET_VAR = "SHARDWISE_LAUNCH_SECRET"
 
@@ -50,26 +47,8 @@ def from_environment(environ: Mapping[str, str] = os.environ) -> bytes | None:
     if value:
         return value.encode()
     path = environ.get(RPC_SECRET_FILE_VAR)
-    return read_private_file(Path(path), f"${RPC_SECRET_FILE_VAR} file") if path else None
-
-
-def read_private_file(path: Path, what: str) -> bytes:
-    """The contents of ``path``, which must be a regular file of this user that no one else
-    may read or write."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-    except OSError as exc:
-        raise SecretFileError(f"cannot read {what} {path}: {exc}") from exc
-    with os.fdopen(fd, "rb") as f:
-        info = os.fstat(f.fileno())
-        if not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid():
-            raise SecretFileError(f"{what} {path} is not a regular file owned by this user")
-        if info.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
-            raise SecretFileError(f"{what} {path} is open to group or others; chmod 600 it")
-        data = f.read().strip()
-    if not data:
-        raise SecretFileError(f"{what} {path} is empty")
-    return data
+    return read_private_file(path, f"${RPC_SECRET_FILE_VAR} file", SecretFileError) \
+        if path else None
 
 
 def of_rank() -> bytes | None:
@@ -85,26 +64,8 @@ def fresh() -> bytes:
     return secrets.token_bytes(32)
 
 
-def host_identity() -> str:
-    with contextlib.suppress(OSError):
-        text = Path("/etc/machine-id").read_text().strip()
-        if text:
-            return f"machine:{text}"
-    return f"host:{socket.gethostname()}"
-
-
 def _private_dir() -> Path:
-    base = os.environ.get("XDG_RUNTIME_DIR")
-    path = Path(base) / "shardwise-launch" if base else \
-        Path(tempfile.gettempdir()) / f"shardwise-launch-{os.getuid()}"
-    with contextlib.suppress(FileExistsError):
-        path.mkdir(mode=0o700)
-    info = os.lstat(path)
-    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() \
-            or info.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
-        raise SecretFileError(f"{path} is not a private directory of this user (mode 0700); "
-                              f"remove it, or set ${RPC_SECRET_VAR}")
-    return path
+    return private_dir("shardwise-launch", f"set ${RPC_SECRET_VAR}", SecretFileError)
 
 
 def write_shared(secret: bytes) -> tuple[str, Path]:
@@ -122,7 +83,8 @@ def read_shared(file_id: str) -> bytes:
     """Another launcher on node 0's host: the secret node 0 wrote under ``file_id``."""
     if not file_id.isalnum():
         raise SecretFileError(f"the job's secret file id {file_id!r} is not a plain name")
-    text = read_private_file(_private_dir() / f"secret-{file_id}", "the job's secret file")
+    text = read_private_file(_private_dir() / f"secret-{file_id}", "the job's secret file",
+                             SecretFileError)
     try:
         return bytes.fromhex(text.decode())
     except ValueError as exc:

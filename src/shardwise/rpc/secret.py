@@ -29,15 +29,15 @@ import contextlib
 import hashlib
 import os
 import secrets
-import socket
 import stat
-import tempfile
 import time
 from pathlib import Path
 
 import torch.distributed as dist
 
 from shardwise.distributed.env import RPC_SECRET_FILE_VAR, RPC_SECRET_VAR
+from shardwise.distributed.private_files import host_identity, read_private_file
+from shardwise.distributed.private_files import private_dir as private_dir_of
 from shardwise.rpc.rendezvous import RendezvousError
 
 _GROUP_KEY = "secret/group_id"
@@ -47,13 +47,8 @@ class SecretError(RendezvousError):
     """No group secret could be found or agreed on; the message says how to provide one."""
 
 
-def host_identity() -> str:
-    """This host's identity: the machine id where there is one, else the hostname."""
-    with contextlib.suppress(OSError):
-        text = Path("/etc/machine-id").read_text().strip()
-        if text:
-            return f"machine:{text}"
-    return f"host:{socket.gethostname()}"
+class SecretFileError(SecretError):
+    """``$SHARDWISE_RPC_SECRET_FILE`` is not a private file of this user."""
 
 
 def from_environment() -> bytes | None:
@@ -62,54 +57,14 @@ def from_environment() -> bytes | None:
     if value:
         return value.encode()
     path = os.environ.get(RPC_SECRET_FILE_VAR)
-    if not path:
-        return None
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
-        try:
-            _check_private_file(os.fstat(fd), path)  # (the file read, not the name's)
-            with os.fdopen(fd, "rb", closefd=False) as f:
-                data = f.read().strip()
-        finally:
-            os.close(fd)
-    except OSError as exc:
-        raise SecretError(f"cannot read ${RPC_SECRET_FILE_VAR} file {path}: {exc}") from exc
-    if not data:
-        raise SecretError(f"${RPC_SECRET_FILE_VAR} file {path} is empty")
-    return data
-
-
-class SecretFileError(SecretError):
-    """``$SHARDWISE_RPC_SECRET_FILE`` is not a private file of this user."""
-
-
-def _check_private_file(info: os.stat_result, path: str) -> None:
-    if not stat.S_ISREG(info.st_mode):
-        raise SecretFileError(f"${RPC_SECRET_FILE_VAR} file {path} is not a regular file")
-    if info.st_uid != os.geteuid():
-        raise SecretFileError(f"${RPC_SECRET_FILE_VAR} file {path} is owned by uid "
-                              f"{info.st_uid}, not by this user (uid {os.geteuid()}): its "
-                              "owner could have chosen the secret; use a file of your own")
-    if info.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
-        raise SecretFileError(f"${RPC_SECRET_FILE_VAR} file {path} is readable or writable "
-                              f"by group or others (mode {stat.S_IMODE(info.st_mode):o}); "
-                              "chmod 600 it")
+    return read_private_file(path, f"${RPC_SECRET_FILE_VAR} file", SecretFileError) \
+        if path else None
 
 
 def private_dir() -> Path:
     """A directory only this user can enter (created 0700; refused if someone else owns it
     or it is open to others)."""
-    base = os.environ.get("XDG_RUNTIME_DIR")
-    path = Path(base) / "shardwise-rpc" if base else \
-        Path(tempfile.gettempdir()) / f"shardwise-rpc-{os.getuid()}"
-    with contextlib.suppress(FileExistsError):
-        path.mkdir(mode=0o700)
-    info = os.lstat(path)
-    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() \
-            or info.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
-        raise SecretError(f"{path} is not a private directory of this user (mode 0700); "
-                          f"remove it, or set ${RPC_SECRET_VAR}")
-    return path
+    return private_dir_of("shardwise-rpc", f"set ${RPC_SECRET_VAR}", SecretError)
 
 
 def _file_name(address: str, group_id: str) -> str:
