@@ -92,3 +92,22 @@ def rpc_world(rpc_channel):
             p.wait(timeout=30)
         except subprocess.TimeoutExpired:
             p.kill()
+
+
+@pytest.fixture
+def program_starts(monkeypatch) -> list:
+    """Every way to a shell or a new program (``os.system``, ``exec*``, ``spawn*``, ``fork``,
+    ``subprocess.Popen``) records the attempt and raises instead of running; the list of
+    attempts, which a fuzz test asserts stays empty."""
+    calls: list = []
+
+    def record(*args, **kwargs):
+        calls.append(args)
+        raise AssertionError(f"code execution attempted: {args!r:.100}")
+
+    for name in ("system", "popen", "execv", "execve", "execvp", "spawnv", "posix_spawn",
+                 "fork"):
+        if hasattr(os, name):
+            monkeypatch.setattr(os, name, record)
+    monkeypatch.setattr(subprocess, "Popen", record)
+    return calls

@@ -16,7 +16,6 @@ import os
 import random
 import signal
 import string
-import subprocess
 
 import numpy as np
 import pytest
@@ -87,21 +86,10 @@ def _args(rng: random.Random, tmp) -> tuple:
 
 
 @pytest.fixture
-def no_code(monkeypatch, tmp_path):
+def no_code(program_starts, monkeypatch, tmp_path):
     """Every way to a shell or a new program records the attempt; a fresh empty cwd."""
-    calls = []
-
-    def record(*args, **kwargs):
-        calls.append(args)
-        raise AssertionError(f"code execution attempted: {args!r:.100}")
-
-    for name in ("system", "popen", "execv", "execve", "execvp", "spawnv", "posix_spawn",
-                 "fork"):
-        if hasattr(os, name):
-            monkeypatch.setattr(os, name, record)
-    monkeypatch.setattr(subprocess, "Popen", record)
     monkeypatch.chdir(tmp_path)
-    yield calls, tmp_path
+    yield program_starts, tmp_path
 
 
 def _alarm(signum, frame):
