@@ -74,7 +74,7 @@ def _check_leaver_named(rank):
     assert "then: rank" in report and report.index("then:") > report.index("left first")
 
 
-@pytest.mark.parametrize("rank", [0, 1])
+@pytest.mark.parametrize("rank", [pytest.param(0, marks=pytest.mark.slow), 1])
 def test_a_rank_that_leaves_with_exit_code_0_is_named_first(rank):
     _check_leaver_named(rank)
 
@@ -98,7 +98,8 @@ def _grandchildren(folder, count=2, timeout=LONG):
     raise AssertionError(f"the ranks did not start their children: {list(folder.iterdir())}")
 
 
-@pytest.mark.parametrize(("how", "code"), [("ok", 0), ("fail", 1)])
+@pytest.mark.parametrize(("how", "code"), [pytest.param("ok", 0, marks=pytest.mark.slow),
+                                           ("fail", 1)])
 def test_a_child_that_ignores_sigterm_ends_with_the_job(tmp_path, how, code):
     got, _, err = _launch(2, "grandchild.py", str(tmp_path), how)
     pids = _grandchildren(tmp_path, timeout=1)
@@ -123,7 +124,8 @@ def _start_launcher(folder, setsid=False):
                         streams=True)
 
 
-@pytest.mark.parametrize("ending", ["sigterm", "setsid", "sigkill"])
+@pytest.mark.parametrize("ending", [pytest.param("sigterm", marks=pytest.mark.slow),
+                                    pytest.param("setsid", marks=pytest.mark.slow), "sigkill"])
 def test_a_child_that_ignores_sigterm_ends_when_the_launcher_is_stopped(tmp_path, ending):
     launcher = _start_launcher(tmp_path, setsid=ending == "setsid")
     pids = []
