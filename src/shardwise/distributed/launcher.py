@@ -47,6 +47,7 @@ from shardwise.distributed.lifeline import LAUNCHER_FD_VAR, LAUNCHER_PID_VAR
 from shardwise.distributed.nodes import Layout, NodeError, NodeLink, open_store
 from shardwise.distributed.output import PrefixedRelay, lines_since, stack_dump
 from shardwise.distributed.preemption import DEFAULT_GRACE_SECONDS, GRACE_VAR
+from shardwise.distributed.private_files import host_identity
 from shardwise.distributed.progress import FALSE, SCOPE, read_progress
 from shardwise.distributed.timeouts import as_timedelta
 from shardwise.distributed.watchdog import Hang, Watchdog
@@ -227,7 +228,7 @@ class _Job:
                     self.secret_file.unlink(missing_ok=True)
                 file_id, self.secret_file = job_secret.write_shared(secret)
                 self.store.set(_SECRET_FILE, file_id)
-            self.store.set(_SECRET_HOST, job_secret.host_identity())
+            self.store.set(_SECRET_HOST, host_identity())
             signed_store.put(self.store, _SECRET_CHECK, "node 0", secret, SCOPE)
             return secret
         try:
@@ -251,7 +252,7 @@ class _Job:
             raise NodeError(f"node 0 was given a secret and node {self.node_rank} was not: set "
                             f"the same ${RPC_SECRET_VAR} (or ${RPC_SECRET_FILE_VAR}) for every "
                             "launcher")
-        if self.store.get(_SECRET_HOST).decode(errors="replace") != job_secret.host_identity():
+        if self.store.get(_SECRET_HOST).decode(errors="replace") != host_identity():
             raise NodeError(f"node {self.node_rank} is on another host than node 0 and no job "
                             f"secret is set: set ${RPC_SECRET_VAR} (the same value on every node, "
                             "e.g. from `python -c 'import secrets; print(secrets.token_hex(32))'`)"
