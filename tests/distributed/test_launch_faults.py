@@ -20,13 +20,13 @@ SHORT = 5.0  # seconds: the timeout a test is about (a collective's, or the watc
 LONG = 60.0  # for everything else: a loaded machine must not turn a slow start into a timeout
 
 
-def _launch(nproc, script, *args, timeout=LONG, rank_timeout=None, **kwargs):
+def _launch(nproc, script, *args, timeout=LONG, rank_timeout=None, grace_seconds=5.0, **kwargs):
     """``timeout``: the watchdog's; ``rank_timeout`` (default: the same): SHARDWISE_TIMEOUT for
     the ranks' rendezvous and collectives."""
     out, err = io.StringIO(), io.StringIO()
     env = {**os.environ, "SHARDWISE_TIMEOUT": str(rank_timeout or timeout)}
     code = launch(nproc, python_command(str(SCRIPTS / script), args), env=env, stdout=out,
-                  stderr=err, timeout=timeout, grace_seconds=5, **kwargs)
+                  stderr=err, timeout=timeout, grace_seconds=grace_seconds, **kwargs)
     return code, out.getvalue(), err.getvalue()
 
 

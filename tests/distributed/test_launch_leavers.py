@@ -15,6 +15,8 @@ import pytest
 
 from shardwise.distributed import launch
 from shardwise.distributed.launcher import python_command
+from tests.distributed import test_launch_faults as faults
+from tests.distributed.test_launch_faults import _report
 from tests.harness import zygote
 
 SCRIPTS = Path(__file__).parent / "scripts"
@@ -23,18 +25,7 @@ LONG = 60.0
 
 
 def _launch(nproc, script, *args, **kwargs):
-    out, err = io.StringIO(), io.StringIO()
-    env = {**os.environ, "SHARDWISE_TIMEOUT": str(LONG)}
-    code = launch(nproc, python_command(str(SCRIPTS / script), args), env=env, stdout=out,
-                  stderr=err, timeout=LONG, grace_seconds=GRACE, **kwargs)
-    return code, out.getvalue(), err.getvalue()
-
-
-def _report(err):
-    lines = err.splitlines()
-    starts = [i for i, line in enumerate(lines) if line.startswith("shardwise: ")]
-    assert starts, err
-    return "\n".join(lines[starts[-1]:])
+    return faults._launch(nproc, script, *args, grace_seconds=GRACE, **kwargs)
 
 
 def _alive(pid):
