@@ -190,7 +190,7 @@ def main() -> None:
     if args.worker:
         _worker(args)
         return
-    from shardwise.distributed import launch
+    from shardwise.launch import launch
 
     root = Path(args.dir or tempfile.mkdtemp(prefix="bench_ckpt_"))
     root.mkdir(parents=True, exist_ok=True)

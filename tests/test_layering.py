@@ -1,7 +1,9 @@
-"""The layering that docs/DESIGN states, checked on every import in src/ (top-level and inside
-functions): nothing imports ``shardwise.cli`` but the command's entry point; ``distributed/``
-knows nothing above it; each mechanism imports only ``distributed/`` and the mechanisms below
-it in ALLOWED; ``models/`` and ``data/`` serve the CLI, tests and benchmarks, never a mechanism.
+"""The layering of the design document's "Layout" (../shared/DESIGN.md, beside the checkout),
+checked on every import in src/ (top-level and inside functions): nothing imports
+``shardwise.cli`` but the command's entry point; ``distributed/`` imports no other shardwise
+package (not ``launch/``, no mechanism); ``launch/`` imports only ``distributed/``; each mechanism
+imports only ``distributed/`` and the mechanisms below it in ALLOWED; ``models/`` and ``data/``
+serve the CLI, tests and benchmarks, never a mechanism.
 """
 
 from __future__ import annotations
@@ -14,11 +16,12 @@ import pytest
 SRC = Path(__file__).resolve().parents[1] / "src" / "shardwise"
 
 # What each subpackage of src/shardwise may import from the others (its own files aside).
-# Bottom to top: distributed; the leaf mechanisms; zero (over ddp: DDP + ZeRO stage 1);
+# Bottom to top: distributed; the launcher (launch) beside the leaf mechanisms; zero (over ddp: DDP + ZeRO stage 1);
 # fsdp (may use sharded tensors for 2D layouts); pipeline (stages over rpc, replicated with
 # ddp or sharded with fsdp); checkpoint (saves and reshards every strategy's state).
 ALLOWED: dict[str, set[str]] = {
     "distributed": set(),
+    "launch": {"distributed"},
     "models": set(),
     "data": set(),
     "memory": {"distributed"},
@@ -30,10 +33,10 @@ ALLOWED: dict[str, set[str]] = {
     "pipeline": {"distributed", "rpc", "ddp", "fsdp"},
     "checkpoint": {"distributed", "ddp", "zero", "fsdp", "sharded_tensor"},
     # a tool beside the CLI (`shardwise bench`): runs every mechanism on the demo models
-    "bench": {"distributed", "models", "data", "memory", "sharded_tensor", "rpc", "ddp", "zero",
-              "fsdp", "pipeline", "checkpoint"},
+    "bench": {"distributed", "launch", "models", "data", "memory", "sharded_tensor", "rpc", "ddp",
+              "zero", "fsdp", "pipeline", "checkpoint"},
 }
-MECHANISMS = set(ALLOWED) - {"distributed", "models", "data", "bench"}
+MECHANISMS = set(ALLOWED) - {"distributed", "launch", "models", "data", "bench"}
 ENTRY_POINT = "__main__.py"  # `python -m shardwise` is the command: it may import the CLI
 
 
@@ -60,10 +63,10 @@ def _package(module: str) -> str | None:
     return parts[1] if len(parts) > 1 else ""
 
 
-def _violations() -> list[str]:
+def _violations(root: Path = SRC) -> list[str]:
     bad = []
-    for path in sorted(SRC.rglob("*.py")):
-        rel = path.relative_to(SRC)
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root)
         here = rel.parts[0] if len(rel.parts) > 1 else ""
         for line, module in _imports(path):
             where = f"src/shardwise/{rel.as_posix()}:{line} imports {module}"
@@ -82,6 +85,26 @@ def _violations() -> list[str]:
 
 def test_layering_holds():
     assert _violations() == []
+
+
+def test_distributed_uses_nothing_above_it_and_the_launcher_only_distributed():
+    assert ALLOWED["distributed"] == set()
+    assert ALLOWED["launch"] == {"distributed"}
+    assert not [pkg for pkg in MECHANISMS if "launch" in ALLOWED[pkg]], "no mechanism starts ranks"
+
+
+@pytest.mark.parametrize("here,line,allowed", [
+    ("distributed", "from shardwise.launch import launch", False),
+    ("distributed", "import shardwise.ddp.data_parallel", False),
+    ("distributed", "from shardwise import rpc", False),
+    ("launch", "from shardwise.checkpoint import save", False),
+    ("launch", "from shardwise.distributed.env import int_var", True),
+    ("ddp", "from shardwise.launch.progress import SCOPE", False),
+])
+def test_the_check_refuses_an_import_the_graph_does_not_allow(tmp_path, here, line, allowed):
+    (tmp_path / here).mkdir()
+    (tmp_path / here / "m.py").write_text(f"def f():\n    {line}\n")
+    assert (_violations(tmp_path) == []) == allowed
 
 
 def test_every_subpackage_has_a_place_in_the_graph():

@@ -25,7 +25,7 @@ STEP_LINE = re.compile(r"\[rank0\]: step (\d+)/\d+ loss (\S+)")
 
 def _train(ctx, cfg, preempt_after=None):
     from shardwise.cli.train_loop import train
-    from shardwise.distributed.preemption import Preempted, Preemption
+    from shardwise.launch.preemption import Preempted, Preemption
 
     preemption = Preemption(grace_seconds=30)
     if preempt_after is not None and ctx.rank == 0:

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from shardwise.distributed import RendezvousTimeout, init, launch
+from shardwise.distributed import RendezvousTimeout, init
+from shardwise.launch import launch
 
 SCRIPTS = Path(__file__).parent / "scripts"
 

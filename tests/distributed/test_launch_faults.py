@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from shardwise.distributed import launch
-from shardwise.distributed.launcher import python_command
+from shardwise.launch import launch
+from shardwise.launch.launcher import python_command
 
 SCRIPTS = Path(__file__).parent / "scripts"
 SHORT = 5.0  # seconds: the timeout a test is about (a collective's, or the watchdog's patience)

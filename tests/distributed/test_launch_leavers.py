@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from shardwise.distributed import launch
-from shardwise.distributed.launcher import python_command
+from shardwise.launch import launch
+from shardwise.launch.launcher import python_command
 from tests.distributed import test_launch_faults as faults
 from tests.distributed.test_launch_faults import _report
 from tests.harness import zygote

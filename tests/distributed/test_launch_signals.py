@@ -70,7 +70,7 @@ def test_sigkill_to_the_launcher_takes_its_ranks_down():
 def test_the_lifeline_pipe_alone_ends_a_rank_when_the_launcher_end_closes():
     # the portable half of the lifeline (no PR_SET_PDEATHSIG): end-of-file on the pipe
     read_end, write_end = os.pipe()
-    code = ("import time; from shardwise.distributed import lifeline; lifeline.install(); "
+    code = ("import time; from shardwise.launch import lifeline; lifeline.install(); "
             "print('ready', flush=True); time.sleep(60)")
     env = {**os.environ, "SHARDWISE_LAUNCHER_FD": str(read_end), "RANK": "5"}
     env.pop("SHARDWISE_LAUNCHER_PID", None)

@@ -2,9 +2,10 @@
 
 import pytest
 
-from shardwise.distributed.blame import RankExit, blame
 from shardwise.distributed.env import EnvError, flag_var, read_env
-from shardwise.distributed.errors import (
+from shardwise.distributed.timeouts import default_timeout
+from shardwise.launch.blame import RankExit, blame
+from shardwise.launch.errors import (
     FailureRecord,
     failure_of,
     is_consequence,
@@ -12,10 +13,9 @@ from shardwise.distributed.errors import (
     read_record,
     write_record,
 )
-from shardwise.distributed.nodes import NodeError, parse_endpoint
-from shardwise.distributed.output import stack_dump
-from shardwise.distributed.timeouts import default_timeout
-from shardwise.distributed.watchdog import Watchdog
+from shardwise.launch.nodes import NodeError, parse_endpoint
+from shardwise.launch.output import stack_dump
+from shardwise.launch.watchdog import Watchdog
 
 RESET = "[pair.cc:537] Read error [127.0.0.1]:1: Connection reset by peer"
 
@@ -164,7 +164,7 @@ def test_stack_dump_keeps_the_main_thread_without_the_launch_frames():
              "Current thread 0x02 (most recent call first):",
              '  File "train.py", line 9 in step', '  File "train.py", line 20 in <module>',
              '  File "<frozen runpy>", line 88 in _run_code',
-             '  File "/x/shardwise/distributed/bootstrap.py", line 48 in main']
+             '  File "/x/shardwise/launch/bootstrap.py", line 48 in main']
     assert stack_dump(lines) == ("Current thread 0x02 (most recent call first):\n"
                                  '  File "train.py", line 9 in step\n'
                                  '  File "train.py", line 20 in <module>')
@@ -191,9 +191,9 @@ def test_a_rank_stopped_after_recording_its_failure_is_blamed_for_what_it_raised
 
 def _reads(name):
     """Callables that read one environment variable each, through the library's own code."""
-    from shardwise.distributed import lifeline
-    from shardwise.distributed.preemption import GRACE_VAR, Preemption
     from shardwise.distributed.topology import local_world_size_from_env
+    from shardwise.launch import lifeline
+    from shardwise.launch.preemption import GRACE_VAR, Preemption
     from shardwise.rpc import init_rpc
     from shardwise.rpc.rendezvous import _store_address
 
@@ -236,7 +236,7 @@ def test_no_environment_variable_is_converted_outside_env_py():
 
 def test_watchdog_is_patient_with_a_rank_that_said_it_is_exiting():
     # its script is done; the interpreter's teardown may outlast the timeout on a loaded machine
-    from shardwise.distributed.watchdog import EXIT_PATIENCE
+    from shardwise.launch.watchdog import EXIT_PATIENCE
 
     dog = Watchdog([0, 1], timeout=5)
     dog.observe(0, {"seq": 3, "beats": 0, "t": 0.0, "exiting": False}, 0.0)
@@ -292,7 +292,7 @@ class _FakeLink:
 def _job(link):
     import io
 
-    from shardwise.distributed.launcher import _Job
+    from shardwise.launch.launcher import _Job
 
     return _Job(argv=[], base_env={}, stdout=io.StringIO(), stderr=io.StringIO(),
                 max_restarts=1, grace=1.0, timeout=30.0, link=link, nnodes=2, node_rank=1)
@@ -340,7 +340,7 @@ def test_a_python_error_of_its_own_is_reported_without_waiting_for_other_nodes()
 def test_the_link_sees_whether_every_other_node_beat_since_a_moment():
     import torch.distributed as dist
 
-    from shardwise.distributed.nodes import NodeLink
+    from shardwise.launch.nodes import NodeLink
 
     store = dist.HashStore()
     links = [NodeLink(store, k, 3, 1, 0, 30.0, b"job secret") for k in range(3)]
@@ -360,7 +360,7 @@ def test_the_link_sees_whether_every_other_node_beat_since_a_moment():
 def _links(n=2, timeout=30.0):
     import torch.distributed as dist
 
-    from shardwise.distributed.nodes import NodeLink
+    from shardwise.launch.nodes import NodeLink
 
     store = dist.HashStore()
     return store, [NodeLink(store, k, n, 1, 0, timeout, b"job secret") for k in range(n)]
@@ -401,7 +401,7 @@ def test_a_forged_claim_is_taken_over_and_a_true_one_is_not():
     assert node0._claim()
     store2, (first, _) = _links()
     assert first._claim()
-    from shardwise.distributed.nodes import NodeLink
+    from shardwise.launch.nodes import NodeLink
 
     second = NodeLink(store2, 0, 2, 1, 0, 30.0, b"job secret")
     assert not second._claim()  # a second launcher for node 0: a true claim is there
@@ -412,7 +412,7 @@ def test_a_forged_or_replayed_progress_record_is_false():
 
     import torch.distributed as dist
 
-    from shardwise.distributed import progress
+    from shardwise.launch import progress
 
     store = dist.HashStore()
     beat = progress.Heartbeat(store, 0, 1, 2, interval=1.0, secret=b"job secret")
@@ -431,7 +431,7 @@ def test_a_forged_or_replayed_progress_record_is_false():
 
 
 def test_a_tampered_record_is_never_evidence_against_a_rank():
-    from shardwise.distributed.watchdog import Watchdog
+    from shardwise.launch.watchdog import Watchdog
 
     dog = Watchdog([0, 1], timeout=5.0)
     dog.observe(1, {"seq": 1, "beats": 0, "t": 0.0, "n": 1, "exiting": False}, now=0.0)

@@ -14,8 +14,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-from shardwise.distributed import DeviceMesh, InvalidMeshError, init_device_mesh, launch
+from shardwise.distributed import DeviceMesh, InvalidMeshError, init_device_mesh
 from shardwise.distributed.topology import coordinate, group_of, mesh_ranks
+from shardwise.launch import launch
 from tests.harness import WORLD_SIZES, run_on_ranks, zygote
 
 SCRIPTS = Path(__file__).parent / "scripts"

@@ -4,7 +4,7 @@ import io
 import os
 import threading
 
-from shardwise.distributed.output import PrefixedRelay, last_traceback
+from shardwise.launch.output import PrefixedRelay, last_traceback
 
 
 class _Terminal(io.StringIO):

@@ -75,7 +75,7 @@ def run(argv: Sequence[str]) -> dict | None:
     if args.worker_out:
         _worker(args)
         return None
-    from shardwise.distributed import launch
+    from shardwise.launch import launch
 
     rounds = []
     with tempfile.TemporaryDirectory() as tmp:

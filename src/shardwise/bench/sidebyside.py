@@ -117,7 +117,7 @@ def _run_worker(worker: Callable, args: argparse.Namespace) -> None:
 
 def _run_parent(bench: SideBySide, args: argparse.Namespace, argv: list[str],
                 impls: list[str]) -> dict:
-    from shardwise.distributed import launch
+    from shardwise.launch import launch
 
     env = dict(os.environ)
     if args.mmap_threshold:

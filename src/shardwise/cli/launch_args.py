@@ -14,10 +14,10 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from shardwise.cli.ranges import COUNT0, float_arg, int_arg
-from shardwise.distributed import launch
-from shardwise.distributed.launcher import DEFAULT_GRACE_SECONDS
-from shardwise.distributed.nodes import NodeError, parse_endpoint
 from shardwise.distributed.timeouts import default_timeout
+from shardwise.launch import launch
+from shardwise.launch.launcher import DEFAULT_GRACE_SECONDS
+from shardwise.launch.nodes import NodeError, parse_endpoint
 
 GRACE = float_arg(0.0, 24 * 3600.0, above=True)
 NODES = int_arg(1, 2**16)

@@ -20,7 +20,7 @@ from shardwise.cli.launch_args import (
 from shardwise.cli.ranges import COUNT, Parser, bench_problem, ranks_problem
 from shardwise.cli.train_args import ConfigError, build_parser, config_from_args, validate
 from shardwise.distributed import launched
-from shardwise.distributed.launcher import python_command
+from shardwise.launch.launcher import python_command
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,7 +1,7 @@
 """One rank of `shardwise train`: join the group, train, report, leave.
 
 SIGTERM stops training gracefully (after the current step, with a checkpoint when there is time:
-distributed/preemption.py) and the rank exits 143. After a restart by the launcher
+launch/preemption.py) and the rank exits 143. After a restart by the launcher
 (``TORCHELASTIC_RESTART_COUNT`` above 0), training resumes from the latest complete checkpoint
 in ``--checkpoint-dir`` on its own.
 """
@@ -19,7 +19,7 @@ from shardwise.checkpoint import CheckpointError
 from shardwise.cli.train_args import ConfigError, TrainConfig, validate
 from shardwise.cli.train_loop import train
 from shardwise.distributed import destroy, init, read_env
-from shardwise.distributed.preemption import EXIT_PREEMPTED, Preempted, Preemption
+from shardwise.launch.preemption import EXIT_PREEMPTED, Preempted, Preemption
 
 
 def train_rank(cfg: TrainConfig) -> int:

@@ -3,7 +3,7 @@
 Per step: this rank's slice of the global batch, forward, backward, optimizer step. The logged
 loss is the mean over all ranks (one small all-reduce per step), so every rank and every world
 size reports the same number. The same all-reduce carries the preemption flag and a vote on
-whether there is time to save (see distributed/preemption.py), so that every rank stops after
+whether there is time to save (see launch/preemption.py), so that every rank stops after
 the same step and saves, or not, together. Validation loss is measured before and after
 training on a fixed set of windows split across ranks (sum and count all-reduced).
 """
@@ -26,8 +26,8 @@ from shardwise.cli.strategies import Prepared, get_builder
 from shardwise.cli.train_args import TrainConfig
 from shardwise.data import BatchStream, TokenWindows, load_corpus
 from shardwise.distributed.data_parallel import MIB
-from shardwise.distributed.preemption import Preempted, Preemption
-from shardwise.distributed.progress import beat
+from shardwise.launch.preemption import Preempted, Preemption
+from shardwise.launch.progress import beat
 from shardwise.memory import peak_memory_bytes
 from shardwise.models import GPT, lm_loss
 

@@ -4,10 +4,10 @@
 its port can read, list, write and delete any key. So every record the launchers and their
 ranks write there and later act on (progress heartbeats, node records and beats, failure
 reports, stop notices, lost-node marks, the next attempt, readiness) is written with
-signed_store.py's MAC under this secret, with the record's key inside the MAC; a record that
-fails is ignored and logged. Counters made with the store's ``add`` cannot carry a MAC; the
-launcher keeps none that decides anything: node-rank claims, "finished" and "saw the stop"
-are one signed record per node instead.
+distributed/signed_store.py's MAC under this secret, with the record's key inside the MAC; a
+record that fails is ignored and logged. Counters made with the store's ``add`` cannot carry a
+MAC; the launcher keeps none that decides anything: node-rank claims, "finished" and "saw the
+stop" are one signed record per node instead.
 
 Where the secret comes from (the RPC's rule, rpc/secret.py, for several hosts):
 

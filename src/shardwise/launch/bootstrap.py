@@ -1,4 +1,4 @@
-"""How the launcher starts a rank: ``python -m shardwise.distributed.bootstrap [-m] TARGET ...``.
+"""How the launcher starts a rank: ``python -m shardwise.launch.bootstrap [-m] TARGET ...``.
 
 It runs TARGET (a script path, or a module with ``-m``) as ``__main__`` with the remaining
 arguments, as ``python`` would, after setting up what the launcher relies on:
@@ -25,11 +25,11 @@ import sys
 import traceback
 from datetime import timedelta
 
-from shardwise.distributed import errors, job_secret, lifeline, progress
 from shardwise.distributed.env import flag_var, int_var
 from shardwise.distributed.timeouts import default_timeout
+from shardwise.launch import errors, job_secret, lifeline, progress
 
-USAGE = "usage: python -m shardwise.distributed.bootstrap [-m] TARGET [ARGS...]"
+USAGE = "usage: python -m shardwise.launch.bootstrap [-m] TARGET [ARGS...]"
 
 
 def main(argv: list[str]) -> int:

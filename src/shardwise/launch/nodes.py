@@ -38,7 +38,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from shardwise.distributed import signed_store
-from shardwise.distributed.progress import SCOPE
+from shardwise.launch.progress import SCOPE
 
 _NODE = "shardwise/nodes/"
 _CLAIM = "shardwise/node_claims/"

@@ -103,7 +103,7 @@ def stack_dump(lines: list[str]) -> str:
 def _is_launch_frame(block: list[str]) -> bool:
     """True once ``block`` reached the frames that only start a rank (runpy, bootstrap.py)."""
     last = block[-1]
-    if "<frozen runpy>" in last or "shardwise/distributed/bootstrap.py" in last:
+    if "<frozen runpy>" in last or "shardwise/launch/bootstrap.py" in last:
         block.pop()
         return True
     return False

@@ -39,18 +39,19 @@ from typing import TextIO
 
 import torch.distributed as dist
 
-from shardwise.distributed import descendants, job_secret, rank_boot, signed_store
-from shardwise.distributed.blame import Blame, RankExit, blame
+from shardwise.distributed import signed_store
 from shardwise.distributed.env import AGENT_STORE_VAR, RPC_SECRET_FILE_VAR, RPC_SECRET_VAR
-from shardwise.distributed.errors import ERROR_FILE_VAR, read_record
-from shardwise.distributed.lifeline import LAUNCHER_FD_VAR, LAUNCHER_PID_VAR
-from shardwise.distributed.nodes import Layout, NodeError, NodeLink, open_store
-from shardwise.distributed.output import PrefixedRelay, lines_since, stack_dump
-from shardwise.distributed.preemption import DEFAULT_GRACE_SECONDS, GRACE_VAR
 from shardwise.distributed.private_files import host_identity
-from shardwise.distributed.progress import FALSE, SCOPE, read_progress
 from shardwise.distributed.timeouts import as_timedelta
-from shardwise.distributed.watchdog import Hang, Watchdog
+from shardwise.launch import descendants, job_secret, rank_boot
+from shardwise.launch.blame import Blame, RankExit, blame
+from shardwise.launch.errors import ERROR_FILE_VAR, read_record
+from shardwise.launch.lifeline import LAUNCHER_FD_VAR, LAUNCHER_PID_VAR
+from shardwise.launch.nodes import Layout, NodeError, NodeLink, open_store
+from shardwise.launch.output import PrefixedRelay, lines_since, stack_dump
+from shardwise.launch.preemption import DEFAULT_GRACE_SECONDS, GRACE_VAR
+from shardwise.launch.progress import FALSE, SCOPE, read_progress
+from shardwise.launch.watchdog import Hang, Watchdog
 
 LOCALHOST = "127.0.0.1"
 SETTLE_SECONDS = 2.0  # after a first failure: time for the other ranks' records to arrive

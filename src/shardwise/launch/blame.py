@@ -7,8 +7,8 @@ import re
 import signal
 from dataclasses import dataclass, field
 
-from shardwise.distributed.errors import FailureRecord, root_cause, says_consequence
-from shardwise.distributed.output import last_traceback
+from shardwise.launch.errors import FailureRecord, root_cause, says_consequence
+from shardwise.launch.output import last_traceback
 
 
 @dataclass

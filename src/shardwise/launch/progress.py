@@ -14,11 +14,11 @@ calls it once per step), ``t`` is the wall time of the write. Two readers use th
 Reads and writes go through the thread's own store client, under a lock, never the client the
 process group uses.
 
-Records are signed (signed_store.py, [Note: launcher records] in job_secret.py) under the secret
-the launcher handed its ranks, and carry a count ``n`` that only grows: a reader ignores (and
-logs) a record that fails its MAC, and reports a record older than one it has seen (a genuine
-record written back by someone else) as false too, so that no one without the secret can make
-a rank look frozen, stuck or behind.
+Records are signed (distributed/signed_store.py, [Note: launcher records] in job_secret.py)
+under the secret the launcher handed its ranks, and carry a count ``n`` that only grows: a
+reader ignores (and logs) a record that fails its MAC, and reports a record older than one it
+has seen (a genuine record written back by someone else) as false too, so that no one without
+the secret can make a rank look frozen, stuck or behind.
 """
 
 from __future__ import annotations

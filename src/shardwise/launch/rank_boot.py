@@ -1,4 +1,4 @@
-"""The first code a rank runs: ``python .../shardwise/distributed/rank_boot.py [-m] TARGET ...``.
+"""The first code a rank runs: ``python .../shardwise/launch/rank_boot.py [-m] TARGET ...``.
 
 Run by its path, not with ``-m``, so that nothing of shardwise (whose package imports torch)
 is imported before the rank is tied to its launcher. Standard library only. It
@@ -44,7 +44,7 @@ def main() -> None:
         descendants = _load("descendants")
         descendants.start_guard(int(fd), os.environ.get(descendants.LAUNCH_ID_VAR))
     lifeline.install()
-    runpy.run_module("shardwise.distributed.bootstrap", run_name="__main__", alter_sys=True)
+    runpy.run_module("shardwise.launch.bootstrap", run_name="__main__", alter_sys=True)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,12 @@
+"""The launcher and its agent: N ranks of one command per node (``shardwise run``), the
+rank's first code (rank_boot.py, bootstrap.py), the lifeline and the guard, failure records and
+blame, progress records and the watchdog, several nodes agreeing on one job, preemption.
+
+It may import only ``shardwise.distributed`` (the environment's readers, timeouts, signed store
+records, private files), the standard library and torch; tests/test_layering.py checks. Design:
+docs/launcher.md.
+"""
+
+from shardwise.launch.launcher import launch, python_command
+
+__all__ = ["launch", "python_command"]
