@@ -22,19 +22,20 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "shardwise"
 ALLOWED: dict[str, set[str]] = {
     "distributed": set(),
     "launch": {"distributed"},
+    "dp": {"distributed"},
     "models": set(),
     "data": set(),
     "memory": {"distributed"},
     "sharded_tensor": {"distributed"},
-    "rpc": {"distributed"},
-    "ddp": {"distributed"},
-    "zero": {"distributed", "ddp"},
-    "fsdp": {"distributed", "sharded_tensor"},
+    "rpc": {"distributed", "dp"},
+    "ddp": {"distributed", "dp"},
+    "zero": {"distributed", "dp", "ddp"},
+    "fsdp": {"distributed", "dp", "sharded_tensor"},
     "pipeline": {"distributed", "rpc", "ddp", "fsdp"},
     "checkpoint": {"distributed", "ddp", "zero", "fsdp", "sharded_tensor"},
     # a tool beside the CLI (`shardwise bench`): runs every mechanism on the demo models
-    "bench": {"distributed", "launch", "models", "data", "memory", "sharded_tensor", "rpc", "ddp",
-              "zero", "fsdp", "pipeline", "checkpoint"},
+    "bench": {"distributed", "dp", "launch", "models", "data", "memory", "sharded_tensor",
+              "rpc", "ddp", "zero", "fsdp", "pipeline", "checkpoint"},
 }
 MECHANISMS = set(ALLOWED) - {"distributed", "launch", "models", "data", "bench"}
 ENTRY_POINT = "__main__.py"  # `python -m shardwise` is the command: it may import the CLI
@@ -135,7 +136,7 @@ def test_the_check_sees_an_import_of_the_cli(tmp_path, module, line):
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 README = Path(__file__).resolve().parents[1] / "README.md"
-NOTES = {"distributed": "data_parallel.md", "ddp": "ddp.md", "zero": "zero.md",
+NOTES = {"dp": "data_parallel.md", "ddp": "ddp.md", "zero": "zero.md",
          "fsdp": "fsdp.md", "sharded_tensor": "sharded_tensor.md", "pipeline": "pipeline.md",
          "rpc": "rpc.md", "checkpoint": "checkpoint.md"}
 

@@ -13,7 +13,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from shardwise import DistributedDataParallel
 from shardwise.ddp import hooks as our_hooks
-from shardwise.distributed.shm_reduce import DISABLE_VAR
+from shardwise.dp.shm_reduce import DISABLE_VAR
 from tests.compat.common import assert_states_close, ddp_class, state_of
 from tests.harness import WORLD_SIZES, rank_slice, run_on_ranks
 

@@ -14,8 +14,8 @@ import torch.distributed as dist
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from shardwise.distributed import CommCounter, CommStats, init_device_mesh
-from shardwise.distributed.fast_collectives import all_gather_flat, reduce_scatter_flat
-from shardwise.distributed.shm_reduce import DISABLE_VAR
+from shardwise.dp.fast_collectives import all_gather_flat, reduce_scatter_flat
+from shardwise.dp.shm_reduce import DISABLE_VAR
 from tests.harness import WORLD_SIZES, run_on_ranks
 
 B = 48  # bytes of a 12-element float32 buffer
@@ -188,7 +188,7 @@ def _ddp_body(ctx):
     torch.manual_seed(0)
     cfg = GPTConfig(vocab_size=64, seq_len=8, n_layer=1, n_head=2, d_model=16)
     # the gloo path's collectives are what this counts (on one host DDP would otherwise
-    # average through shared memory: tests/distributed/test_shm_reduce.py)
+    # average through shared memory: tests/dp/test_shm_reduce.py)
     os.environ[DISABLE_VAR] = "1"
     try:
         with CommCounter(local_world_size=2) as comm:

@@ -22,7 +22,7 @@ import torch
 
 from shardwise import DistributedDataParallel, fully_shard
 from shardwise.distributed import CommCounter, init_device_mesh
-from shardwise.distributed.shm_reduce import DISABLE_VAR
+from shardwise.dp.shm_reduce import DISABLE_VAR
 from shardwise.models import GPT, GPTConfig, lm_loss
 from tests.harness import run_on_ranks
 

@@ -22,7 +22,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from shardwise.distributed.grad_buckets import MIB
+from shardwise.dp.grad_buckets import MIB
 
 CASES = ("all_gather", "reduce_scatter")
 
@@ -32,7 +32,7 @@ def _worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
 
     import shardwise.distributed as sd
-    from shardwise.distributed.fast_collectives import all_gather_flat, reduce_scatter_flat
+    from shardwise.dp.fast_collectives import all_gather_flat, reduce_scatter_flat
 
     torch.set_num_threads(1)
     group = sd.init("gloo")

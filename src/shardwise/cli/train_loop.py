@@ -25,7 +25,7 @@ from shardwise.cli.run_log import RunLog
 from shardwise.cli.strategies import Prepared, get_builder
 from shardwise.cli.train_args import TrainConfig
 from shardwise.data import BatchStream, TokenWindows, load_corpus
-from shardwise.distributed.data_parallel import MIB
+from shardwise.dp.data_parallel import MIB
 from shardwise.launch.preemption import Preempted, Preemption
 from shardwise.launch.progress import beat
 from shardwise.memory import peak_memory_bytes

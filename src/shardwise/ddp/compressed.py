@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from shardwise.ddp import hooks as our_hooks
-from shardwise.distributed.shm_reduce import ShmReducer, ShmWork
+from shardwise.dp.shm_reduce import ShmReducer, ShmWork
 
 _HALF = {
     default_hooks.fp16_compress_hook: torch.float16,

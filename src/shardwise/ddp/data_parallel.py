@@ -3,8 +3,8 @@
 At wrap time rank 0's parameters and buffers are broadcast (one coalesced broadcast per dtype),
 so every replica starts equal. During backward, gradients are averaged across ranks by
 all-reduces on size-capped buckets, launched asynchronously from gradient hooks while backward is
-still running (see [Note: gradient buckets] in shardwise/distributed/grad_buckets.py), or by a
-registered communication hook (distributed/comm_hooks.py; ours in hooks.py). Inside
+still running (see [Note: gradient buckets] in shardwise/dp/grad_buckets.py), or by a
+registered communication hook (dp/comm_hooks.py; ours in hooks.py). Inside
 ``no_sync()`` no collective runs and gradients accumulate locally; the first backward outside
 it reduces the accumulated sum. Under distributed autograd (``shardwise.rpc.autograd``) the
 gradients of the context are reduced the same way (see [Note: reduction outside autograd's
@@ -27,12 +27,12 @@ from torch.distributed.device_mesh import DeviceMesh
 from shardwise.ddp.compressed import compression_of, launch_compressed
 from shardwise.ddp.join import DDPJoinHook, active_ranks, announce_reduction, common_rank
 from shardwise.ddp.powersgd import BucketPowerSGD
-from shardwise.distributed.agree import check_same_model
 from shardwise.distributed.collectives import broadcast_coalesced
-from shardwise.distributed.comm_hooks import CommHook, CommHookSlot
-from shardwise.distributed.data_parallel import buffers_to_sync, resolve_group, sync_module_state
-from shardwise.distributed.grad_buckets import Bucket, BucketSizes, GradBucketer, Waitable
-from shardwise.distributed.shm_reduce import ShmReducer, usable
+from shardwise.dp.agree import check_same_model
+from shardwise.dp.comm_hooks import CommHook, CommHookSlot
+from shardwise.dp.data_parallel import buffers_to_sync, resolve_group, sync_module_state
+from shardwise.dp.grad_buckets import Bucket, BucketSizes, GradBucketer, Waitable
+from shardwise.dp.shm_reduce import ShmReducer, usable
 
 
 class DistributedDataParallel(nn.Module, Joinable):
@@ -144,7 +144,7 @@ class DistributedDataParallel(nn.Module, Joinable):
     # ------------------------------------------------------------------ torch's extras
     def register_comm_hook(self, state: object, hook: CommHook) -> None:
         """Reduce every bucket with ``hook(state, bucket)`` instead of the built-in averaging
-        all-reduce (torch's contract; see distributed/comm_hooks.py; torch's hooks and ours in
+        all-reduce (torch's contract; see dp/comm_hooks.py; torch's hooks and ours in
         ``shardwise.ddp.hooks`` both fit). Only one hook may be registered."""
         self._comm_hooks.register(state, hook)
         self._compressed = compression_of(hook, state, self.process_group)

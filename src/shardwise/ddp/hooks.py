@@ -1,6 +1,6 @@
 """Our communication hooks, with the names and contract of torch's ``ddp_comm_hooks``.
 
-Each is ``hook(state, bucket) -> Future[Tensor]`` (see shardwise/distributed/comm_hooks.py)
+Each is ``hook(state, bucket) -> Future[Tensor]`` (see shardwise/dp/comm_hooks.py)
 and runs on our DDP, on ZeRO stage 2 (``ZeroDataParallel.register_comm_hook``) and on
 torch's DDP alike.
 

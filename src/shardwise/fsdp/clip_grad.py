@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardwise.distributed.data_parallel import (
+from shardwise.dp.data_parallel import (
     clip_by_total_norm,
     global_ranks,
     sharded_grad_norm,

@@ -3,7 +3,7 @@
 Collectives: a unit's gather (every rank's chunks -> the unsharded flat buffer, see
 [Note: FSDP layout]: one broadcast per rank of each large parameter's chunk straight into its
 rows, one all-gather of the packed small parameters) and its gradient reduce-scatter (rank-major
-flat gradient -> this rank's averaged shard), through ``shardwise.distributed.fast_collectives``
+flat gradient -> this rank's averaged shard), through ``shardwise.dp.fast_collectives``
 so that each backend gets its fastest equivalent collective (see [Note: fast collectives]
 there), issued asynchronously and waited for only when the data is needed; an all-reduce for
 gradient norms.
@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten
 
-from shardwise.distributed.fast_collectives import Pending, all_gather_flat, reduce_scatter_flat
+from shardwise.dp.fast_collectives import Pending, all_gather_flat, reduce_scatter_flat
 from shardwise.fsdp.layout import UnitLayout, chunks_of, copy_from_chunks
 
 

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from shardwise.distributed.agree import check_same_model
+from shardwise.dp.agree import check_same_model
 from shardwise.fsdp import checks, tp_params
 from shardwise.fsdp.dtensor import local_tensor, mesh_for_group
 from shardwise.fsdp.flat_param import FlatParamHandle

@@ -30,7 +30,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from shardwise.distributed.fast_collectives import Pending, reduce_scatter_flat
+from shardwise.dp.fast_collectives import Pending, reduce_scatter_flat
 from shardwise.fsdp.layout import UnitLayout, chunks_of, copy_into_chunks
 
 

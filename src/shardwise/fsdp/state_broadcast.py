@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from shardwise.distributed.data_parallel import global_rank
+from shardwise.dp.data_parallel import global_rank
 
 
 def broadcast_named_state(osd: dict[str, Any] | None, group: dist.ProcessGroup | None,

@@ -48,7 +48,7 @@ from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Sha
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from shardwise.distributed.data_parallel import global_ranks
+from shardwise.dp.data_parallel import global_ranks
 from shardwise.fsdp.dtensor import _contiguous_stride as contiguous_stride
 from shardwise.fsdp.dtensor import device_type_of
 from shardwise.sharded_tensor import sharded_parameters

@@ -20,8 +20,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardwise.distributed.agree import check_same_model
-from shardwise.distributed.data_parallel import sync_module_state
+from shardwise.dp.agree import check_same_model
+from shardwise.dp.data_parallel import sync_module_state
 from shardwise.fsdp import fsdp1_args as args
 from shardwise.fsdp import optim_state_dict as osd_mod
 from shardwise.fsdp.clip_grad import clip_grad_norm_

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from shardwise.distributed.collectives import flatten, unflatten_into
-from shardwise.distributed.data_parallel import global_rank
+from shardwise.dp.data_parallel import global_rank
 
 
 def broadcast_chunks(chunks: Sequence[tuple[int, Sequence[torch.Tensor]]],

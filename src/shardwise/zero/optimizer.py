@@ -28,8 +28,8 @@ import torch.distributed as dist
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from torch.optim import Optimizer
 
-from shardwise.distributed.agree import check_same_parameters
-from shardwise.distributed.data_parallel import MIB
+from shardwise.dp.agree import check_same_parameters
+from shardwise.dp.data_parallel import MIB
 from shardwise.zero import collectives as zc
 from shardwise.zero import state_dicts
 from shardwise.zero.join import ZeroJoinHook

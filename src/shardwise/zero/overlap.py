@@ -37,12 +37,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from shardwise.distributed.comm_hooks import CommHook, GradBucket
-from shardwise.distributed.data_parallel import global_rank
+from shardwise.dp.comm_hooks import CommHook, GradBucket
+from shardwise.dp.data_parallel import global_rank
 
 if TYPE_CHECKING:
     from shardwise.ddp.data_parallel import DistributedDataParallel
-    from shardwise.distributed.grad_buckets import Bucket
+    from shardwise.dp.grad_buckets import Bucket
     from shardwise.zero.optimizer import ZeroRedundancyOptimizer
 
 WARMUP_ITERATIONS = 2  # backward passes without a step; one more with a static graph

@@ -11,7 +11,7 @@ the wrapper so that it knows who owns which parameter::
     optimizer.step()
 
 [Note: stage 2 buckets]
-Gradients are bucketed as in DDP (shardwise/distributed/grad_buckets.py), but every bucket
+Gradients are bucketed as in DDP (shardwise/dp/grad_buckets.py), but every bucket
 holds parameters of a single owner (the bucket key includes the owning rank). When a bucket is
 full it is reduced to its owner only (``reduce_to_owner``: a per-owner ``dist.reduce``, which
 fits partitions of any shape; see collectives.py for why not a reduce-scatter on gloo). Each
@@ -32,14 +32,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardwise.distributed.comm_hooks import CommHook, CommHookSlot
-from shardwise.distributed.data_parallel import (
+from shardwise.dp.comm_hooks import CommHook, CommHookSlot
+from shardwise.dp.data_parallel import (
     broadcast_buffers,
     clip_by_total_norm,
     sharded_grad_norm,
     sync_module_state,
 )
-from shardwise.distributed.grad_buckets import (
+from shardwise.dp.grad_buckets import (
     Bucket,
     BucketSizes,
     GradBucketer,

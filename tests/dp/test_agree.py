@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch import nn
 
-from shardwise.distributed.agree import (
+from shardwise.dp.agree import (
     ModelMismatchError,
     check_same_model,
     first_difference,

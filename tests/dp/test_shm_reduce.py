@@ -10,8 +10,8 @@ import torch.distributed as dist
 from torch import nn
 
 from shardwise.ddp import DistributedDataParallel
-from shardwise.distributed import shm_reduce
-from shardwise.distributed.shm_reduce import DISABLE_VAR, ShmReducer, usable
+from shardwise.dp import shm_reduce
+from shardwise.dp.shm_reduce import DISABLE_VAR, ShmReducer, usable
 from tests.harness import WORLD_SIZES, assert_rel_close, run_on_ranks
 
 LAYOUTS = [(7, torch.float32), (1000, torch.float64), (3, torch.float32), (64, torch.bfloat16)]

@@ -59,9 +59,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from shardwise.distributed.data_parallel import global_rank
 from shardwise.distributed.env import flag_var, int_var
 from shardwise.distributed.timeouts import default_timeout
+from shardwise.dp.data_parallel import global_rank
 
 DISABLE_VAR = "SHARDWISE_NO_SHM_REDUCE"
 Step = Callable[[torch.Tensor], object]  # element-wise work on a part of the result, in place

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from shardwise.distributed.data_parallel import sharded_grad_norm
+from shardwise.dp.data_parallel import sharded_grad_norm
 from tests.harness import WORLD_SIZES, assert_rel_close, run_on_ranks
 
 NORMS = (2.0, 1.0, 3.0, math.inf)

@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from shardwise.distributed.fast_collectives import (
+from shardwise.dp.fast_collectives import (
     Pending,
     all_gather_flat,
     reduce_scatter_flat,

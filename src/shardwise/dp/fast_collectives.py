@@ -31,7 +31,7 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
-from shardwise.distributed.data_parallel import global_rank
+from shardwise.dp.data_parallel import global_rank
 
 Impl = Literal["auto", "fast", "plain"]
 

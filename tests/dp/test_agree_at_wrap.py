@@ -13,7 +13,7 @@ from shardwise import (
     ZeroRedundancyOptimizer,
     fully_shard,
 )
-from shardwise.distributed.agree import ModelMismatchError
+from shardwise.dp.agree import ModelMismatchError
 from tests.harness import run_on_ranks
 
 
