@@ -8,7 +8,7 @@ registered communication hook (dp/comm_hooks.py; ours in hooks.py). Inside
 ``no_sync()`` no collective runs and gradients accumulate locally; the first backward outside
 it reduces the accumulated sum. Under distributed autograd (``shardwise.rpc.autograd``) the
 gradients of the context are reduced the same way (see [Note: reduction outside autograd's
-accumulation]). ``join()`` handles uneven inputs (join.py).
+accumulation] in detached.py). ``join()`` handles uneven inputs (join.py).
 """
 
 from __future__ import annotations
@@ -25,14 +25,22 @@ from torch.distributed.algorithms.join import Join, Joinable
 from torch.distributed.device_mesh import DeviceMesh
 
 from shardwise.ddp.compressed import compression_of, launch_compressed
+from shardwise.ddp.detached import DetachedReduction
 from shardwise.ddp.join import DDPJoinHook, active_ranks, announce_reduction, common_rank
 from shardwise.ddp.powersgd import BucketPowerSGD
+from shardwise.ddp.static_graph import StaticGraph
+from shardwise.ddp.unused import UnusedMap
 from shardwise.distributed.collectives import broadcast_coalesced
 from shardwise.dp.agree import check_same_model
+from shardwise.dp.buckets import Bucket, BucketSizes, Waitable
 from shardwise.dp.comm_hooks import CommHook, CommHookSlot
 from shardwise.dp.data_parallel import buffers_to_sync, resolve_group, sync_module_state
-from shardwise.dp.grad_buckets import Bucket, BucketSizes, GradBucketer, Waitable
+from shardwise.dp.grad_buckets import GradBucketer
 from shardwise.dp.shm_reduce import ShmReducer, usable
+
+SECOND_GRAD_HINT = (" If every backward pass uses the parameters the same way, construct "
+                    "DistributedDataParallel with static_graph=True (or call "
+                    "_set_static_graph() before training).")
 
 
 class DistributedDataParallel(nn.Module, Joinable):
@@ -92,10 +100,14 @@ class DistributedDataParallel(nn.Module, Joinable):
             sync_module_state(module, self.process_group)
         self._bucket_sizes = BucketSizes.default(bucket_cap_mb)
         self.reducer = GradBucketer(
-            list(module.named_parameters()), self._bucket_sizes, self._launch,
-            self._finish, allow_unused=find_unused_parameters, unused_group=self.process_group,
-            detached=True,
+            list(module.named_parameters()), self._bucket_sizes, self._launch, self._finish,
+            allow_unused=find_unused_parameters, wrapper="DistributedDataParallel",
+            second_grad_hint=SECOND_GRAD_HINT,
         )
+        self._unused = UnusedMap(self.process_group, find_unused_parameters)
+        self.reducer.add_policy(self._unused)
+        self._detached = DetachedReduction(self.reducer, self._unused)
+        weakref.finalize(self, self._detached.close)
         self._shm = self._shared_memory_buckets()
         self._compressed: torch.dtype | None = None  # a compression hook run on self._shm
         self._powersgd: BucketPowerSGD | None = None  # our powerSGD_hook, run on the buckets
@@ -175,7 +187,11 @@ class DistributedDataParallel(nn.Module, Joinable):
         if self.static_graph:
             warnings.warn("static_graph is already set; no need to set it again", stacklevel=2)
             return
-        self.reducer.set_static_graph()
+        if self.reducer.reductions:
+            raise RuntimeError("the static graph must be set before the first backward pass "
+                               "that reduces gradients, right after the wrapper is built")
+        self.reducer.add_policy(StaticGraph())
+        self._unused.static = True
         self.static_graph = True
         if self.find_unused_parameters:
             warnings.warn("with a static graph, unused parameters are detected in the first "
@@ -230,7 +246,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         if not self._powersgd_step or buckets[bucket.index] is not bucket:
             return None
         into_grads = not (self.gradient_as_bucket_view or self.find_unused_parameters
-                          or self.static_graph or self.reducer.detached_pass)
+                          or self.static_graph or self._detached.active)
         return self._powersgd.launch(bucket, bucket.index == len(buckets) - 1, into_grads)
 
     def _divisor(self) -> int:
