@@ -24,9 +24,19 @@ from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable
 from torch.distributed.device_mesh import DeviceMesh
 
-from shardwise.ddp.compressed import compression_of, launch_compressed
+from shardwise.ddp.compressed import compression_of
 from shardwise.ddp.detached import DetachedReduction
 from shardwise.ddp.join import DDPJoinHook, active_ranks, announce_reduction, common_rank
+from shardwise.ddp.paths import (
+    AllReduce,
+    CompressedSharedMemory,
+    DividingAllReduce,
+    InlinePowerSGD,
+    NoReduction,
+    ReductionPath,
+    SharedMemory,
+    UserHook,
+)
 from shardwise.ddp.powersgd import BucketPowerSGD
 from shardwise.ddp.static_graph import StaticGraph
 from shardwise.ddp.unused import UnusedMap
@@ -113,6 +123,8 @@ class DistributedDataParallel(nn.Module, Joinable):
         self._powersgd: BucketPowerSGD | None = None  # our powerSGD_hook, run on the buckets
         self._powersgd_step = False  # the coming backward runs it ([Note: PowerSGD inside DDP])
         self._hook_buckets = False  # replanned for a communication hook
+        self._joining = False  # the last forward ran inside an enabled join context
+        self._choose_path(False)
         if static_graph:
             self._set_static_graph()
 
@@ -129,10 +141,8 @@ class DistributedDataParallel(nn.Module, Joinable):
         if joining:
             announce_reduction(self.process_group, will_reduce, self.device)
         self._sync_buffers_next = will_reduce
-        # average on the way into the buckets, unless a hook or join decides the divisor
-        plain = self.world_size > 1 and not joining and (self._comm_hooks.hook is None
-                                                           or self._compressing())
-        self.reducer.scale = 1.0 / self.world_size if plain else None
+        if joining != self._joining:
+            self._choose_path(joining)
         if self._powersgd is not None:
             self._prepare_powersgd(will_reduce and not joining)
         if self.device_ids:
@@ -161,10 +171,9 @@ class DistributedDataParallel(nn.Module, Joinable):
         self._comm_hooks.register(state, hook)
         self._compressed = compression_of(hook, state, self.process_group)
         self._powersgd = BucketPowerSGD.of(hook, state, self.process_group)
-        if self._compressing():
-            return  # the hook's arithmetic on the shared-memory path ([Note: compression on
-            # one host] in compressed.py)
-        self._use_hook_buckets()
+        if not self._compressing():  # else the hook's arithmetic on the shared-memory path
+            self._use_hook_buckets()  # ([Note: compression on one host] in compressed.py)
+        self._choose_path(self._joining)
 
     def _compressing(self) -> bool:
         """A compression hook computed on the shared-memory buckets ([Note: compression on
@@ -181,6 +190,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         if self._shm is not None:
             self._shm.close()
             self._shm = None
+            self._choose_path(self._joining)
 
     def _set_static_graph(self) -> None:
         """Declare the graph static (see the class docstring); before the first backward."""
@@ -239,15 +249,16 @@ class DistributedDataParallel(nn.Module, Joinable):
         for bucket in self.reducer.buckets:
             bucket.addend = self._powersgd.addend(bucket) if enable else None
 
-    def _launch_powersgd(self, bucket: Bucket) -> Waitable | None:
-        """Our powerSGD_hook's round on ``bucket`` itself, when this step runs it (not on a
-        joined rank's all-zero copies of the buckets, which go to the hook)."""
-        buckets = self.reducer.buckets
-        if not self._powersgd_step or buckets[bucket.index] is not bucket:
-            return None
-        into_grads = not (self.gradient_as_bucket_view or self.find_unused_parameters
-                          or self.static_graph or self._detached.active)
-        return self._powersgd.launch(bucket, bucket.index == len(buckets) - 1, into_grads)
+    def _powersgd_runs(self, bucket: Bucket) -> bool:
+        """Whether our powerSGD_hook's round runs inside DDP on ``bucket``: in a step that
+        runs it, on the bucket itself (not a joined rank's all-zero copy, which goes to the
+        hook)."""
+        return self._powersgd_step and self.reducer.buckets[bucket.index] is bucket
+
+    def _powersgd_into_grads(self) -> bool:
+        """Whether the round may land the mean in ``.grad`` ([Note: PowerSGD inside DDP])."""
+        return not (self.gradient_as_bucket_view or self.find_unused_parameters
+                    or self.static_graph or self._detached.active)
 
     def _divisor(self) -> int:
         if self._join_work is not None:
@@ -267,21 +278,38 @@ class DistributedDataParallel(nn.Module, Joinable):
         weakref.finalize(self, shm.close)
         return shm
 
-    def _launch(self, bucket: Bucket) -> Waitable | None:
-        shm = self._shm  # (open only without a hook, or with a compression hook)
-        if shm is not None and self.reducer.scale is not None \
-                and bucket.buffer is shm.buffer(bucket.index):  # averaged on the way in
-            if self._compressed is not None:  # [Note: compression on one host]
-                return launch_compressed(shm, bucket.index, self._compressed)
-            return shm.launch(bucket.index)
-        if self._comm_hooks.hook is not None:
-            work = self._launch_powersgd(bucket) if self._powersgd is not None else None
-            return work or self._comm_hooks.run(bucket, len(self.reducer.buckets))
+    def _choose_path(self, joining: bool) -> None:
+        """Pick how buckets are reduced from now on ([Note: DDP reduction paths] in paths.py);
+        ``joining``: inside an enabled join context."""
+        self._joining = joining
+        self._path = self._path_for(joining)
+        self.reducer.scale = 1.0 / self.world_size if self._path.prescaled else None
+
+    def _path_for(self, joining: bool) -> ReductionPath:
+        n_buckets = lambda: len(self.reducer.buckets)  # noqa: E731 (re-planned buckets count)
+        hook = UserHook(self._comm_hooks, n_buckets) if self._comm_hooks.hook is not None \
+            else None
+        if self._shm is not None and not joining and (hook is None or self._compressing()):
+            if self._compressed is not None:
+                return CompressedSharedMemory(self._shm, self._compressed)
+            return SharedMemory(self._shm)
+        if hook is not None:
+            if self._powersgd is not None and not joining:
+                return InlinePowerSGD(self._powersgd, self._powersgd_runs,
+                                      self._powersgd_into_grads, n_buckets, hook)
+            return hook
         if self.world_size == 1:
-            return None
-        if self.reducer.scale is None:  # not averaged on the way in (join decides the divisor)
-            bucket.buffer.div_(self._divisor())
-        return dist.all_reduce(bucket.buffer, group=self.process_group, async_op=True)
+            return NoReduction()
+        if joining:
+            return DividingAllReduce(self.process_group, self._divisor)
+        return AllReduce(self.process_group)
+
+    def _launch(self, bucket: Bucket) -> Waitable | None:
+        return self._path.reduce(bucket)
+
+    def _shadow_launch(self, bucket: Bucket) -> Waitable | None:
+        """A joined rank's all-zero bucket, through the path of a join context."""
+        return self._path_for(True).reduce(bucket)
 
     def _finish(self, bucket: Bucket) -> None:
         if getattr(bucket.work, "in_grads", False):

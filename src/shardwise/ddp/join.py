@@ -51,7 +51,7 @@ class DDPJoinHook(JoinHook):
         should_reduce = flag.item() > 0
         ddp._sync_buffers_next = should_reduce
         if should_reduce:
-            shadow_reduction(ddp.reducer, ddp._launch, ddp._unused)
+            shadow_reduction(ddp.reducer, ddp._shadow_launch, ddp._unused)
 
     def post_hook(self, is_last_joiner: bool) -> None:
         ddp = self.ddp
