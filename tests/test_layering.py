@@ -151,3 +151,19 @@ def test_each_mechanism_has_a_design_note_linked_from_the_readme():
 def test_no_code_points_outside_the_repository_for_its_notes():
     for path in SRC.rglob("*.py"):
         assert "shared/notes" not in path.read_text(), path
+
+
+def test_the_data_parallel_core_knows_no_mechanism():
+    """dp/ holds what DDP, ZeRO and FSDP share; their own rules plug into it as policies, so it
+    imports none of them (nor rpc/, which hands it gradients)."""
+    core = SRC / "dp"
+    bad = [f"dp/{path.relative_to(core).as_posix()}:{line} imports {module}"
+           for path in sorted(core.rglob("*.py")) for line, module in _imports(path)
+           if _package(module) in {"ddp", "zero", "fsdp", "rpc"}]
+    assert bad == []
+
+
+def test_the_core_check_sees_a_mechanism_import(tmp_path):
+    path = tmp_path / "m.py"
+    path.write_text("def f():\n    from shardwise.ddp.unused import UnusedMap\n")
+    assert [_package(m) for _, m in _imports(path)] == ["ddp"]

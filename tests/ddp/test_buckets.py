@@ -2,7 +2,7 @@
 
 import pytest
 
-from shardwise.dp.grad_buckets import plan_buckets
+from shardwise.dp.buckets import plan_buckets
 
 
 def test_reverse_order_and_cap():
@@ -49,7 +49,7 @@ def test_tail_parameters_get_small_buckets():
 
 
 def test_default_sizes_follow_the_cap():
-    from shardwise.dp.grad_buckets import MIB, BucketSizes
+    from shardwise.dp.buckets import MIB, BucketSizes
 
     assert BucketSizes.default() == BucketSizes(25 * MIB, MIB, 25 * MIB, 2 * MIB)
     small = BucketSizes.default(0.5)
@@ -98,7 +98,7 @@ def test_close_at_cap_passes_the_cap_by_one_parameter_as_torch_does():
         [3, 2], [1, 0]]
     assert plan_buckets([4, 4, 4, 4, 4], ["f"] * 5, cap_bytes=10, close_at_cap=True) == [
         [4, 3, 2], [1, 0]]
-    from shardwise.dp.grad_buckets import BucketSizes
+    from shardwise.dp.buckets import BucketSizes
 
     hooks = BucketSizes.default().for_hooks()
     assert (hooks.first_cap, hooks.tail_bytes, hooks.close_at_cap) == (None, 0, True)

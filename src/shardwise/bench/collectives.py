@@ -22,7 +22,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from shardwise.dp.grad_buckets import MIB
+from shardwise.dp.buckets import MIB
 
 CASES = ("all_gather", "reduce_scatter")
 

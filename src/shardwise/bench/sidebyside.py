@@ -27,7 +27,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from shardwise.dp.grad_buckets import MIB
+from shardwise.dp.buckets import MIB
 
 
 @dataclass(frozen=True)

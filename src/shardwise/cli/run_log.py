@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from shardwise.dp.grad_buckets import MIB
+from shardwise.dp.buckets import MIB
 from shardwise.memory import peak_memory_bytes
 
 METRICS_FILE = "metrics.jsonl"

@@ -8,7 +8,7 @@ registered communication hook (dp/comm_hooks.py; ours in hooks.py). Inside
 ``no_sync()`` no collective runs and gradients accumulate locally; the first backward outside
 it reduces the accumulated sum. Under distributed autograd (``shardwise.rpc.autograd``) the
 gradients of the context are reduced the same way (see [Note: reduction outside autograd's
-accumulation]). ``join()`` handles uneven inputs (join.py).
+accumulation] in detached.py). ``join()`` handles uneven inputs (join.py).
 """
 
 from __future__ import annotations
@@ -24,15 +24,33 @@ from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable
 from torch.distributed.device_mesh import DeviceMesh
 
-from shardwise.ddp.compressed import compression_of, launch_compressed
+from shardwise.ddp.compressed import compression_of
+from shardwise.ddp.detached import DetachedReduction
 from shardwise.ddp.join import DDPJoinHook, active_ranks, announce_reduction, common_rank
+from shardwise.ddp.paths import (
+    AllReduce,
+    CompressedSharedMemory,
+    DividingAllReduce,
+    InlinePowerSGD,
+    NoReduction,
+    ReductionPath,
+    SharedMemory,
+    UserHook,
+)
 from shardwise.ddp.powersgd import BucketPowerSGD
+from shardwise.ddp.static_graph import StaticGraph
+from shardwise.ddp.unused import UnusedMap
 from shardwise.distributed.collectives import broadcast_coalesced
 from shardwise.dp.agree import check_same_model
+from shardwise.dp.buckets import Bucket, BucketSizes, Waitable
 from shardwise.dp.comm_hooks import CommHook, CommHookSlot
 from shardwise.dp.data_parallel import buffers_to_sync, resolve_group, sync_module_state
-from shardwise.dp.grad_buckets import Bucket, BucketSizes, GradBucketer, Waitable
+from shardwise.dp.grad_buckets import GradBucketer
 from shardwise.dp.shm_reduce import ShmReducer, usable
+
+SECOND_GRAD_HINT = (" If every backward pass uses the parameters the same way, construct "
+                    "DistributedDataParallel with static_graph=True (or call "
+                    "_set_static_graph() before training).")
 
 
 class DistributedDataParallel(nn.Module, Joinable):
@@ -92,15 +110,21 @@ class DistributedDataParallel(nn.Module, Joinable):
             sync_module_state(module, self.process_group)
         self._bucket_sizes = BucketSizes.default(bucket_cap_mb)
         self.reducer = GradBucketer(
-            list(module.named_parameters()), self._bucket_sizes, self._launch,
-            self._finish, allow_unused=find_unused_parameters, unused_group=self.process_group,
-            detached=True,
+            list(module.named_parameters()), self._bucket_sizes, self._launch, self._finish,
+            allow_unused=find_unused_parameters, wrapper="DistributedDataParallel",
+            second_grad_hint=SECOND_GRAD_HINT,
         )
+        self._unused = UnusedMap(self.process_group, find_unused_parameters)
+        self.reducer.add_policy(self._unused)
+        self._detached = DetachedReduction(self.reducer, self._unused)
+        weakref.finalize(self, self._detached.close)
         self._shm = self._shared_memory_buckets()
         self._compressed: torch.dtype | None = None  # a compression hook run on self._shm
         self._powersgd: BucketPowerSGD | None = None  # our powerSGD_hook, run on the buckets
         self._powersgd_step = False  # the coming backward runs it ([Note: PowerSGD inside DDP])
         self._hook_buckets = False  # replanned for a communication hook
+        self._joining = False  # the last forward ran inside an enabled join context
+        self._choose_path(False)
         if static_graph:
             self._set_static_graph()
 
@@ -117,10 +141,8 @@ class DistributedDataParallel(nn.Module, Joinable):
         if joining:
             announce_reduction(self.process_group, will_reduce, self.device)
         self._sync_buffers_next = will_reduce
-        # average on the way into the buckets, unless a hook or join decides the divisor
-        plain = self.world_size > 1 and not joining and (self._comm_hooks.hook is None
-                                                           or self._compressing())
-        self.reducer.scale = 1.0 / self.world_size if plain else None
+        if joining != self._joining:
+            self._choose_path(joining)
         if self._powersgd is not None:
             self._prepare_powersgd(will_reduce and not joining)
         if self.device_ids:
@@ -149,10 +171,9 @@ class DistributedDataParallel(nn.Module, Joinable):
         self._comm_hooks.register(state, hook)
         self._compressed = compression_of(hook, state, self.process_group)
         self._powersgd = BucketPowerSGD.of(hook, state, self.process_group)
-        if self._compressing():
-            return  # the hook's arithmetic on the shared-memory path ([Note: compression on
-            # one host] in compressed.py)
-        self._use_hook_buckets()
+        if not self._compressing():  # else the hook's arithmetic on the shared-memory path
+            self._use_hook_buckets()  # ([Note: compression on one host] in compressed.py)
+        self._choose_path(self._joining)
 
     def _compressing(self) -> bool:
         """A compression hook computed on the shared-memory buckets ([Note: compression on
@@ -169,13 +190,18 @@ class DistributedDataParallel(nn.Module, Joinable):
         if self._shm is not None:
             self._shm.close()
             self._shm = None
+            self._choose_path(self._joining)
 
     def _set_static_graph(self) -> None:
         """Declare the graph static (see the class docstring); before the first backward."""
         if self.static_graph:
             warnings.warn("static_graph is already set; no need to set it again", stacklevel=2)
             return
-        self.reducer.set_static_graph()
+        if self.reducer.reductions:
+            raise RuntimeError("the static graph must be set before the first backward pass "
+                               "that reduces gradients, right after the wrapper is built")
+        self.reducer.add_policy(StaticGraph())
+        self._unused.static = True
         self.static_graph = True
         if self.find_unused_parameters:
             warnings.warn("with a static graph, unused parameters are detected in the first "
@@ -223,15 +249,16 @@ class DistributedDataParallel(nn.Module, Joinable):
         for bucket in self.reducer.buckets:
             bucket.addend = self._powersgd.addend(bucket) if enable else None
 
-    def _launch_powersgd(self, bucket: Bucket) -> Waitable | None:
-        """Our powerSGD_hook's round on ``bucket`` itself, when this step runs it (not on a
-        joined rank's all-zero copies of the buckets, which go to the hook)."""
-        buckets = self.reducer.buckets
-        if not self._powersgd_step or buckets[bucket.index] is not bucket:
-            return None
-        into_grads = not (self.gradient_as_bucket_view or self.find_unused_parameters
-                          or self.static_graph or self.reducer.detached_pass)
-        return self._powersgd.launch(bucket, bucket.index == len(buckets) - 1, into_grads)
+    def _powersgd_runs(self, bucket: Bucket) -> bool:
+        """Whether our powerSGD_hook's round runs inside DDP on ``bucket``: in a step that
+        runs it, on the bucket itself (not a joined rank's all-zero copy, which goes to the
+        hook)."""
+        return self._powersgd_step and self.reducer.buckets[bucket.index] is bucket
+
+    def _powersgd_into_grads(self) -> bool:
+        """Whether the round may land the mean in ``.grad`` ([Note: PowerSGD inside DDP])."""
+        return not (self.gradient_as_bucket_view or self.find_unused_parameters
+                    or self.static_graph or self._detached.active)
 
     def _divisor(self) -> int:
         if self._join_work is not None:
@@ -251,21 +278,38 @@ class DistributedDataParallel(nn.Module, Joinable):
         weakref.finalize(self, shm.close)
         return shm
 
-    def _launch(self, bucket: Bucket) -> Waitable | None:
-        shm = self._shm  # (open only without a hook, or with a compression hook)
-        if shm is not None and self.reducer.scale is not None \
-                and bucket.buffer is shm.buffer(bucket.index):  # averaged on the way in
-            if self._compressed is not None:  # [Note: compression on one host]
-                return launch_compressed(shm, bucket.index, self._compressed)
-            return shm.launch(bucket.index)
-        if self._comm_hooks.hook is not None:
-            work = self._launch_powersgd(bucket) if self._powersgd is not None else None
-            return work or self._comm_hooks.run(bucket, len(self.reducer.buckets))
+    def _choose_path(self, joining: bool) -> None:
+        """Pick how buckets are reduced from now on ([Note: DDP reduction paths] in paths.py);
+        ``joining``: inside an enabled join context."""
+        self._joining = joining
+        self._path = self._path_for(joining)
+        self.reducer.scale = 1.0 / self.world_size if self._path.prescaled else None
+
+    def _path_for(self, joining: bool) -> ReductionPath:
+        n_buckets = lambda: len(self.reducer.buckets)  # noqa: E731 (re-planned buckets count)
+        hook = UserHook(self._comm_hooks, n_buckets) if self._comm_hooks.hook is not None \
+            else None
+        if self._shm is not None and not joining and (hook is None or self._compressing()):
+            if self._compressed is not None:
+                return CompressedSharedMemory(self._shm, self._compressed)
+            return SharedMemory(self._shm)
+        if hook is not None:
+            if self._powersgd is not None and not joining:
+                return InlinePowerSGD(self._powersgd, self._powersgd_runs,
+                                      self._powersgd_into_grads, n_buckets, hook)
+            return hook
         if self.world_size == 1:
-            return None
-        if self.reducer.scale is None:  # not averaged on the way in (join decides the divisor)
-            bucket.buffer.div_(self._divisor())
-        return dist.all_reduce(bucket.buffer, group=self.process_group, async_op=True)
+            return NoReduction()
+        if joining:
+            return DividingAllReduce(self.process_group, self._divisor)
+        return AllReduce(self.process_group)
+
+    def _launch(self, bucket: Bucket) -> Waitable | None:
+        return self._path.reduce(bucket)
+
+    def _shadow_launch(self, bucket: Bucket) -> Waitable | None:
+        """A joined rank's all-zero bucket, through the path of a join context."""
+        return self._path_for(True).reduce(bucket)
 
     def _finish(self, bucket: Bucket) -> None:
         if getattr(bucket.work, "in_grads", False):

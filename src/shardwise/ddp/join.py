@@ -28,6 +28,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.join import JoinHook
 
+from shardwise.ddp.unused import UnusedMap
+from shardwise.dp.grad_buckets import GradBucketer, Launch
+
 if TYPE_CHECKING:
     from shardwise.ddp.data_parallel import DistributedDataParallel
 
@@ -48,12 +51,24 @@ class DDPJoinHook(JoinHook):
         should_reduce = flag.item() > 0
         ddp._sync_buffers_next = should_reduce
         if should_reduce:
-            ddp.reducer.shadow_reduction()
+            shadow_reduction(ddp.reducer, ddp._shadow_launch, ddp._unused)
 
     def post_hook(self, is_last_joiner: bool) -> None:
         ddp = self.ddp
         src = common_rank(ddp.process_group, is_last_joiner, ddp.join_device)
         ddp._broadcast_state(src)
+
+
+def shadow_reduction(bucketer: GradBucketer, launch: Launch, unused: UnusedMap | None) -> None:
+    """Issue one reduction's collectives with all-zero gradients, finishing nothing: a joined
+    rank's part in the training ranks' bucket collectives (and used-map all-reduce), in the same
+    order."""
+    works = [launch(bucket.zeros_like()) for bucket in bucketer.buckets]
+    if unused is not None:
+        unused.shadow()
+    for work in works:
+        if work is not None:
+            work.wait()
 
 
 def common_rank(group: dist.ProcessGroup, candidate: bool, device: torch.device) -> int:

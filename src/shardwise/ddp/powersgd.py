@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from shardwise.ddp import hooks
-from shardwise.dp.grad_buckets import Bucket
+from shardwise.dp.buckets import Bucket
 
 
 class BucketPowerSGD:

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from shardwise.dp.grad_buckets import Bucket
+from shardwise.dp.buckets import Bucket
 
 CommHook = Callable[[Any, "GradBucket"], torch.futures.Future]
 

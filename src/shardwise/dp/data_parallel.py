@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 from shardwise.distributed.collectives import broadcast_coalesced
-from shardwise.dp.grad_buckets import MIB
+from shardwise.dp.buckets import MIB
 
 __all__ = ["MIB", "broadcast_buffers", "buffers_to_sync", "clip_by_total_norm", "global_rank",
            "global_ranks",

@@ -42,7 +42,7 @@ from shardwise.dp.data_parallel import global_rank
 
 if TYPE_CHECKING:
     from shardwise.ddp.data_parallel import DistributedDataParallel
-    from shardwise.dp.grad_buckets import Bucket
+    from shardwise.dp.buckets import Bucket
     from shardwise.zero.optimizer import ZeroRedundancyOptimizer
 
 WARMUP_ITERATIONS = 2  # backward passes without a step; one more with a static graph

@@ -25,6 +25,7 @@ collective), as DDP does; the next backward outside it reduces the sums.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -32,6 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from shardwise.dp.buckets import Bucket, BucketSizes, Waitable
 from shardwise.dp.comm_hooks import CommHook, CommHookSlot
 from shardwise.dp.data_parallel import (
     broadcast_buffers,
@@ -39,13 +41,7 @@ from shardwise.dp.data_parallel import (
     sharded_grad_norm,
     sync_module_state,
 )
-from shardwise.dp.grad_buckets import (
-    Bucket,
-    BucketSizes,
-    GradBucketer,
-    ShardedGrads,
-    Waitable,
-)
+from shardwise.dp.grad_buckets import GradBucketer, Holding
 from shardwise.zero import collectives as zc
 from shardwise.zero.optimizer import ZeroRedundancyOptimizer
 
@@ -80,8 +76,8 @@ class ZeroDataParallel(nn.Module):
             sync_module_state(module, self.process_group)
         self.reducer = GradBucketer(
             list(module.named_parameters()), BucketSizes.default(bucket_cap_mb), self._launch,
-            self._finish, allow_unused=find_unused_parameters,
-            sharded=ShardedGrads(self._owner.__getitem__, BUCKETS_IN_FLIGHT),
+            self._finish, allow_unused=find_unused_parameters, wrapper="ZeroDataParallel",
+            holding=sharded_holding(self._owner.__getitem__),
         )
         self._holds_reduced = False  # owned grads hold a reduced (averaged) sum
         self._reduced: list[tuple[torch.Tensor, list[nn.Parameter]]] = []  # buffer, its params
@@ -164,6 +160,14 @@ class ZeroDataParallel(nn.Module):
             )
         self._holds_reduced = False
         self._reduced.clear()
+
+
+def sharded_holding(owner_of: Callable[[nn.Parameter], int]) -> Holding:
+    """How stage 2 holds gradients in the core's buckets (see [Note: stage 2 buckets]): one
+    owner per bucket, ``.grad`` dropped once copied, buffers only while in use, at most
+    ``BUCKETS_IN_FLIGHT`` buckets in flight."""
+    return Holding(release_grads=True, lazy_buffers=True, max_in_flight=BUCKETS_IN_FLIGHT,
+                   bucket_key=owner_of)
 
 
 def _check_args(module: Any, optimizer: Any, stage: int) -> None:

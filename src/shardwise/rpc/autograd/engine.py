@@ -14,7 +14,7 @@ answered once the local pass and every pass it caused downstream have finished, 
 futures, never by blocking a pool thread. A pass's real-leaf gradients go through
 ``reduce_detached_gradients`` before they are stored, so that data-parallel wrappers (DDP)
 average theirs across replicas, as torch's DDP does under distributed autograd (see
-[Note: reduction outside autograd's accumulation] in shardwise/dp/grad_buckets.py);
+[Note: reduction outside autograd's accumulation] in shardwise/ddp/detached.py);
 that reduction waits on its collectives on the thread that runs the pass (the only wait here),
 after the pass's BACKWARD messages are sent.
 """
@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from shardwise.dp.grad_buckets import reduce_detached_gradients
+from shardwise.dp.leaf_grads import reduce_detached_gradients
 from shardwise.rpc.autograd.context import DistAutogradContext
 from shardwise.rpc.messages import Kind
 
