@@ -49,8 +49,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from shardwise.distributed.data_parallel import global_ranks
 from shardwise.distributed.fast_collectives import Pending, uses_fast_path
+from shardwise.distributed.groups import global_ranks
 from shardwise.fsdp.collectives import (
     start_reduce_scatter,
     start_unit_gather,

@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from shardwise.distributed.comm_hooks import CommHook, GradBucket
-from shardwise.distributed.data_parallel import global_rank
+from shardwise.distributed.groups import global_rank
 
 if TYPE_CHECKING:
     from shardwise.ddp.data_parallel import DistributedDataParallel
