@@ -8,7 +8,7 @@ import sys
 
 import torch
 
-from shardwise.checkpoint import async_save, save, saver
+from shardwise.checkpoint import async_save, save
 
 
 def main() -> None:
@@ -18,12 +18,11 @@ def main() -> None:
         if at == point and i == index:
             os._exit(17)
 
-    saver._fault_hook = die
     state = {"a": torch.full((50, 40), 2.0), "b": torch.full((40,), 2.0), "v": 2}
     if mode == "sync":
-        save(state, checkpoint_id=directory)
+        save(state, checkpoint_id=directory, _fault_hook=die)
     else:
-        async_save(state, checkpoint_id=directory).result()
+        async_save(state, checkpoint_id=directory, _fault_hook=die).result()
     os._exit(0)
 
 

@@ -39,19 +39,16 @@ def test_async_save_on_ranks(tmp_path, strategy, world, dst, dst_world):
 
 
 def _fail_on_rank1(ctx, path: str) -> str:
-    from shardwise.checkpoint import CheckpointError, save, saver
+    from shardwise.checkpoint import CheckpointError, save
 
     def hook(point, index):
         if point == "parts" and ctx.rank == 1:
             raise OSError("no space left (simulated)")
 
-    saver._fault_hook = hook
     try:
-        save({"w": torch.ones(4) * ctx.rank}, checkpoint_id=path)
+        save({"w": torch.ones(4) * ctx.rank}, checkpoint_id=path, _fault_hook=hook)
     except CheckpointError as err:
         return str(err)
-    finally:
-        saver._fault_hook = None
     return "no error"
 
 

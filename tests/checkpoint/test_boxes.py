@@ -5,10 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shardwise.checkpoint.boxes import check_cover, intersect, rows_and_row_numel
+from shardwise.checkpoint.boxes import check_cover, rows_and_row_numel
 from shardwise.checkpoint.flatten import flatten
 from shardwise.checkpoint.format import BLOCK_BYTES
 from shardwise.checkpoint.writer import block_rows
+from shardwise.sharded_tensor.metadata import intersect
 
 
 def test_intersect():

@@ -12,7 +12,6 @@ import pytest
 import torch
 
 from shardwise.checkpoint import CheckpointError, async_save, inspect, load, save
-from shardwise.checkpoint import saver as save_mod
 
 
 def _state():
@@ -153,11 +152,9 @@ def test_failed_async_save_raises_on_next_call(tmp_path, monkeypatch):
         if point == "parts":
             raise OSError("disk full (simulated)")
 
-    monkeypatch.setattr(save_mod, "_fault_hook", fail)
-    future = async_save({"w": torch.ones(4)}, checkpoint_id=tmp_path / "ck")
+    future = async_save({"w": torch.ones(4)}, checkpoint_id=tmp_path / "ck", _fault_hook=fail)
     with pytest.raises(OSError, match="disk full"):
         future.result(timeout=60)
-    monkeypatch.setattr(save_mod, "_fault_hook", None)
     with pytest.raises(CheckpointError, match="previous async_save failed.*disk full"):
         save({"w": torch.ones(4)}, checkpoint_id=tmp_path / "ck2")
     save({"w": torch.ones(4)}, checkpoint_id=tmp_path / "ck2")  # reported once

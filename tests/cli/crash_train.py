@@ -11,7 +11,6 @@ import sys
 import torch
 import torch.distributed as dist
 
-from shardwise.checkpoint import saver
 from shardwise.cli.train_loop import train
 from tests.cli.test_resume_strategies import END, TINY
 
@@ -26,11 +25,10 @@ def main() -> None:
         if len(firsts) == 2 and at == point and i == int(index):
             os._exit(17)
 
-    saver._fault_hook = die
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
     cfg = dataclasses.replace(TINY, steps=END, checkpoint_dir=directory, checkpoint_every=2,
                               async_checkpoint=mode == "async")
-    train(cfg, dist.group.WORLD, torch.device("cpu"))
+    train(cfg, dist.group.WORLD, torch.device("cpu"), _fault_hook=die)
     os._exit(0)
 
 

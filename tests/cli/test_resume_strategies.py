@@ -29,11 +29,11 @@ PAIRS = [  # (strategy, world size) that saves -> (strategy, world size) that re
 ]
 
 
-def _train(ctx, cfg: TrainConfig):
+def _train(ctx, cfg: TrainConfig, fault_hook=None):
     from shardwise.cli.train_loop import train
 
     validate(cfg, ctx.world_size)  # what `shardwise train` checks before starting the ranks
-    return train(cfg, ctx.group, torch.device("cpu")).losses
+    return train(cfg, ctx.group, torch.device("cpu"), _fault_hook=fault_hook).losses
 
 
 @pytest.fixture(scope="module")
@@ -93,13 +93,11 @@ def _failing_write(ctx, cfg: TrainConfig):
         if point == "chunk" and index == 0 and ctx.rank == 1:
             raise OSError(28, "No space left on device")
 
-    saver._fault_hook = fail
     try:
-        return _train(ctx, cfg)
+        return _train(ctx, cfg, fail)
     except Exception as exc:  # noqa: BLE001 - returned for the test to read
         return f"{type(exc).__name__}: {exc}"
     finally:
-        saver._fault_hook = None
         saver._pending.clear()
 
 
@@ -123,7 +121,6 @@ def test_keep_leaves_the_newest_complete_checkpoints(tmp_path):
 
 def _disk_fills_on_second_save(ctx, cfg: TrainConfig):
     """Rank 0's data file of the second save fails with ENOSPC after its first chunk."""
-    from shardwise.checkpoint import saver
 
     saves = []
 
@@ -133,13 +130,10 @@ def _disk_fills_on_second_save(ctx, cfg: TrainConfig):
             if saves.count(0) == 2:
                 raise OSError(28, "No space left on device")
 
-    saver._fault_hook = full
     try:
-        return _train(ctx, cfg)
+        return _train(ctx, cfg, full)
     except Exception as exc:  # noqa: BLE001 - returned for the test to read
         return f"{type(exc).__name__}: {exc}"
-    finally:
-        saver._fault_hook = None
 
 
 def test_a_disk_that_fills_during_a_save_leaves_the_previous_checkpoint_to_resume(

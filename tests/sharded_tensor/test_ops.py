@@ -8,7 +8,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import shardwise.sharded_tensor as st_api
-from shardwise.sharded_tensor import TRAFFIC, ChunkShardingSpec, ShardedTensor
+from shardwise.distributed import CommCounter
+from shardwise.sharded_tensor import ChunkShardingSpec, ShardedTensor
 from tests.harness import WORLD_SIZES, assert_rel_close, run_on_ranks
 
 RTOL = 1e-6
@@ -98,14 +99,14 @@ def _mlp_body(ctx, d, hidden):
     xs = x.detach().clone().requires_grad_()
     s1, sb1, s2 = _sharded_leaf(w1, 0, ws), _sharded_leaf(b1, 0, ws), _sharded_leaf(w2, 1, ws)
     sb2 = b2.detach().clone().requires_grad_()
-    TRAFFIC.reset()
-    h = F.gelu(F.linear(xs, s1, sb1))  # this rank's slice of the hidden features
-    y = F.linear(h, s2, sb2)
-    forward = dict(TRAFFIC.calls)
+    with CommCounter() as comm:
+        h = F.gelu(F.linear(xs, s1, sb1))  # this rank's slice of the hidden features
+        y = F.linear(h, s2, sb2)
+    forward = comm.per_kind("calls")
     assert_rel_close(y, ref, RTOL, "MLP output")
-    TRAFFIC.reset()
-    (y * g).sum().backward()
-    backward = dict(TRAFFIC.calls)
+    with CommCounter() as comm:
+        (y * g).sum().backward()
+    backward = comm.per_kind("calls")
     assert_rel_close(xs.grad, x.grad, RTOL, "MLP grad of input")
     for st, r, what in ((s1, w1, "fc1.weight"), (sb1, b1, "fc1.bias"), (s2, w2, "fc2.weight")):
         _close_grad(st, r, what)

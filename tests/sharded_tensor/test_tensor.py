@@ -6,8 +6,8 @@ import torch
 import torch.nn.functional as F
 
 import shardwise.sharded_tensor as st_api
+from shardwise.distributed import CommCounter
 from shardwise.sharded_tensor import (
-    TRAFFIC,
     Shard,
     ShardedTensor,
     ShardingError,
@@ -81,9 +81,9 @@ def _reshard_body(ctx):
     for a_name, a in ALL.items():
         for b_name, b in ALL.items():
             st = st_api.shard_tensor(ref, a(ws))
-            TRAFFIC.reset()
-            out = st.reshard(b(ws))
-            collectives[(a_name, b_name)] = TRAFFIC.calls.get("all_to_all", 0)
+            with CommCounter() as comm:
+                out = st.reshard(b(ws))
+            collectives[(a_name, b_name)] = comm.get("all_to_all").calls
             assert out is st and st.sharding_spec() == b(ws)
             _check_layout(st, b(ws), ref, f"reshard {a_name} -> {b_name}")
             assert torch.equal(st.full_tensor(), ref)

@@ -191,8 +191,10 @@ def _errors(ctx):
     with pytest.raises(TypeError, match="needs the shardwise.ZeroRedundancyOptimizer"):
         ZeroDataParallel(net, torch.optim.SGD(net.parameters(), lr=0.1))
     opt = ZeroRedundancyOptimizer(net.parameters(), torch.optim.SGD, lr=0.1)
-    with pytest.raises(ValueError, match="stage=1; for stage 1 use DistributedDataParallel"):
+    with pytest.raises(TypeError, match="stage"):  # stage 2 only: no stage to choose
         ZeroDataParallel(net, opt, stage=1)
+    with pytest.raises(TypeError, match="positional"):  # options are keywords
+        ZeroDataParallel(net, opt, 25)
     partial = ZeroRedundancyOptimizer(net.inp.parameters(), torch.optim.SGD, lr=0.1)
     with pytest.raises(ValueError, match=r"not in the optimizer.*mid\.weight"):
         ZeroDataParallel(net, partial)

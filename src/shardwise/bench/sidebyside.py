@@ -24,7 +24,7 @@ import statistics
 import sys
 import tempfile
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from shardwise.dp.buckets import MIB
@@ -40,8 +40,6 @@ class SideBySide:
     baseline: str
     add_args: Callable[[argparse.ArgumentParser], None] | None = None
     description: str = ""
-    # how the parent starts a rank of this benchmark (the worker flags are appended)
-    command: list[str] = field(default_factory=list)
     limit_of: str | None = None
 
 
@@ -123,7 +121,7 @@ def _run_parent(bench: SideBySide, args: argparse.Namespace, argv: list[str],
     if args.mmap_threshold:
         env["MALLOC_MMAP_THRESHOLD_"] = "131072"
     records: dict[str, list[list[dict]]] = {impl: [] for impl in impls}
-    command = bench.command or [sys.executable, "-m", "shardwise.bench", bench.name]
+    command = [sys.executable, "-m", "shardwise.bench", bench.name]
     with tempfile.TemporaryDirectory() as tmp:
         for rnd in range(args.rounds):
             for impl in impls:
@@ -185,27 +183,3 @@ def limit_figures(summary: dict, local: str) -> dict:
         rows[impl] = {"exposed_comm_ms": exposed, "limit_ms": limit,
                       "step_over_limit": s["median_step_s"] * 1000 / limit}
     return {"local": local, "local_step_ms": base, "impls": rows}
-
-
-def script_main(worker: Callable, impls: Sequence[str], baseline: str,
-                extra: Callable[[argparse.ArgumentParser], None] | None = None,
-                limit_of: str | None = None) -> dict:
-    """For a benchmark script outside the package (``python benchmarks/bench_x.py``): ranks are
-    started by running the script again. Prints the table (and with ``--out DIR`` saves the
-    record and the plot); returns the per-implementation summary (empty on a worker)."""
-    from shardwise.bench.main import _out_flag
-    from shardwise.bench.records import format_table, save
-
-    name = Path(sys.argv[0]).stem.removeprefix("bench_")
-    doc = (getattr(sys.modules.get("__main__"), "__doc__", None) or "").strip()
-    bench = SideBySide(name, worker, impls, baseline, extra, doc.split("\n")[0].rstrip("."),
-                       command=[sys.executable, sys.argv[0]], limit_of=limit_of)
-    record = run(bench, sys.argv[1:])
-    if record is None:
-        return {}
-    print(format_table(record))
-    out = _out_flag(sys.argv[1:])
-    if out:
-        path, png = save(record, out)
-        print(f"wrote {path} and {png}")
-    return record["impls"]

@@ -3,9 +3,8 @@
 Same shapes, same world size, same replicated input: ``fc2(gelu(fc1(x)))`` with fc1 sharded on
 its output features and fc2 on its input features, forward + backward + zero_grad per step
 (no optimizer: the comparison is of the sharded computation). Bytes communicated per step and
-rank are counted from the collectives each implementation makes: ours from
-``shardwise.sharded_tensor.TRAFFIC``, torch's by a dispatch mode that sees its functional
-collectives (payload of each call, one untimed step).
+rank are counted from the collectives each implementation makes, by ``CommCounter`` (bytes
+each rank hands to collectives, per kind, over one untimed step).
 
     shardwise bench tp --nproc 2 --rounds 3 --steps 20
 """
@@ -13,16 +12,15 @@ collectives (payload of each call, one untimed step).
 from __future__ import annotations
 
 import time
-from collections import defaultdict
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from shardwise.bench.sidebyside import SideBySide
-from shardwise.sharded_tensor import TRAFFIC, ChunkShardingSpec, shard_module
+from shardwise.distributed import CommCounter
+from shardwise.sharded_tensor import ChunkShardingSpec, shard_module
 
 IMPLS = ["torch-dtensor", "shardwise-tp"]
 
@@ -35,26 +33,6 @@ class MLP(nn.Module):
 
     def forward(self, x):
         return self.fc2(F.gelu(self.fc1(x)))
-
-
-_COLLECTIVES = {"all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor",
-                "all_to_all_single", "broadcast", "all_reduce_coalesced"}
-
-
-class _CountCollectives(TorchDispatchMode):
-    """Payload bytes of every c10d functional collective torch's DTensor issues."""
-
-    def __init__(self):
-        super().__init__()
-        self.bytes = defaultdict(int)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = str(func)
-        if name.startswith("_c10d_functional.") and name.split(".")[1] in _COLLECTIVES:
-            t = args[0]
-            tensors = t if isinstance(t, (list, tuple)) else [t]
-            self.bytes[name.split(".")[1]] += sum(x.numel() * x.element_size() for x in tensors)
-        return func(*args, **(kwargs or {}))
 
 
 def _args(parser) -> None:
@@ -101,14 +79,9 @@ def worker(impl: str, args, group: dist.ProcessGroup):
         step()
         if i >= args.warmup:
             times.append(time.perf_counter() - t0)
-    if impl == "torch-dtensor":
-        with _CountCollectives() as counter:
-            step()
-        per_step = dict(counter.bytes)
-    else:
-        TRAFFIC.reset()
+    with CommCounter() as comm:
         step()
-        per_step = dict(TRAFFIC.bytes)
+    per_step = comm.per_kind("bytes")
     out = mlp(x).detach()
     return times, {"comm_bytes_per_step": sum(per_step.values()), "by_collective": per_step,
                    "output_checksum": round(out.double().sum().item(), 3)}

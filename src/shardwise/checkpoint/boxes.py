@@ -21,8 +21,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from shardwise.sharded_tensor import ShardedTensor
-
-Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes)
+from shardwise.sharded_tensor.metadata import Box, tiling_fault
 
 
 @dataclass
@@ -40,10 +39,6 @@ class LocalChunk:
 
 def global_shape(value: Any) -> tuple[int, ...]:
     return tuple(int(d) for d in value.shape)
-
-
-def dtype_of(value: Any) -> torch.dtype:
-    return value.dtype
 
 
 def local_chunks(key: str, value: Any) -> list[LocalChunk]:
@@ -75,35 +70,21 @@ def numel(sizes: Sequence[int]) -> int:
     return math.prod(sizes)
 
 
-def intersect(a: Box, b: Box) -> Box | None:
-    """The common box of ``a`` and ``b``, or None when they do not overlap (or it is empty)."""
-    offs, sizes = [], []
-    for ao, asz, bo, bsz in zip(a[0], a[1], b[0], b[1], strict=True):
-        lo, hi = max(ao, bo), min(ao + asz, bo + bsz)
-        if hi <= lo:
-            return None
-        offs.append(lo)
-        sizes.append(hi - lo)
-    return tuple(offs), tuple(sizes)
-
-
 def check_cover(name: str, shape: Sequence[int], boxes: Sequence[Box]) -> None:
     """Raise ValueError unless ``boxes`` lie inside ``shape`` and tile the whole tensor without
     overlapping (no gap, no element twice)."""
-    for box in boxes:
-        if len(box[0]) != len(shape) or len(box[1]) != len(shape) or any(
-                o < 0 or n < 0 or o + n > d for o, n, d in zip(box[0], box[1], shape)):
-            raise ValueError(f"{name}: the chunk {box} lies outside the tensor's global shape "
-                             f"{tuple(shape)}")
-    for i, a in enumerate(boxes):
-        for b in boxes[i + 1:]:
-            if numel(a[1]) and numel(b[1]) and intersect(a, b) is not None:
-                raise ValueError(f"{name}: ranks hold overlapping but different chunks {a} and "
-                                 f"{b}; the checkpoint cannot tell which one to keep")
-    covered = sum(numel(b[1]) for b in boxes)
-    if covered != numel(shape):
-        raise ValueError(f"{name}: the ranks' chunks cover {covered} of the {numel(shape)} "
-                         f"elements of its global shape {tuple(shape)}")
+    fault = tiling_fault(shape, boxes)
+    if fault is None:
+        return
+    if fault.kind in ("dims", "outside"):
+        raise ValueError(f"{name}: the chunk {boxes[fault.first]} lies outside the tensor's "
+                         f"global shape {tuple(shape)}")
+    if fault.kind == "overlap":
+        raise ValueError(f"{name}: ranks hold overlapping but different chunks "
+                         f"{boxes[fault.first]} and {boxes[fault.second]}; the checkpoint cannot "
+                         "tell which one to keep")
+    raise ValueError(f"{name}: the ranks' chunks cover {fault.covered} of the {fault.total} "
+                     f"elements of its global shape {tuple(shape)}")
 
 
 def rows_and_row_numel(sizes: Sequence[int]) -> tuple[int, int]:

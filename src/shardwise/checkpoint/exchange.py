@@ -13,6 +13,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from shardwise.distributed.collectives import all_gather_bytes
+from shardwise.distributed.groups import collective_device
+
 NO_DIST: Any = object()  # a "group" meaning: this process alone, no collective
 
 
@@ -31,18 +34,7 @@ def all_gather_json(obj: Any, group: dist.ProcessGroup | None) -> list[Any]:
     (the lengths, then the bytes padded to the longest)."""
     if not active(group):
         return [json.loads(json.dumps(obj))]
-    world = dist.get_world_size(group)
-    data = json.dumps(obj).encode()
-    device = _device(group)
-    size = torch.tensor([len(data)], dtype=torch.int64, device=device)
-    sizes = [torch.zeros_like(size) for _ in range(world)]
-    dist.all_gather(sizes, size, group=group)
-    longest = max(int(s) for s in sizes)
-    buf = torch.zeros(longest, dtype=torch.uint8, device=device)
-    buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
-    out = [torch.empty_like(buf) for _ in range(world)]
-    dist.all_gather(out, buf, group=group)
-    return [json.loads(bytes(o[: int(n)].cpu().numpy())) for o, n in zip(out, sizes)]
+    return [json.loads(b) for b in all_gather_bytes(json.dumps(obj).encode(), group)]
 
 
 def barrier(group: dist.ProcessGroup | None) -> None:
@@ -54,12 +46,6 @@ def any_true(flag: bool, group: dist.ProcessGroup | None) -> bool:
     """Whether ``flag`` is true on any rank (one all-reduce)."""
     if not active(group):
         return flag
-    t = torch.tensor([int(flag)], device=_device(group))
+    t = torch.tensor([int(flag)], device=collective_device(group))
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return bool(t.item())
-
-
-def _device(group: dist.ProcessGroup | None) -> torch.device:
-    if dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")

@@ -19,6 +19,7 @@ import torch
 from shardwise.checkpoint import boxes
 from shardwise.checkpoint.errors import CheckpointError
 from shardwise.checkpoint.format import dtype_from
+from shardwise.sharded_tensor.metadata import intersect
 
 
 def open_data_file(path: Path):
@@ -64,7 +65,7 @@ class BlockReader:
         """Copy the overlap of the stored chunk ``rec`` and the box ``want`` into ``dest`` (the
         tensor holding exactly ``want``)."""
         have = (tuple(rec["offsets"]), tuple(rec["sizes"]))
-        inter = boxes.intersect(have, want) if have[1] else None
+        inter = intersect(have, want) if have[1] else None
         if inter is None and (have[1] or want[1]):
             return
         if not have[1]:  # 0-dim: one element

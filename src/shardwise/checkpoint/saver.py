@@ -7,6 +7,10 @@ each rank writes and fsyncs its file and a part file; a JSON all-gather of every
 carries rank 0's outcome to everyone. ``async_save`` runs the plan exchange and a copy of this
 rank's share to CPU memory in the caller's thread (the stall), then writes and commits in a
 background thread with no collective (ranks meet through the part files).
+
+Both take ``_fault_hook`` for the tests that break a save at a chosen point: called as
+``hook(point, index)`` at the points of the write and the commit (a hook that raises or exits
+stands for a failing disk or a killed process); None, as always outside tests, calls nothing.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from __future__ import annotations
 import shutil
 import threading
 import traceback
+from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -30,14 +35,14 @@ from shardwise.checkpoint.plan import SavePlan, WriteItem, make_plan
 from shardwise.checkpoint.validate import read_metadata
 from shardwise.checkpoint.writer import write_file
 
+FaultHook = Callable[[str, int], None]  # tests only: see the module docstring
 ASYNC_COMMIT_TIMEOUT_S = 1800.0
-_fault_hook = None  # tests only: called as hook(point, index) at points of a save
 _pending: list[Future] = []  # the previous async save of this process, if any
 
 
 def save(state_dict: dict[str, Any], *, checkpoint_id: str | Path,
-         process_group: dist.ProcessGroup | None = None, no_dist: bool = False
-         ) -> dict[str, Any]:
+         process_group: dist.ProcessGroup | None = None, no_dist: bool = False,
+         _fault_hook: FaultHook | None = None) -> dict[str, Any]:
     """Save ``state_dict`` (tensors, DTensors, ShardedTensors, JSON values, nested; a
     top-level ``Stateful`` entry as its ``state_dict()``, see stateful.py) into the directory
     ``checkpoint_id``; returns the metadata. Collective: every rank calls it (with
@@ -45,18 +50,18 @@ def save(state_dict: dict[str, Any], *, checkpoint_id: str | Path,
     wait_previous()
     process_group = exchange.NO_DIST if no_dist else process_group
     final, tmp, plan = _prepare(state_dict, checkpoint_id, process_group)
-    error = _try(lambda: _write(tmp, plan))
+    error = _try(lambda: _write(tmp, plan, _fault_hook))
     _raise_any(exchange.all_gather_json(error, process_group), "writing")
     error = None
     if plan.rank == 0:
-        error = _try(lambda: _commit_now(tmp, final, plan))
+        error = _try(lambda: _commit_now(tmp, final, plan, _fault_hook))
     _raise_any(exchange.all_gather_json(error, process_group), "committing")
     return read_metadata(final)
 
 
 def async_save(state_dict: dict[str, Any], *, checkpoint_id: str | Path,
-               process_group: dist.ProcessGroup | None = None, no_dist: bool = False
-               ) -> Future:
+               process_group: dist.ProcessGroup | None = None, no_dist: bool = False,
+               _fault_hook: FaultHook | None = None) -> Future:
     """Like ``save``, returning a ``concurrent.futures.Future`` done once the checkpoint is
     committed. This rank's share is copied to CPU memory before returning, so training may
     change the tensors right away. A save first waits for the previous one; if that failed, its
@@ -67,7 +72,7 @@ def async_save(state_dict: dict[str, Any], *, checkpoint_id: str | Path,
     plan.items = [WriteItem(i.name, LocalChunk(i.chunk.offsets, _staged(i.chunk.tensor)))
                   for i in plan.items]
     future: Future = Future()
-    thread = threading.Thread(target=_background, args=(future, final, tmp, plan),
+    thread = threading.Thread(target=_background, args=(future, final, tmp, plan, _fault_hook),
                               name="shardwise-async-save", daemon=False)
     thread.start()
     _pending.append(future)
@@ -87,12 +92,13 @@ def _staged(t):
     return t.detach().to("cpu", copy=True).contiguous()
 
 
-def _background(future: Future, final: Path, tmp: Path, plan: SavePlan) -> None:
+def _background(future: Future, final: Path, tmp: Path, plan: SavePlan,
+                fault_hook: FaultHook | None) -> None:
     try:
-        _write(tmp, plan)
+        _write(tmp, plan, fault_hook)
         if plan.rank == 0:
             parts = commit_mod.wait_for_parts(tmp, plan, ASYNC_COMMIT_TIMEOUT_S)
-            commit_mod.commit(tmp, final, plan, parts, _fault_hook)
+            commit_mod.commit(tmp, final, plan, parts, fault_hook)
         else:
             commit_mod.wait_for_final(final, plan, ASYNC_COMMIT_TIMEOUT_S)
         plan.items = []  # drop the staged copy
@@ -127,12 +133,12 @@ def _fresh_dir(tmp: Path) -> None:
     tmp.mkdir(parents=True)
 
 
-def _write(tmp: Path, plan: SavePlan) -> None:
+def _write(tmp: Path, plan: SavePlan, fault_hook: FaultHook | None) -> None:
     name = rank_file(plan.rank)
-    records = write_file(tmp / name, plan.items, _fault_hook)
+    records = write_file(tmp / name, plan.items, fault_hook)
     commit_mod.write_part(tmp, plan, name, records)
-    if _fault_hook is not None:
-        _fault_hook("parts", plan.rank)
+    if fault_hook is not None:
+        fault_hook("parts", plan.rank)
 
 
 def _try(fn) -> str | None:
@@ -150,6 +156,6 @@ def _raise_any(errors: list[str | None], what: str) -> None:
             f"rank {r}: {e}" for r, e in failed))
 
 
-def _commit_now(tmp: Path, final: Path, plan: SavePlan) -> None:
+def _commit_now(tmp: Path, final: Path, plan: SavePlan, fault_hook: FaultHook | None) -> None:
     parts = commit_mod.wait_for_parts(tmp, plan, timeout_s=60.0)
-    commit_mod.commit(tmp, final, plan, parts, _fault_hook)
+    commit_mod.commit(tmp, final, plan, parts, fault_hook)

@@ -43,6 +43,7 @@ from shardwise.checkpoint import (
     set_state_dict,
     step_dir,
 )
+from shardwise.checkpoint.saver import FaultHook
 from shardwise.checkpoint.train_state import TRAIN_KEY
 from shardwise.cli.strategies import Prepared
 
@@ -52,9 +53,10 @@ class Checkpointer:
     calls (save and async_save are collective)."""
 
     def __init__(self, directory: str, prepared: Prepared, group: dist.ProcessGroup,
-                 record: dict[str, Any], keep: int = 0):
+                 record: dict[str, Any], keep: int = 0, fault_hook: FaultHook | None = None):
         self.directory, self.prepared, self.group = Path(directory), prepared, group
         self.record, self.keep = record, keep
+        self.fault_hook = fault_hook  # tests only: handed to every save (saver.py)
         self.rank = dist.get_rank(group)
         self._pending: tuple[Future, Path, float] | None = None
 
@@ -66,10 +68,12 @@ class Checkpointer:
         path = step_dir(self.directory, step)
         state = self._state(step)
         if background:
-            future = async_save(state, checkpoint_id=path, process_group=self.group)
+            future = async_save(state, checkpoint_id=path, process_group=self.group,
+                                _fault_hook=self.fault_hook)
             self._pending = (future, path, start)
         else:
-            save(state, checkpoint_id=path, process_group=self.group)
+            save(state, checkpoint_id=path, process_group=self.group,
+                 _fault_hook=self.fault_hook)
             self._committed(path)
         return time.perf_counter() - start
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import nn
@@ -22,11 +21,6 @@ class Prepared:
 
     model: nn.Module  # what forward is called on
     optimizer: torch.optim.Optimizer
-    # Not used by the training loop any more (its checkpoints go through shardwise.checkpoint:
-    # cli/checkpointing.py); kept so that builders passing them still work.
-    state_dict: Callable[[], dict[str, Any]] | None = None
-    load_state_dict: Callable[[dict[str, Any]], None] | None = None
-    per_rank_state: bool = False
     # (index, count): which of `count` equal slices of each global batch this rank trains and
     # evaluates on. None means (rank, world size), as in data parallelism; a strategy whose
     # ranks all work on the same batch (tensor parallelism) says (0, 1).

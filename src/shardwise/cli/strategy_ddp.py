@@ -17,11 +17,4 @@ def build(model: nn.Module, cfg: TrainConfig, group: dist.ProcessGroup,
     ddp = DistributedDataParallel(model.to(device), process_group=group)
     optimizer = make_adamw(ddp.parameters(), cfg)
 
-    def state_dict() -> dict:
-        return {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
-
-    def load_state_dict(state: dict) -> None:
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-
-    return Prepared(ddp, optimizer, state_dict, load_state_dict, per_rank_state=False)
+    return Prepared(ddp, optimizer)

@@ -33,8 +33,6 @@ from shardwise.fsdp import (
     MixedPrecision,
     ModuleWrapPolicy,
     ShardingStrategy,
-    load_sharded_state_dict,
-    sharded_state_dict,
 )
 from shardwise.models.gpt import Block
 from shardwise.sharded_tensor import shard_module
@@ -79,11 +77,4 @@ def _prepare(model: nn.Module, cfg: TrainConfig, **where) -> Prepared:
                                     **where)
     optimizer = make_adamw(fsdp.parameters(), cfg)
 
-    def state_dict() -> dict:
-        return {"model": sharded_state_dict(fsdp), "optimizer": optimizer.state_dict()}
-
-    def load_state_dict(state: dict) -> None:
-        load_sharded_state_dict(fsdp, state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-
-    return Prepared(fsdp, optimizer, state_dict, load_state_dict, per_rank_state=True)
+    return Prepared(fsdp, optimizer)

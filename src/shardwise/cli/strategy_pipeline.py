@@ -99,16 +99,8 @@ def build(model: GPT, cfg: TrainConfig, group: dist.ProcessGroup,
         dist.broadcast(loss, src=last, group=layout.pp_group)
         return loss
 
-    def state_dict() -> dict:
-        return {"stage": inner.state_dict(), "optimizer": optimizer.state_dict()}
-
-    def load_state_dict(state: dict) -> None:
-        inner.load_state_dict(state["stage"])
-        optimizer.load_state_dict(state["optimizer"])
-
     forward = PipelineForward(stage, layout, cfg.microbatches, model.cfg.vocab_size)
     own = {id(p) for p in inner.parameters()}
     owned = {name for name, p in model.named_parameters() if id(p) in own}
-    return Prepared(forward, optimizer, state_dict, load_state_dict, per_rank_state=True,
-                    data_slice=(layout.replica, layout.dp), train_step=train_step,
-                    state_model=model, owned_state=owned.__contains__)
+    return Prepared(forward, optimizer, data_slice=(layout.replica, layout.dp),
+                    train_step=train_step, state_model=model, owned_state=owned.__contains__)

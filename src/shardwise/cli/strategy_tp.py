@@ -63,12 +63,4 @@ def build(model: nn.Module, cfg: TrainConfig, group: dist.ProcessGroup,
     shard_module(model, plan, gather_output=gathered, process_group=group)
     optimizer = make_adamw(model.parameters(), cfg)  # this rank's shards + replicated params
 
-    def state_dict() -> dict:
-        return {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
-
-    def load_state_dict(state: dict) -> None:
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-
-    return Prepared(model, optimizer, state_dict, load_state_dict, per_rank_state=True,
-                    data_slice=(0, 1))
+    return Prepared(model, optimizer, data_slice=(0, 1))

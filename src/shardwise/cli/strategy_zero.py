@@ -8,8 +8,6 @@ strategy and world size.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -24,31 +22,16 @@ from shardwise.zero import ZeroDataParallel, ZeroRedundancyOptimizer
 def build_zero1(model: nn.Module, cfg: TrainConfig, group: dist.ProcessGroup,
                 device: torch.device) -> Prepared:
     wrapped = DistributedDataParallel(model.to(device), process_group=group)
-    return _prepared(model, wrapped, _optimizer(model, cfg, group), group)
+    return Prepared(wrapped, _optimizer(model, cfg, group))
 
 
 def build_zero2(model: nn.Module, cfg: TrainConfig, group: dist.ProcessGroup,
                 device: torch.device) -> Prepared:
     optimizer = _optimizer(model.to(device), cfg, group)
-    return _prepared(model, ZeroDataParallel(model, optimizer), optimizer, group)
+    return Prepared(ZeroDataParallel(model, optimizer), optimizer)
 
 
 def _optimizer(model: nn.Module, cfg: TrainConfig,
                group: dist.ProcessGroup) -> ZeroRedundancyOptimizer:
     return ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, process_group=group,
                                    lr=cfg.lr, betas=BETAS, weight_decay=WEIGHT_DECAY)
-
-
-def _prepared(model: nn.Module, wrapped: nn.Module, optimizer: ZeroRedundancyOptimizer,
-              group: dist.ProcessGroup) -> Prepared:
-    def state_dict() -> dict[str, Any]:
-        optimizer.consolidate_state_dict(to=0)  # collective: every rank calls this
-        if dist.get_rank(group) != 0:
-            return {}
-        return {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
-
-    def load_state_dict(state: dict[str, Any]) -> None:
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-
-    return Prepared(wrapped, optimizer, state_dict, load_state_dict, per_rank_state=False)

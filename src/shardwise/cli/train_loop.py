@@ -19,6 +19,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from shardwise.checkpoint import remove_leftovers
+from shardwise.checkpoint.saver import FaultHook
 from shardwise.cli.checkpointing import Checkpointer
 from shardwise.cli.optim import lr_at
 from shardwise.cli.run_log import RunLog
@@ -44,12 +45,13 @@ class TrainResult:
 
 
 def train(cfg: TrainConfig, group: dist.ProcessGroup, device: torch.device,
-          preemption: Preemption | None = None) -> TrainResult:
+          preemption: Preemption | None = None, *,
+          _fault_hook: FaultHook | None = None) -> TrainResult:
     """Train the demo GPT with ``cfg.strategy`` on ``group``; every rank calls this.
 
     Raises ``Preempted`` (on every rank) when ``preemption`` was requested on any rank: after
     the current step, with a checkpoint when ``cfg.checkpoint_dir`` is set and the grace period
-    leaves time for one.
+    leaves time for one. ``_fault_hook`` (tests only) goes to every checkpoint save (saver.py).
     """
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     if cfg.checkpoint_dir and rank == 0:
@@ -61,7 +63,7 @@ def train(cfg: TrainConfig, group: dist.ProcessGroup, device: torch.device,
     train_stream = BatchStream(TokenWindows(corpus.train, cfg.seq_len), cfg.batch_size, index,
                                count, seed=cfg.seed)
     result = TrainResult()
-    saver = _checkpointer(cfg, prepared, group)
+    saver = _checkpointer(cfg, prepared, group, _fault_hook)
     result.start_step = _maybe_resume(cfg, saver, rank)
     val = _val_windows(corpus.val, cfg, index, count)
     if result.start_step == 0:
@@ -181,12 +183,13 @@ def _postfix(loss: float, result: TrainResult) -> str:
     return f"loss={loss:.4f} tok/s={result.tokens_per_s:,.0f} peak MiB/rank={mem}"
 
 
-def _checkpointer(cfg: TrainConfig, prepared: Prepared, group) -> Checkpointer | None:
+def _checkpointer(cfg: TrainConfig, prepared: Prepared, group,
+                  fault_hook: FaultHook | None) -> Checkpointer | None:
     if not cfg.checkpoint_dir:
         return None
     record = {"model": asdict(cfg.model_config()), "strategy": cfg.strategy, "seed": cfg.seed,
               "batch_size": cfg.batch_size, "lr": cfg.lr}
-    return Checkpointer(cfg.checkpoint_dir, prepared, group, record, cfg.keep)
+    return Checkpointer(cfg.checkpoint_dir, prepared, group, record, cfg.keep, fault_hook)
 
 
 def _save(saver: Checkpointer, step: int, result: TrainResult, background: bool) -> None:

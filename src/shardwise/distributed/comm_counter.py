@@ -99,6 +99,14 @@ class CommCounter(TorchDispatchMode):
                 total = total + stats
         return total
 
+    def per_kind(self, field: str = "calls") -> dict[str, int]:
+        """``field`` of ``CommStats`` (calls, bytes, sent_bytes, cross_node_bytes) summed over
+        the groups, per collective kind that was seen."""
+        out: dict[str, int] = {}
+        for (kind, _), stats in sorted(self.counts.items()):
+            out[kind] = out.get(kind, 0) + getattr(stats, field)
+        return out
+
     def table(self) -> str:
         """One line per (kind, group): calls, bytes handed in, sent, sent to other nodes."""
         lines = [f"{'kind':<16}{'group ranks':<24}{'calls':>8}{'bytes':>14}{'sent':>14}"

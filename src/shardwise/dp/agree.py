@@ -20,6 +20,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from shardwise.distributed.collectives import all_gather_bytes
+from shardwise.distributed.groups import collective_device, global_ranks
+
 
 class ModelMismatchError(RuntimeError):
     """The ranks of a group hold models of different structure; the message says where."""
@@ -53,16 +56,15 @@ def check_same_parameters(params: list[torch.Tensor], group: dist.ProcessGroup |
 def _check_signature(signature: list[list], group: dist.ProcessGroup | None, what: str) -> None:
     encoded = json.dumps(signature, separators=(",", ":")).encode()
     digest = int.from_bytes(hashlib.sha256(encoded).digest()[:8], "little", signed=True)
-    device = _device(group)
-    mine = torch.tensor([digest], dtype=torch.int64, device=device)
+    mine = torch.tensor([digest], dtype=torch.int64, device=collective_device(group))
     world = dist.get_world_size(group)
     digests = [torch.zeros_like(mine) for _ in range(world)]
     dist.all_gather(digests, mine, group=group)
     values = [int(d.item()) for d in digests]
     if len(set(values)) == 1:
         return
-    signatures = [json.loads(b) for b in _all_gather_bytes(encoded, group, device)]
-    ranks = _global_ranks(group, world)
+    signatures = [json.loads(b) for b in all_gather_bytes(encoded, group)]
+    ranks = global_ranks(group)
     differ = [ranks[i] for i in range(world) if values[i] != values[0]]
     first = next(i for i in range(world) if values[i] != values[0])
     raise ModelMismatchError(
@@ -87,28 +89,3 @@ def _describe(row: list) -> str:
     kind, name, shape, dtype, grad = row
     extra = "" if kind == "buffer" else f", requires_grad={grad}"
     return f"{kind} {name!r} {tuple(shape)} {dtype}{extra}"
-
-
-def _all_gather_bytes(data: bytes, group, device) -> list[bytes]:
-    world = dist.get_world_size(group)
-    size = torch.tensor([len(data)], dtype=torch.int64, device=device)
-    sizes = [torch.zeros_like(size) for _ in range(world)]
-    dist.all_gather(sizes, size, group=group)
-    longest = max(int(s.item()) for s in sizes)
-    mine = torch.zeros(longest, dtype=torch.uint8, device=device)
-    mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
-    gathered = [torch.zeros_like(mine) for _ in range(world)]
-    dist.all_gather(gathered, mine, group=group)
-    return [bytes(t[: int(s.item())].cpu().tolist()) for t, s in zip(gathered, sizes)]
-
-
-def _device(group) -> torch.device:
-    if dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def _global_ranks(group, world: int) -> list[int]:
-    if group is None or group is dist.group.WORLD:
-        return list(range(world))
-    return dist.get_process_group_ranks(group)

@@ -86,14 +86,6 @@ def then_average_across(first: Pending, out: torch.Tensor,
     return Pending([], finish)
 
 
-def all_reduce_now(t: torch.Tensor, group: dist.ProcessGroup,
-                   op: dist.ReduceOp = dist.ReduceOp.SUM) -> torch.Tensor:
-    """Blocking in-place all-reduce (gradient norms); a no-op on one rank."""
-    if dist.get_world_size(group) > 1:
-        dist.all_reduce(t, op=op, group=group)
-    return t
-
-
 def register_pre_backward(outputs: Any, hook: Callable[[], None]) -> None:
     """Call ``hook()`` when the gradient of any tensor in ``outputs`` (any nesting of lists,
     tuples, dicts) that requires grad is computed. The hook should be idempotent per backward."""

@@ -17,12 +17,13 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from shardwise.distributed.groups import collective_device
 from shardwise.fsdp.layout import ParamLayout
 
 
 def device_type_of(group: dist.ProcessGroup | None = None) -> str:
     """The mesh device type for ``group``'s backend (default: the world's): NCCL's is CUDA."""
-    return "cuda" if dist.get_backend(group) == "nccl" else "cpu"
+    return collective_device(group).type
 
 
 def mesh_for_group(group: dist.ProcessGroup) -> DeviceMesh:

@@ -49,7 +49,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from shardwise.dp.data_parallel import global_ranks
+from shardwise.distributed.groups import global_ranks
 from shardwise.dp.fast_collectives import Pending, uses_fast_path
 from shardwise.fsdp.collectives import (
     start_reduce_scatter,

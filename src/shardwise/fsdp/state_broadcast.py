@@ -17,7 +17,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from shardwise.dp.data_parallel import global_rank
+from shardwise.distributed.collectives import broadcast_bytes
+from shardwise.distributed.groups import global_rank
 
 
 def broadcast_named_state(osd: dict[str, Any] | None, group: dist.ProcessGroup | None,
@@ -26,8 +27,8 @@ def broadcast_named_state(osd: dict[str, Any] | None, group: dist.ProcessGroup |
     Collective over ``group``; ``device`` is where the tensors travel (CPU for gloo)."""
     src = global_rank(group, 0)
     is_src = dist.get_rank(group) == 0
-    meta = _describe(osd) if is_src else None
-    meta = _broadcast_json(meta, src, group, device)
+    meta = json.loads(broadcast_bytes(json.dumps(_describe(osd)).encode() if is_src else None,
+                                      0, group))
     tensors = _tensors(osd) if is_src else []
     state: dict[str, Any] = {}
     at = 0
@@ -81,17 +82,6 @@ def _plain(value: Any, what: str) -> Any:
         raise TypeError(f"optimizer state entry {what} ({type(value).__name__}) cannot be sent "
                         "between ranks: only tensors and JSON values can") from None
     return value
-
-
-def _broadcast_json(meta: dict | None, src: int, group: dist.ProcessGroup | None,
-                    device: torch.device) -> dict:
-    data = json.dumps(meta).encode() if meta is not None else b""
-    size = torch.tensor([len(data)], dtype=torch.int64, device=device)
-    dist.broadcast(size, src, group=group)
-    buf = (torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device) if meta is not None
-           else torch.empty(int(size.item()), dtype=torch.uint8, device=device))
-    dist.broadcast(buf, src, group=group)
-    return json.loads(buf.cpu().numpy().tobytes().decode())
 
 
 def _dtype(name: str) -> torch.dtype:

@@ -38,6 +38,7 @@ DCP saves and loads onto any other layout. Hybrid sharding with TP (3D) is refus
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -48,15 +49,45 @@ from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Sha
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from shardwise.dp.data_parallel import global_ranks
+from shardwise.distributed.groups import collective_device, global_ranks, group_alive
 from shardwise.fsdp.dtensor import _contiguous_stride as contiguous_stride
 from shardwise.fsdp.dtensor import device_type_of
 from shardwise.sharded_tensor import sharded_parameters
 from shardwise.sharded_tensor.dtensor_layout import dtensor_placements
 
-# (dp group, tp group) -> their 2D mesh; meshes made here are the FSDP x TP meshes
-_MESHES: dict[tuple, DeviceMesh] = {}
-_TP_MESHES: dict[dist.ProcessGroup, DeviceMesh] = {}  # shard_module's group -> its 1D mesh
+
+class GroupMeshes:
+    """Meshes made here, by the process groups each is made over, so that a group gets one
+    mesh (and the collective that builds a 2D one runs once on every rank). An entry goes when
+    any of its groups is destroyed: c10d has no destroy callback, so every lookup first drops
+    the entries of destroyed groups, and what is kept is bounded by the groups alive."""
+
+    def __init__(self) -> None:
+        self._entries: dict[tuple[dist.ProcessGroup, ...], DeviceMesh] = {}
+
+    def get(self, groups: tuple[dist.ProcessGroup, ...],
+            make: Callable[[], DeviceMesh]) -> DeviceMesh:
+        """The mesh over ``groups``, made by ``make()`` the first time."""
+        self.drop_destroyed()
+        if groups not in self._entries:
+            self._entries[groups] = make()
+        return self._entries[groups]
+
+    def meshes(self) -> list[DeviceMesh]:
+        self.drop_destroyed()
+        return list(self._entries.values())
+
+    def __contains__(self, groups: tuple[dist.ProcessGroup, ...]) -> bool:
+        self.drop_destroyed()
+        return groups in self._entries
+
+    def drop_destroyed(self) -> None:
+        for key in [k for k in self._entries if not all(group_alive(g) for g in k)]:
+            del self._entries[key]
+
+
+_MESHES = GroupMeshes()  # (dp group, tp group) -> their 2D mesh: the FSDP x TP meshes
+_TP_MESHES = GroupMeshes()  # (shard_module's group,) -> its 1D mesh
 
 
 @dataclass(frozen=True)
@@ -107,13 +138,12 @@ def _of_dtensor(p: DTensor, name: str) -> TPLayout:
 
 def _of_sharded_tensor(st, name: str) -> TPLayout:
     group = st.process_group if st.process_group is not None else dist.group.WORLD
-    if group not in _TP_MESHES:
-        _TP_MESHES[group] = DeviceMesh.from_group(group, device_type_of(group))
+    mesh = _TP_MESHES.get((group,), lambda: DeviceMesh.from_group(group, device_type_of(group)))
     try:
         placements = dtensor_placements(st, name)
     except ValueError as e:
         raise ValueError(f"fully_shard: {e}") from None
-    return TPLayout(_TP_MESHES[group], placements, st.shape, False)
+    return TPLayout(mesh, placements, st.shape, False)
 
 
 def tp_mesh_of(layouts: list[TPLayout | None], names: list[str]) -> DeviceMesh | None:
@@ -169,11 +199,12 @@ def mesh_2d(dp_mesh: DeviceMesh, dp_group: dist.ProcessGroup, tp_mesh: DeviceMes
     one mesh; else one made from the two groups (no new process group; row ``i`` holds the tp
     group of dp rank ``i``: one all-gather of the tp groups' global ranks over dp)."""
     tp_group = tp_mesh.get_group()
-    key = (dp_group, tp_group)
-    if key not in _MESHES:
+
+    def make() -> DeviceMesh:
         mesh = _concatenated(dp_mesh, tp_mesh)
-        _MESHES[key] = mesh if mesh is not None else _from_groups(dp_group, tp_group)
-    return _MESHES[key]
+        return mesh if mesh is not None else _from_groups(dp_group, tp_group)
+
+    return _MESHES.get((dp_group, tp_group), make)
 
 
 def _concatenated(dp_mesh: DeviceMesh, tp_mesh: DeviceMesh) -> DeviceMesh | None:
@@ -187,9 +218,7 @@ def _concatenated(dp_mesh: DeviceMesh, tp_mesh: DeviceMesh) -> DeviceMesh | None
 
 def _from_groups(dp_group: dist.ProcessGroup, tp_group: dist.ProcessGroup) -> DeviceMesh:
     dp_ranks, tp_ranks = global_ranks(dp_group), global_ranks(tp_group)
-    mine = torch.tensor(tp_ranks, dtype=torch.int64)
-    if dist.get_backend(dp_group) == "nccl":
-        mine = mine.cuda()
+    mine = torch.tensor(tp_ranks, dtype=torch.int64, device=collective_device(dp_group))
     rows = [torch.empty_like(mine) for _ in dp_ranks]
     dist.all_gather(rows, mine, group=dp_group)
     grid = torch.stack(rows).cpu()
@@ -211,7 +240,7 @@ def _check_grid(grid: torch.Tensor, dp_ranks: list[int], tp_ranks: list[int]) ->
 
 def is_fsdp_tp(t: torch.Tensor) -> bool:
     """Whether ``t`` is a DTensor on one of the 2D meshes made here (FSDP x TP)."""
-    return isinstance(t, DTensor) and any(t.device_mesh is m for m in _MESHES.values())
+    return isinstance(t, DTensor) and any(t.device_mesh is m for m in _MESHES.meshes())
 
 
 def whole(param: torch.Tensor, gathered: torch.Tensor) -> torch.Tensor:

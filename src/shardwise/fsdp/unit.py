@@ -121,11 +121,6 @@ class FSDPUnit:
         return out
 
     @property
-    def backward_ready(self) -> bool:
-        """Parameters gathered for this backward (its pre-backward ran)."""
-        return self.state in (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD)
-
-    @property
     def backward_done(self) -> bool:
         """Gradient reduction issued for this backward."""
         return self.state is TrainingState.POST_BACKWARD

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from shardwise.distributed.groups import collective_device
 from shardwise.dp.agree import check_same_model
 from shardwise.dp.data_parallel import sync_module_state
 from shardwise.fsdp import fsdp1_args as args
@@ -337,10 +338,8 @@ def _from_rank0(model: nn.Module, optim: torch.optim.Optimizer, osd: dict[str, A
         group = wrappers[0].process_group if wrappers else dist.group.WORLD
     if dist.get_world_size(group) == 1:
         return osd
-    device = (torch.device("cuda", torch.cuda.current_device())
-              if dist.get_backend(group) == "nccl" else torch.device("cpu"))
     mine = osd if dist.get_rank(group) == 0 else None
-    return restore_tuples(broadcast_named_state(mine, group, device), optim)
+    return restore_tuples(broadcast_named_state(mine, group, collective_device(group)), optim)
 
 
 # ---- state dict hooks -----------------------------------------------------------------------

@@ -94,11 +94,8 @@ def estimate_state_bytes(sizes: Sequence[int], strategy: str, world_size: int, *
     bf16, mixed) overrides ``param_dtype``, which sizes parameters and gradients only.
     """
     _check(strategy, world_size, optimizer)
-    if precision is not None:
-        elem, grad_elem, per_elem, per_tensor = element_bytes(precision, optimizer)
-    else:
-        per_elem, per_tensor = OPTIMIZER_STATE[optimizer]
-        elem = grad_elem = torch.empty((), dtype=param_dtype).element_size()
+    elem, grad_elem, per_elem, per_tensor = state_element_bytes(optimizer, param_dtype,
+                                                                precision)
     total, n = sum(sizes), world_size
     if strategy == "ddp":
         return StateBytes(total * elem, total * grad_elem,
@@ -110,9 +107,30 @@ def estimate_state_bytes(sizes: Sequence[int], strategy: str, world_size: int, *
         grads = total * grad_elem if strategy == "zero1" else shard * grad_elem
         return StateBytes(total * elem, grads, optim)
     groups = [list(u) for u in units] if units is not None else [list(sizes)]
-    shard = sum(math.ceil(sum(u) / n) for u in groups)  # each unit padded to a multiple of N
-    return StateBytes(shard * elem, shard * grad_elem,
-                      shard * per_elem + len(groups) * per_tensor)
+    return sharded_unit_bytes([sum(u) for u in groups], n,
+                              (elem, grad_elem, per_elem, per_tensor))
+
+
+def state_element_bytes(optimizer: str, param_dtype: torch.dtype,
+                        precision: str | None) -> tuple[int, int, int, int]:
+    """``element_bytes(precision, optimizer)``, or without a precision: parameters and
+    gradients of ``param_dtype``, the optimizer's fp32 state."""
+    if precision is not None:
+        return element_bytes(precision, optimizer)
+    per_elem, per_tensor = OPTIMIZER_STATE[optimizer]
+    elem = torch.empty((), dtype=param_dtype).element_size()
+    return elem, elem, per_elem, per_tensor
+
+
+def sharded_unit_bytes(unit_numels: Sequence[int], shard: int,
+                       element: tuple[int, int, int, int]) -> StateBytes:
+    """FSDP's model state on one rank: each unit of ``unit_numels`` elements flattened and
+    padded to a multiple of ``shard`` ranks, one flat parameter (and one per-tensor optimizer
+    entry) per unit; ``element`` is ``state_element_bytes``'s answer."""
+    elem, grad_elem, per_elem, per_tensor = element
+    held = sum(math.ceil(n / shard) for n in unit_numels)
+    return StateBytes(held * elem, held * grad_elem,
+                      held * per_elem + len(unit_numels) * per_tensor)
 
 
 def _check(strategy: str, world_size: int, optimizer: str) -> None:

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from shardwise.memory.accounting import StateBytes
-from shardwise.memory.estimate import OPTIMIZER_STATE, element_bytes
+from shardwise.memory.estimate import OPTIMIZER_STATE, sharded_unit_bytes, state_element_bytes
 
 
 @dataclass(frozen=True)
@@ -89,13 +89,6 @@ def estimate_mesh_state_bytes(units: Sequence[Sequence[ParamSize]], layout: Mesh
     """
     if optimizer not in OPTIMIZER_STATE:
         raise ValueError(f"unknown optimizer {optimizer!r}; known: {sorted(OPTIMIZER_STATE)}")
-    if precision is not None:
-        elem, grad_elem, per_elem, per_tensor = element_bytes(precision, optimizer)
-    else:
-        per_elem, per_tensor = OPTIMIZER_STATE[optimizer]
-        elem = grad_elem = torch.empty((), dtype=param_dtype).element_size()
-    groups = [list(u) for u in units]
-    local = [sum(p.local_numel(layout.tp) for p in u) for u in groups]
-    shard = sum(math.ceil(n / layout.shard) for n in local)
-    return StateBytes(shard * elem, shard * grad_elem,
-                      shard * per_elem + len(groups) * per_tensor)
+    element = state_element_bytes(optimizer, param_dtype, precision)
+    local = [sum(p.local_numel(layout.tp) for p in u) for u in units]
+    return sharded_unit_bytes(local, layout.shard, element)

@@ -71,7 +71,8 @@ class QueuedConnection:
     Subclasses give ``_frame(payload, buffers)`` (the queued form of one frame),
     ``_send_queued()`` (write out the queue, under ``send_lock``), ``_drain()`` (every whole
     frame that has arrived), ``_woken()`` and ``_may_sleep()`` (the channel's part of going to
-    sleep and waking), ``_finish()`` (release what the readers used) and ``close()``, set
+    sleep and waking), and may give ``_closing()`` and ``_release()`` (the channel's part of
+    ``close()`` and of releasing what the readers used); they set
     ``closed_error``, and call ``_start_reader()`` last in ``__init__``.
     """
 
@@ -339,7 +340,23 @@ class QueuedConnection:
         """A thread starts polling the connection without sleeping."""
 
     def _finish(self) -> None:
-        """After the last reader: release what reading used."""
+        """After the last reader: release what reading used (``_release``), then the socket."""
+        self._release()
+        with contextlib.suppress(OSError):
+            self.sock.close()
+
+    def _release(self) -> None:
+        """After the last reader: the channel's own part of ``_finish``."""
 
     def close(self) -> None:
-        raise NotImplementedError
+        """Close at once: mark the connection closed, drop what the channel must drop now
+        (``_closing``), wake the readers and shut the socket down; the last reader out
+        releases the rest (``_finish``)."""
+        self.closed = True
+        self._closing()
+        self._wake_readers()
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
+
+    def _closing(self) -> None:
+        """``close`` began: the channel's own part of it."""

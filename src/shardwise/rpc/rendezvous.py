@@ -40,6 +40,7 @@ import torch.distributed as dist
 
 from shardwise.distributed import signed_store
 from shardwise.distributed.env import AGENT_STORE_VAR, flag_var, int_var
+from shardwise.distributed.groups import global_ranks
 
 PREFIX = "shardwise_rpc"
 SCOPE = "shardwise-rpc"  # the signed records' scope (the group key already names the group)
@@ -110,7 +111,7 @@ def group_store(group: dist.ProcessGroup | None = None) -> dist.Store:
     there, on any host, and binds no port of its own."""
     if not dist.is_initialized():
         raise RendezvousError("group_store() needs an initialised default process group")
-    ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
+    ranks = global_ranks(group)
     return dist.PrefixStore(f"shardwise_rpc_group/{'_'.join(map(str, ranks))}",
                             dist.distributed_c10d._get_default_store())
 

@@ -612,21 +612,15 @@ class ShmConnection(QueuedConnection):
         return True
 
     # ------------------------------------------------------------------ closing
-    def close(self) -> None:
-        """Close at once: the connection's segment names go now (also those the peer made
-        and never saw read), the mappings once the readers are out (``_finish``)."""
-        self.closed = True
+    def _closing(self) -> None:
+        """The connection's segment names go at once (also those the peer made and never saw
+        read), the mappings once the readers are out (``_release``)."""
         shm_ring.remove_all(self.link.prefix)
         self._space.set()
-        self._wake_readers()
-        with contextlib.suppress(OSError):
-            self.sock.shutdown(socket.SHUT_RDWR)
 
-    def _finish(self) -> None:
+    def _release(self) -> None:
         """After the last reader, once the connection is closed: unmap and unlink."""
         self.closed = True
         self._space.set()
         with self.send_lock:  # no sender is writing into the ring any more
             self.link.close()
-        with contextlib.suppress(OSError):
-            self.sock.close()

@@ -91,16 +91,6 @@ class Connection(QueuedConnection):
     def _drain(self) -> list:
         return self._frames.ready_batch()
 
-    def close(self) -> None:
-        self.closed = True
-        self._wake_readers()
-        with contextlib.suppress(OSError):
-            self.sock.shutdown(socket.SHUT_RDWR)
-
-    def _finish(self) -> None:
-        with contextlib.suppress(OSError):
-            self.sock.close()
-
 
 _BATCH_PARTS = 256  # frames' parts gathered into one send_all
 HANDSHAKE_SLOTS = 16  # handshakes in progress at once ([Note: bounded acceptor])

@@ -7,7 +7,6 @@ Importing the package registers the sharded ops (ops_*.py).
 """
 
 from shardwise.sharded_tensor import ops_elementwise, ops_embedding, ops_linear, ops_reduction
-from shardwise.sharded_tensor.comm import TRAFFIC
 from shardwise.sharded_tensor.creation import (
     empty,
     full,
@@ -33,7 +32,6 @@ from shardwise.sharded_tensor.spec import ChunkShardingSpec, EnumerableShardingS
 del ops_elementwise, ops_embedding, ops_linear, ops_reduction
 
 __all__ = [
-    "TRAFFIC",
     "ChunkShardingSpec",
     "EnumerableShardingSpec",
     "Placement",

@@ -12,41 +12,18 @@ backward) turns a column-sliced output whole again; ``scatter_to_parallel`` (kee
 forward, all-gather backward) feeds a whole input to a row-wise layer. On one rank all four are
 the identity and no collective is made.
 
-Every collective adds its payload to ``TRAFFIC`` (bytes this rank put into collectives), which
-the benchmark reads; it is a counter only and carries no state that a collective depends on.
+What these collectives send is counted, where a test or the benchmark asks, by
+``shardwise.distributed.CommCounter`` around the code that issues them; nothing is counted here.
 """
 
 from __future__ import annotations
 
-from collections import defaultdict
 from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 from torch.autograd import Function
 
-
-class Traffic:
-    """Payload bytes this rank handed to each kind of collective since the last ``reset``."""
-
-    def __init__(self) -> None:
-        self.bytes: dict[str, int] = defaultdict(int)
-        self.calls: dict[str, int] = defaultdict(int)
-
-    def add(self, kind: str, tensor: torch.Tensor) -> None:
-        self.bytes[kind] += tensor.numel() * tensor.element_size()
-        self.calls[kind] += 1
-
-    def reset(self) -> None:
-        self.bytes.clear()
-        self.calls.clear()
-
-    @property
-    def total(self) -> int:
-        return sum(self.bytes.values())
-
-
-TRAFFIC = Traffic()
 # torch 2.13 deprecates all_gather_into_tensor in favour of all_gather_single (same semantics)
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
@@ -58,7 +35,6 @@ def world(group: dist.ProcessGroup | None) -> int:
 def all_reduce(t: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
     """In place, and returned; nothing is sent on one rank."""
     if world(group) > 1:
-        TRAFFIC.add("all_reduce", t)
         dist.all_reduce(t, op=op, group=group)
     return t
 
@@ -70,7 +46,6 @@ def all_to_all_flat(send: torch.Tensor, send_counts: Sequence[int], recv_counts:
     if world(group) == 1:
         recv.copy_(send)
         return recv
-    TRAFFIC.add("all_to_all", send)
     dist.all_to_all_single(recv, send, list(recv_counts), list(send_counts), group=group)
     return recv
 
@@ -88,7 +63,6 @@ def all_gather_dim(x: torch.Tensor, dim: int, offsets: Sequence[int], sizes: Seq
     padded = front.new_zeros((pad, *front.shape[1:]))
     padded[: front.shape[0]] = front
     out = padded.new_empty((pad * len(sizes), *front.shape[1:]))
-    TRAFFIC.add("all_gather", padded)
     _all_gather_single(out, padded, group=group)
     order = sorted(range(len(sizes)), key=lambda r: offsets[r])
     pieces = [out[r * pad : r * pad + sizes[r]] for r in order]

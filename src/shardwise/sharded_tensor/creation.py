@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from shardwise.distributed.groups import global_ranks
 from shardwise.sharded_tensor.metadata import (
     Placement,
     ShardedTensorMetadata,
@@ -31,7 +32,6 @@ from shardwise.sharded_tensor.sharded_tensor import (
     ShardedTensor,
     _size_arg,
     check_torch_only,
-    group_global_ranks,
     group_rank,
     resolved_metadata,
 )
@@ -140,7 +140,7 @@ def init_from_local_shards(local_shards: list[Shard], *global_size: int,
             raise ShardingError(f"rank {me}: local shard {s.metadata.describe()} is placed on "
                                 f"rank {s.metadata.rank}, not on this rank (placements name "
                                 "global ranks)")
-    ranks = group_global_ranks(process_group)
+    ranks = global_ranks(process_group)
     local_shards = [Shard(s.tensor, m) for s, m in zip(local_shards, to_group_ranks(
         [s.metadata for s in local_shards], ranks, "init_from_local_shards"))]
     mine = [(s.metadata, s.tensor.dtype) for s in local_shards]

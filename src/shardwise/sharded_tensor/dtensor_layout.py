@@ -12,15 +12,10 @@ from __future__ import annotations
 import torch.distributed as dist
 from torch.distributed.tensor import Placement, Shard
 
+from shardwise.distributed.groups import global_ranks
 from shardwise.sharded_tensor.metadata import ShardingError
 from shardwise.sharded_tensor.sharded_tensor import ShardedTensor
 from shardwise.sharded_tensor.spec import ChunkShardingSpec
-
-
-def _group_ranks(group: dist.ProcessGroup | None) -> list[int]:
-    if group is None or group is dist.group.WORLD:
-        return list(range(dist.get_world_size()))
-    return dist.get_process_group_ranks(group)
 
 
 def dtensor_placements(st: ShardedTensor, name: str = "the tensor") -> tuple[Placement, ...]:
@@ -32,7 +27,7 @@ def dtensor_placements(st: ShardedTensor, name: str = "the tensor") -> tuple[Pla
     ranks = ([p.rank for p in spec.placements_list()]
              if isinstance(spec, ChunkShardingSpec) else None)
     # chunk i on rank i of the group, named by its group rank or by its global rank
-    if ranks not in (list(range(world)), _group_ranks(st.process_group)):
+    if ranks not in (list(range(world)), global_ranks(st.process_group)):
         raise ShardingError(f"{name} is sharded as {spec!r}; as a DTensor it needs a "
                             f"ChunkShardingSpec whose chunk i is on rank i of its group of "
                             f"{world} (0..{world - 1})")

@@ -29,6 +29,9 @@ class ShardingError(ValueError):
     """A sharding spec, its metadata or a set of shards is invalid; the message says how."""
 
 
+Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes) of a region of a tensor
+
+
 @dataclass(frozen=True)
 class Placement:
     """Where a shard lives: a rank of the group and, optionally, a device on that rank.
@@ -107,6 +110,11 @@ class ShardMetadata:
         box = ", ".join(f"{o}:{o + s}" for o, s in zip(self.shard_offsets, self.shard_sizes))
         return f"[{box}] on {self.placement}"
 
+    @property
+    def box(self) -> Box:
+        """``(shard_offsets, shard_sizes)``."""
+        return self.shard_offsets, self.shard_sizes
+
     def region(self) -> tuple[slice, ...]:
         """The index of this shard's box in the global tensor."""
         return tuple(slice(o, o + s) for o, s in zip(self.shard_offsets, self.shard_sizes))
@@ -135,16 +143,52 @@ def chunk_offsets(dim_size: int, chunks: int) -> list[int]:
     return [min(dim_size, step * i) for i in range(chunks)]
 
 
-def overlap(a: ShardMetadata, b: ShardMetadata) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
-    """The box two shards share, as (offsets, sizes), or None when they share no element."""
+def intersect(a: Box, b: Box) -> Box | None:
+    """The common box of ``a`` and ``b``, or None when they share no element."""
     offsets, sizes = [], []
-    for ao, as_, bo, bs in zip(a.shard_offsets, a.shard_sizes, b.shard_offsets, b.shard_sizes):
-        lo, hi = max(ao, bo), min(ao + as_, bo + bs)
+    for ao, asz, bo, bsz in zip(a[0], a[1], b[0], b[1], strict=True):
+        lo, hi = max(ao, bo), min(ao + asz, bo + bsz)
         if hi <= lo:
             return None
         offsets.append(lo)
         sizes.append(hi - lo)
     return tuple(offsets), tuple(sizes)
+
+
+def overlap(a: ShardMetadata, b: ShardMetadata) -> Box | None:
+    """The box two shards share, as (offsets, sizes), or None when they share no element."""
+    return intersect(a.box, b.box)
+
+
+@dataclass(frozen=True)
+class TilingFault:
+    """Why boxes do not tile a tensor: ``"dims"`` (box ``first`` has another number of dims),
+    ``"outside"`` (box ``first`` reaches outside, or has a negative offset or size),
+    ``"overlap"`` (boxes ``first`` and ``second`` share elements) or ``"coverage"`` (the boxes
+    hold ``covered`` of the ``total`` elements)."""
+
+    kind: str
+    first: int = -1
+    second: int = -1
+    covered: int = 0
+    total: int = 0
+
+
+def tiling_fault(shape: Sequence[int], boxes: Sequence[Box]) -> TilingFault | None:
+    """None when ``boxes`` lie inside ``shape`` and tile it exactly (no gap, no element twice);
+    else the first fault found, for the caller to put in its own words. Pure."""
+    for i, (offsets, sizes) in enumerate(boxes):
+        if len(offsets) != len(shape) or len(sizes) != len(shape):
+            return TilingFault("dims", i)
+        if any(o < 0 or n < 0 or o + n > d for o, n, d in zip(offsets, sizes, shape)):
+            return TilingFault("outside", i)
+    for (i, a), (j, b) in itertools.combinations(enumerate(boxes), 2):
+        if intersect(a, b) is not None:
+            return TilingFault("overlap", i, j)
+    covered, total = sum(math.prod(b[1]) for b in boxes), math.prod(shape)
+    if covered != total:
+        return TilingFault("coverage", covered=covered, total=total)
+    return None
 
 
 def validate_shards(shards: Sequence[ShardMetadata], size: Sequence[int],
@@ -153,22 +197,23 @@ def validate_shards(shards: Sequence[ShardMetadata], size: Sequence[int],
     ``world_size``) sit on ranks 0..world_size-1 (ranks of the group, after ``to_group_ranks``);
     the error names the offending shards or ranks."""
     size = tuple(size)
-    for s in shards:
-        if len(s.shard_sizes) != len(size):
+    fault = tiling_fault(size, [s.box for s in shards])
+    if fault is not None and fault.kind in ("dims", "outside"):
+        s = shards[fault.first]
+        if fault.kind == "dims":
             raise ShardingError(f"shard {s.describe()} has {len(s.shard_sizes)} dims, the tensor "
                                 f"{tuple(size)} has {len(size)}")
-        if any(o + n > d for o, n, d in zip(s.shard_offsets, s.shard_sizes, size)):
-            raise ShardingError(f"shard {s.describe()} reaches outside the tensor {size}")
+        raise ShardingError(f"shard {s.describe()} reaches outside the tensor {size}")
+    for s in shards:
         if world_size is not None and s.placement is not None and s.rank >= world_size:
             raise ShardingError(f"shard {s.describe()} is placed on rank {s.rank}, outside the "
                                 f"group of {world_size} ranks (0..{world_size - 1})")
-    for a, b in itertools.combinations(shards, 2):
-        if overlap(a, b) is not None:
-            raise ShardingError(f"shards {a.describe()} and {b.describe()} overlap")
-    covered, total = sum(s.numel for s in shards), math.prod(size)
-    if covered != total:
-        raise ShardingError(f"shards cover {covered} of the {total} elements of a tensor of size "
-                            f"{size}: pieces are missing")
+    if fault is not None and fault.kind == "overlap":
+        a, b = shards[fault.first], shards[fault.second]
+        raise ShardingError(f"shards {a.describe()} and {b.describe()} overlap")
+    if fault is not None:
+        raise ShardingError(f"shards cover {fault.covered} of the {fault.total} elements of a "
+                            f"tensor of size {size}: pieces are missing")
 
 
 def check_ranks(placements: Sequence[Placement], group_ranks: Sequence[int], what: str) -> None:

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd import Function
 
+from shardwise.distributed.groups import global_ranks
 from shardwise.sharded_tensor.dispatch import dispatch
 from shardwise.sharded_tensor.metadata import (
     ShardedTensorMetadata,
@@ -41,17 +42,12 @@ def group_rank(group) -> tuple[int, int]:
     return dist.get_rank(group), dist.get_world_size(group)
 
 
-def group_global_ranks(group) -> list[int]:
-    """The global ranks of ``group`` (None: the default group), in group order."""
-    return dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
-
-
 def resolved_metadata(spec: ShardingSpec, size: Sequence[int], group) -> list[ShardMetadata]:
     """The spec's shards for ``size`` on ranks of ``group`` (the spec's placements name global
     ranks: [Note: global ranks in placements]) with every placement's device made explicit."""
     backend = dist.get_backend(group)
     out = []
-    for s in spec.group_metadata(size, group_global_ranks(group)):
+    for s in spec.group_metadata(size, global_ranks(group)):
         place = type(s.placement)(s.placement.rank, resolve_device(s.placement, backend))
         out.append(ShardMetadata(s.shard_offsets, s.shard_sizes, place))
     return out

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
+from shardwise.distributed.groups import backend_device
 from shardwise.sharded_tensor.metadata import (
     Placement,
     ShardingError,
@@ -138,6 +139,4 @@ def resolve_device(placement: Placement, backend: str) -> torch.device:
     """The device a shard with this placement lives on, given the group's backend."""
     if placement.device is not None:
         return placement.device
-    if backend == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    return backend_device(backend)

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from shardwise.distributed.collectives import flatten, unflatten_into
-from shardwise.dp.data_parallel import global_rank
+from shardwise.distributed.groups import global_rank
 
 
 def broadcast_chunks(chunks: Sequence[tuple[int, Sequence[torch.Tensor]]],
@@ -108,16 +108,6 @@ def reduce_to_owner(buffer: torch.Tensor, owner: int, group: dist.ProcessGroup,
     afterwards). The one place stage 2 says how a bucket reaches its owner."""
     return dist.reduce(buffer, dst=global_rank(group, owner), op=dist.ReduceOp.SUM,
                        group=group, async_op=async_op)
-
-
-def all_reduce_sum(tensor: torch.Tensor, group: dist.ProcessGroup,
-                   async_op: bool = False) -> dist.Work | None:
-    """Sum ``tensor`` in place over the group."""
-    return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
-
-
-def all_reduce_max(tensor: torch.Tensor, group: dist.ProcessGroup) -> None:
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
 
 
 def gather_to(obj: Any, dst: int, group: dist.ProcessGroup) -> list[Any] | None:

@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from torch.optim import Optimizer
 
+from shardwise.distributed.collectives import group_by_dtype
 from shardwise.dp.agree import check_same_parameters
 from shardwise.dp.data_parallel import MIB
 from shardwise.zero import collectives as zc
@@ -271,7 +272,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
     def _owner_parts(self, rank: int) -> list[list[torch.Tensor]]:
         trained = [p for p in self.owned_params(rank) if p.requires_grad]
         parts: list[list[torch.Tensor]] = []
-        for same in _by_dtype(trained):
+        for same in group_by_dtype(trained):
             big = [p for p in same if p.numel() * p.element_size() >= IN_PLACE_BYTES]
             small = [p for p in same if p.numel() * p.element_size() < IN_PLACE_BYTES]
             parts += [[p] for p in big]
@@ -327,7 +328,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         chunks = []
         for rank in range(self.world_size):
             trained = [p.detach() for p in self.owned_params(rank) if p.requires_grad]
-            for same in _by_dtype(trained):
+            for same in group_by_dtype(trained):
                 runs = chunk_by_bytes([t.numel() * t.element_size() for t in same], CHUNK_BYTES)
                 chunks += [(rank, [same[i] for i in run]) for run in runs]
         return chunks
@@ -341,7 +342,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         if not self.parameters_as_bucket_view or self.overlap_with_ddp:
             return  # with overlap, the parameters are views into DDP-bucket buffers
         for rank in range(self.world_size):
-            for same in _by_dtype(self.owned_params(rank)):
+            for same in group_by_dtype(self.owned_params(rank)):
                 flat = torch.cat([p.detach().reshape(-1) for p in same])  # 1D, owner's params
                 offset = 0
                 for p in same:
@@ -432,13 +433,6 @@ def _hyper(group: dict[str, Any]) -> dict[str, Any]:
 def _weight(param: torch.Tensor) -> Weight:
     size = param.numel() * param.element_size()
     return (size, 0) if param.requires_grad else (0, size)
-
-
-def _by_dtype(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
-    groups: dict[tuple, list[torch.Tensor]] = {}
-    for t in tensors:
-        groups.setdefault((t.dtype, t.device), []).append(t)
-    return list(groups.values())
 
 
 def _check_optimizer_class(optimizer_class: Any) -> None:

@@ -37,8 +37,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from shardwise.distributed.groups import global_rank
 from shardwise.dp.comm_hooks import CommHook, GradBucket
-from shardwise.dp.data_parallel import global_rank
 
 if TYPE_CHECKING:
     from shardwise.ddp.data_parallel import DistributedDataParallel

@@ -55,17 +55,17 @@ class ZeroDataParallel(nn.Module):
     decides which rank owns which gradient. ``bucket_cap_mb`` (default 25),
     ``find_unused_parameters``, ``broadcast_buffers`` and ``init_sync`` mean what they mean for
     DistributedDataParallel. After backward, ``param.grad`` is set (averaged over ranks) on the
-    owning rank only and is ``None`` elsewhere.
+    owning rank only and is ``None`` elsewhere. It is ZeRO stage 2 only: stage 1 is
+    DistributedDataParallel with a ZeroRedundancyOptimizer, stage 3 FullyShardedDataParallel.
     """
 
-    def __init__(self, module: nn.Module, optimizer: ZeroRedundancyOptimizer, stage: int = 2,
+    def __init__(self, module: nn.Module, optimizer: ZeroRedundancyOptimizer, *,
                  bucket_cap_mb: float | None = None, find_unused_parameters: bool = False,
                  broadcast_buffers: bool = True, init_sync: bool = True):
         super().__init__()
-        _check_args(module, optimizer, stage)
+        _check_args(module, optimizer)
         self.module = module
         self.optimizer = optimizer
-        self.stage = stage
         self.process_group = optimizer.process_group
         self.world_size = dist.get_world_size(self.process_group)
         self.rank = dist.get_rank(self.process_group)
@@ -170,7 +170,7 @@ def sharded_holding(owner_of: Callable[[nn.Parameter], int]) -> Holding:
                    bucket_key=owner_of)
 
 
-def _check_args(module: Any, optimizer: Any, stage: int) -> None:
+def _check_args(module: Any, optimizer: Any) -> None:
     if not isinstance(module, nn.Module):
         raise TypeError(f"ZeroDataParallel wraps an nn.Module, got {type(module).__name__}")
     if not isinstance(optimizer, ZeroRedundancyOptimizer):
@@ -178,11 +178,6 @@ def _check_args(module: Any, optimizer: Any, stage: int) -> None:
             "ZeroDataParallel needs the shardwise.ZeroRedundancyOptimizer over the module's "
             f"parameters (it says which rank owns which gradient), got {type(optimizer).__name__}"
         )
-    if stage != 2:
-        hint = {1: "for stage 1 use DistributedDataParallel with ZeroRedundancyOptimizer",
-                3: "for stage 3 use FullyShardedDataParallel"}.get(stage, "")
-        raise ValueError(f"ZeroDataParallel implements ZeRO stage 2, got stage={stage}"
-                         + (f"; {hint}" if hint else ""))
 
 
 def _check_coverage(module: nn.Module, owner: dict[torch.Tensor, int]) -> None:
