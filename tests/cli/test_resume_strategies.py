@@ -93,14 +93,14 @@ def _failing_write(ctx, cfg: TrainConfig):
         if point == "chunk" and index == 0 and ctx.rank == 1:
             raise OSError(28, "No space left on device")
 
-    saver._fault_hook = fail
-    try:
-        return _train(ctx, cfg)
-    except Exception as exc:  # noqa: BLE001 - returned for the test to read
-        return f"{type(exc).__name__}: {exc}"
-    finally:
-        saver._fault_hook = None
-        saver._pending.clear()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(saver, "_fault_hook", fail)
+        try:
+            return _train(ctx, cfg)
+        except Exception as exc:  # noqa: BLE001 - returned for the test to read
+            return f"{type(exc).__name__}: {exc}"
+        finally:
+            saver._pending.clear()
 
 
 def test_a_failed_background_save_stops_training_with_its_error(tmp_path):
@@ -133,13 +133,12 @@ def _disk_fills_on_second_save(ctx, cfg: TrainConfig):
             if saves.count(0) == 2:
                 raise OSError(28, "No space left on device")
 
-    saver._fault_hook = full
-    try:
-        return _train(ctx, cfg)
-    except Exception as exc:  # noqa: BLE001 - returned for the test to read
-        return f"{type(exc).__name__}: {exc}"
-    finally:
-        saver._fault_hook = None
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(saver, "_fault_hook", full)
+        try:
+            return _train(ctx, cfg)
+        except Exception as exc:  # noqa: BLE001 - returned for the test to read
+            return f"{type(exc).__name__}: {exc}"
 
 
 def test_a_disk_that_fills_during_a_save_leaves_the_previous_checkpoint_to_resume(
@@ -166,13 +165,13 @@ def test_a_run_killed_during_a_save_resumes_from_the_previous_checkpoint(
     import sys
     from pathlib import Path
 
-    from tests.harness import zygote
+    from tests.harness import procs
 
     ck = tmp_path / "ck"
     script = Path(__file__).with_name("crash_train.py")
-    # `python crash_train.py ...`, forked from the zygote that imported torch (tests/harness)
+    # `python crash_train.py ...`, started by tests/harness/procs.py
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "OMP_NUM_THREADS": "1"}
-    proc = zygote.run([str(script), str(ck), str(tmp_path / "store"), point, str(index), mode],
+    proc = procs.run([str(script), str(ck), str(tmp_path / "store"), point, str(index), mode],
                       env, timeout=300)
     assert proc.returncode == 17, proc.stderr
     assert (ck / "latest").read_text() == "step_000002"

@@ -15,7 +15,7 @@ import torch
 from shardwise.cli.main import main
 from shardwise.cli.train_args import ConfigError, validate
 from tests.cli.test_train import TINY
-from tests.harness import RankFailure, run_on_ranks, zygote
+from tests.harness import RankFailure, procs, run_on_ranks
 
 CLI_MODEL = ["--n-layer", "2", "--n-head", "2", "--d-model", "32", "--seq-len", "32",
              "--batch-size", "8", "--lr", "0.003", "--warmup", "5", "--eval-batches", "1",
@@ -52,9 +52,9 @@ def _train(ctx, cfg, preempt_after=None):
 
 
 def _cli(*argv):
-    # the launcher forked from the zygote that imported torch (tests/harness/zygote.py), read
+    # the launcher started by tests/harness/procs.py (forked from its server), read
     # as it runs; its ranks get OMP_NUM_THREADS=1 as the launcher gave them on two cores
-    return zygote.start(["-m", "shardwise", "train", "--nproc", "2", *CLI_MODEL, *argv],
+    return procs.start(["-m", "shardwise", "train", "--nproc", "2", *CLI_MODEL, *argv],
                         dict(os.environ, OMP_NUM_THREADS="1"), merge_stderr=False, streams=True)
 
 
