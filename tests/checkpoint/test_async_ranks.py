@@ -45,13 +45,12 @@ def _fail_on_rank1(ctx, path: str) -> str:
         if point == "parts" and ctx.rank == 1:
             raise OSError("no space left (simulated)")
 
-    saver._fault_hook = hook
-    try:
-        save({"w": torch.ones(4) * ctx.rank}, checkpoint_id=path)
-    except CheckpointError as err:
-        return str(err)
-    finally:
-        saver._fault_hook = None
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(saver, "_fault_hook", hook)
+        try:
+            save({"w": torch.ones(4) * ctx.rank}, checkpoint_id=path)
+        except CheckpointError as err:
+            return str(err)
     return "no error"
 
 
