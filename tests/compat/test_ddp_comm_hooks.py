@@ -15,7 +15,7 @@ from shardwise import DistributedDataParallel
 from shardwise.ddp import hooks as our_hooks
 from shardwise.distributed.shm_reduce import DISABLE_VAR
 from tests.compat.common import assert_states_close, ddp_class, state_of
-from tests.harness import WORLD_SIZES, rank_slice, run_on_ranks
+from tests.harness import WORLD_SIZES, rank_slice, reference_train, run_on_ranks
 
 STEPS = 3
 GLOBAL_BATCH = 8
@@ -60,17 +60,14 @@ def _train(ctx, impl: str, hook_name: str | None, lib: str = "torch"):
 
 
 def _reference():
-    torch.manual_seed(0)
-    model = _Net()
-    opt = torch.optim.SGD(model.parameters(), lr=0.2)
-    grads = []
-    for step in range(STEPS):
-        x, y = _batch(step)
-        opt.zero_grad()
-        F.mse_loss(model(x), y).backward()
-        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
-        opt.step()
-    return grads, state_of(model)
+    run = reference_train(_Net, _loss, lambda m: torch.optim.SGD(m.parameters(), lr=0.2),
+                          STEPS, keep_grads=True)
+    return run.grads, run.state()
+
+
+def _loss(model, step):
+    x, y = _batch(step)
+    return F.mse_loss(model(x), y)
 
 
 def _check(result, expected, rtol: float, what: str) -> None:
