@@ -48,8 +48,10 @@ def _wait_gone(pids, seconds):
     return [p for p in pids if _alive(p)]
 
 
+# SIGHUP is forwarded as SIGINT is: with the slow tests
 @pytest.mark.parametrize(("sig", "ignore_term"), [
-    (signal.SIGTERM, True), (signal.SIGHUP, False), (signal.SIGINT, False)])
+    (signal.SIGTERM, True), pytest.param(signal.SIGHUP, False, marks=pytest.mark.slow),
+    (signal.SIGINT, False)])
 def test_signal_stops_every_rank_within_the_grace_period(sig, ignore_term):
     # ignore_term: the ranks ignore SIGTERM, so the launcher must kill them after the grace period
     launcher, pids = _start_job(*(["--ignore-term"] if ignore_term else []))

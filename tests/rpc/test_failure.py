@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import os
 
+import pytest
+
 from tests.harness import procs
 from tests.rpc.conftest import ROOT, python_path
 
 
+@pytest.mark.fresh
 def test_dead_worker_fails_pending_calls_and_shutdown_names_it():
     # `python -m tests.rpc.failure_scenario`, started by tests/harness/procs.py
     program = procs.start(["-m", "tests.rpc.failure_scenario"], dict(
