@@ -28,27 +28,25 @@ def _train(ctx, cfg, preempt_after=None):
     from shardwise.distributed.preemption import Preempted, Preemption
 
     preemption = Preemption(grace_seconds=30)
-    if preempt_after is not None and ctx.rank == 0:
-        import shardwise.cli.train_loop as loop
-
-        original = loop.beat
-
-        def beat_then_request():  # rank 0 alone is asked to stop, after `preempt_after` steps
-            original()
-            beat_then_request.calls += 1
-            if beat_then_request.calls == preempt_after:
-                preemption.request()
-
-        beat_then_request.calls = 0
-        loop.beat = beat_then_request
-    try:
-        result = train(cfg, ctx.group, torch.device("cpu"), preemption)
-        return result.losses, None
-    except Preempted as stop:
-        return None, (stop.step, stop.saved)
-    finally:
+    with pytest.MonkeyPatch.context() as patch:
         if preempt_after is not None and ctx.rank == 0:
-            loop.beat = original
+            import shardwise.cli.train_loop as loop
+
+            original = loop.beat
+
+            def beat_then_request():  # rank 0 alone is asked to stop, after `preempt_after` steps
+                original()
+                beat_then_request.calls += 1
+                if beat_then_request.calls == preempt_after:
+                    preemption.request()
+
+            beat_then_request.calls = 0
+            patch.setattr(loop, "beat", beat_then_request)
+        try:
+            result = train(cfg, ctx.group, torch.device("cpu"), preemption)
+            return result.losses, None
+        except Preempted as stop:
+            return None, (stop.step, stop.saved)
 
 
 def _cli(*argv):

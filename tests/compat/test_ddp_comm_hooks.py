@@ -3,8 +3,6 @@ DDP and ours, against one process training on the concatenated batch."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -115,11 +113,9 @@ def _same_host_vs_gloo(ctx, hook_name: str, lib: str):
     was taken."""
     results = []
     for disabled, hook in (("0", hook_name), ("1", hook_name), ("0", None)):
-        os.environ[DISABLE_VAR] = disabled
-        try:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setenv(DISABLE_VAR, disabled)
             results.append(_train(ctx, "ours", hook, lib))
-        finally:
-            del os.environ[DISABLE_VAR]
     torch.manual_seed(0)
     probe = DistributedDataParallel(_Net(), bucket_cap_mb=0.001)
     probe.register_comm_hook(None, getattr(default_hooks if lib == "torch" else our_hooks,

@@ -101,15 +101,13 @@ class _Net(nn.Module):
 
 
 def _ddp_matches_reference(ctx, disabled: bool):
-    os.environ[DISABLE_VAR] = "1" if disabled else "0"
-    try:
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(DISABLE_VAR, "1" if disabled else "0")
         torch.manual_seed(0)
         model = _Net()
         ref = _Net()
         ref.load_state_dict(model.state_dict())
         ddp = DistributedDataParallel(model, process_group=ctx.group, bucket_cap_mb=0.004)
-    finally:
-        del os.environ[DISABLE_VAR]
     expect_shm = ctx.world_size > 1 and not disabled
     assert (ddp._shm is not None) == expect_shm
     assert len(ddp.reducer.buckets) > 2

@@ -59,13 +59,9 @@ CHANNELS = [os.environ[CHANNEL_ENV]] if os.environ.get(CHANNEL_ENV) else [
 @pytest.fixture(scope="session", params=CHANNELS, autouse=True)
 def rpc_channel(request):
     """The channel every RPC connection of the test uses (``tcp`` or ``shm``), forced."""
-    outer = os.environ.get(CHANNEL_ENV)
-    os.environ[CHANNEL_ENV] = request.param
-    yield request.param
-    if outer is None:
-        os.environ.pop(CHANNEL_ENV, None)
-    else:
-        os.environ[CHANNEL_ENV] = outer
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(CHANNEL_ENV, request.param)
+        yield request.param
 
 
 @pytest.fixture(scope="session")
