@@ -14,7 +14,7 @@ from shardwise.models import GPT, GPTConfig
 from shardwise.models.gpt import lm_loss
 from shardwise.sharded_tensor import ChunkShardingSpec, shard_module, sharded_parameters
 from shardwise.zero import ZeroDataParallel
-from tests.harness import rank_slice, token_batch
+from tests.harness import rank_slice, reference_train, token_batch
 
 CFG = GPTConfig(vocab_size=64, seq_len=8, n_layer=2, n_head=4, d_model=16)
 BATCH = 8
@@ -91,21 +91,23 @@ def train(strategy: str, wrapped, opt, steps: range, group) -> list[float]:
 
 def reference_losses(state: dict[str, torch.Tensor], steps: range) -> list[float]:
     """One process: the plain model and AdamW set to ``state`` (full tensors), then trained."""
-    model = GPT(CFG)
-    model.load_state_dict({k[6:]: v for k, v in state.items() if k.startswith("model.")})
-    opt = adamw(model.parameters())
-    for name, p in model.named_parameters():
-        opt.state[p] = {k: state[f"optim.{name}.{k}"].clone() for k in
-                        ("step", "exp_avg", "exp_avg_sq")}
-    losses = []
-    for step in steps:
+    def loaded():
+        model = GPT(CFG)
+        model.load_state_dict({k[6:]: v for k, v in state.items() if k.startswith("model.")})
+        return model
+
+    def loaded_adamw(model):
+        opt = adamw(model.parameters())
+        for name, p in model.named_parameters():
+            opt.state[p] = {k: state[f"optim.{name}.{k}"].clone() for k in
+                            ("step", "exp_avg", "exp_avg_sq")}
+        return opt
+
+    def loss(model, step):
         x, y = token_batch(step, 1, BATCH, CFG.seq_len, CFG.vocab_size)
-        loss = lm_loss(model(x[0]), y[0])
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(float(loss.detach()))
-    return losses
+        return lm_loss(model(x[0]), y[0])
+
+    return reference_train(loaded, loss, loaded_adamw, steps, seed=None).losses
 
 
 def full_state(strategy: str, model, opt, group) -> dict[str, torch.Tensor]:

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from shardwise.checkpoint import CheckpointError, load, save
-from tests.harness import zygote
+from tests.harness import procs
 
 SCRIPT = Path(__file__).with_name("crash_save.py")
 POINTS = [("chunk", 0, "sync"), ("chunk", 1, "sync"), ("parts", 0, "sync"),
@@ -20,9 +20,9 @@ POINTS = [("chunk", 0, "sync"), ("chunk", 1, "sync"), ("parts", 0, "sync"),
 
 
 def _crash(directory: Path, point: str, index: int, mode: str) -> None:
-    # `python crash_save.py ...`, forked from the zygote that imported torch (tests/harness)
+    # `python crash_save.py ...`, started by tests/harness/procs.py
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "OMP_NUM_THREADS": "1"}
-    proc = zygote.run([str(SCRIPT), str(directory), point, str(index), mode], env, timeout=120)
+    proc = procs.run([str(SCRIPT), str(directory), point, str(index), mode], env, timeout=120)
     assert proc.returncode == 17, proc.stderr
 
 

@@ -189,12 +189,12 @@ def test_unreachable_endpoint_ends_within_the_timeout_naming_it(capsys, monkeypa
 ], ids=lambda a: " ".join(a[:4]))
 def test_the_launching_program_prints_one_line(tmp_path, argv):
     """As a real program: one line from the launcher, none from any rank."""
-    from tests.harness import zygote
+    from tests.harness import procs
 
     argv = [a.replace("ENDPOINT", f"127.0.0.1:{_closed_port()}") for a in argv]
     env = dict(os.environ, SHARDWISE_TIMEOUT="1", OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join([str(zygote.ROOT), str(zygote.ROOT / "src")]))
-    done = zygote.run(["-m", "shardwise", *argv], env, tmp_path, timeout=60)
+               PYTHONPATH=os.pathsep.join([str(procs.ROOT), str(procs.ROOT / "src")]))
+    done = procs.run(["-m", "shardwise", *argv], env, tmp_path, timeout=60)
     assert done.returncode == 2, done.stderr
     lines = done.stderr.splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"shardwise {argv[0]}: error: "), done.stderr

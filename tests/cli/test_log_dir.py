@@ -10,7 +10,7 @@ import pytest
 
 from shardwise.cli.curves import SIZE_PX, read_metrics
 from shardwise.cli.main import main
-from tests.harness import zygote
+from tests.harness import procs
 
 MODEL = ["--n-layer", "1", "--d-model", "32", "--n-head", "2", "--seq-len", "16",
          "--batch-size", "4", "--eval-batches", "1", "--corpus-bytes", "200000"]
@@ -26,9 +26,9 @@ def png_size(path):
 def logged_run(tmp_path_factory):
     log_dir = tmp_path_factory.mktemp("run") / "ddp-run"
     ckpt = tmp_path_factory.mktemp("ckpt")
-    # the launcher forked from the zygote that imported torch (tests/harness/zygote.py); its
+    # the launcher started by tests/harness/procs.py (forked from its server); its
     # ranks get OMP_NUM_THREADS=1 as the launcher gave them on two cores (2 // nproc)
-    proc = zygote.run(
+    proc = procs.run(
         ["-m", "shardwise", "train", "--nproc", "2", *MODEL, "--steps", "6",
          "--log-every", "2", "--no-progress", "--log-dir", str(log_dir),
          "--checkpoint-dir", str(ckpt), "--checkpoint-every", "3"],

@@ -160,13 +160,13 @@ def test_a_run_killed_during_a_save_resumes_from_the_previous_checkpoint(
     import sys
     from pathlib import Path
 
-    from tests.harness import zygote
+    from tests.harness import procs
 
     ck = tmp_path / "ck"
     script = Path(__file__).with_name("crash_train.py")
-    # `python crash_train.py ...`, forked from the zygote that imported torch (tests/harness)
+    # `python crash_train.py ...`, started by tests/harness/procs.py
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "OMP_NUM_THREADS": "1"}
-    proc = zygote.run([str(script), str(ck), str(tmp_path / "store"), point, str(index), mode],
+    proc = procs.run([str(script), str(ck), str(tmp_path / "store"), point, str(index), mode],
                       env, timeout=300)
     assert proc.returncode == 17, proc.stderr
     assert (ck / "latest").read_text() == "step_000002"

@@ -15,7 +15,7 @@ import torch
 from shardwise.cli.main import main
 from shardwise.cli.train_args import ConfigError, validate
 from tests.cli.test_train import TINY
-from tests.harness import RankFailure, run_on_ranks, zygote
+from tests.harness import RankFailure, procs, run_on_ranks
 
 CLI_MODEL = ["--n-layer", "2", "--n-head", "2", "--d-model", "32", "--seq-len", "32",
              "--batch-size", "8", "--lr", "0.003", "--warmup", "5", "--eval-batches", "1",
@@ -28,33 +28,31 @@ def _train(ctx, cfg, preempt_after=None):
     from shardwise.launch.preemption import Preempted, Preemption
 
     preemption = Preemption(grace_seconds=30)
-    if preempt_after is not None and ctx.rank == 0:
-        import shardwise.cli.train_loop as loop
-
-        original = loop.beat
-
-        def beat_then_request():  # rank 0 alone is asked to stop, after `preempt_after` steps
-            original()
-            beat_then_request.calls += 1
-            if beat_then_request.calls == preempt_after:
-                preemption.request()
-
-        beat_then_request.calls = 0
-        loop.beat = beat_then_request
-    try:
-        result = train(cfg, ctx.group, torch.device("cpu"), preemption)
-        return result.losses, None
-    except Preempted as stop:
-        return None, (stop.step, stop.saved)
-    finally:
+    with pytest.MonkeyPatch.context() as patch:
         if preempt_after is not None and ctx.rank == 0:
-            loop.beat = original
+            import shardwise.cli.train_loop as loop
+
+            original = loop.beat
+
+            def beat_then_request():  # rank 0 alone is asked to stop, after `preempt_after` steps
+                original()
+                beat_then_request.calls += 1
+                if beat_then_request.calls == preempt_after:
+                    preemption.request()
+
+            beat_then_request.calls = 0
+            patch.setattr(loop, "beat", beat_then_request)
+        try:
+            result = train(cfg, ctx.group, torch.device("cpu"), preemption)
+            return result.losses, None
+        except Preempted as stop:
+            return None, (stop.step, stop.saved)
 
 
 def _cli(*argv):
-    # the launcher forked from the zygote that imported torch (tests/harness/zygote.py), read
+    # the launcher started by tests/harness/procs.py (forked from its server), read
     # as it runs; its ranks get OMP_NUM_THREADS=1 as the launcher gave them on two cores
-    return zygote.start(["-m", "shardwise", "train", "--nproc", "2", *CLI_MODEL, *argv],
+    return procs.start(["-m", "shardwise", "train", "--nproc", "2", *CLI_MODEL, *argv],
                         dict(os.environ, OMP_NUM_THREADS="1"), merge_stderr=False, streams=True)
 
 

@@ -81,12 +81,12 @@ def test_pipeline_example_matches_unsplit_model():
     import os
     import re
 
-    from tests.harness import zygote
+    from tests.harness import procs
     from tests.rpc.conftest import ROOT
 
-    # the example's parent forked from the zygote that imported torch (tests/harness/zygote.py);
+    # the example's parent started by tests/harness/procs.py (forked from its server);
     # the stages it spawns are fresh interpreters
-    out = zygote.run(["examples/pipeline_gpt.py", "--steps", "5"],
+    out = procs.run(["examples/pipeline_gpt.py", "--steps", "5"],
                      dict(os.environ, OMP_NUM_THREADS="1"), cwd=ROOT, timeout=120)
     assert out.returncode == 0, out.stderr
     pairs = re.findall(r"pipeline loss ([\d.]+)\s+unsplit ([\d.]+)", out.stdout)

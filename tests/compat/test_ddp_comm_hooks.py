@@ -3,8 +3,6 @@ DDP and ours, against one process training on the concatenated batch."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -15,7 +13,7 @@ from shardwise import DistributedDataParallel
 from shardwise.ddp import hooks as our_hooks
 from shardwise.dp.shm_reduce import DISABLE_VAR
 from tests.compat.common import assert_states_close, ddp_class, state_of
-from tests.harness import WORLD_SIZES, rank_slice, run_on_ranks
+from tests.harness import WORLD_SIZES, rank_slice, reference_train, run_on_ranks
 
 STEPS = 3
 GLOBAL_BATCH = 8
@@ -60,17 +58,14 @@ def _train(ctx, impl: str, hook_name: str | None, lib: str = "torch"):
 
 
 def _reference():
-    torch.manual_seed(0)
-    model = _Net()
-    opt = torch.optim.SGD(model.parameters(), lr=0.2)
-    grads = []
-    for step in range(STEPS):
-        x, y = _batch(step)
-        opt.zero_grad()
-        F.mse_loss(model(x), y).backward()
-        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
-        opt.step()
-    return grads, state_of(model)
+    run = reference_train(_Net, _loss, lambda m: torch.optim.SGD(m.parameters(), lr=0.2),
+                          STEPS, keep_grads=True)
+    return run.grads, run.state()
+
+
+def _loss(model, step):
+    x, y = _batch(step)
+    return F.mse_loss(model(x), y)
 
 
 def _check(result, expected, rtol: float, what: str) -> None:
@@ -118,11 +113,9 @@ def _same_host_vs_gloo(ctx, hook_name: str, lib: str):
     was taken."""
     results = []
     for disabled, hook in (("0", hook_name), ("1", hook_name), ("0", None)):
-        os.environ[DISABLE_VAR] = disabled
-        try:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setenv(DISABLE_VAR, disabled)
             results.append(_train(ctx, "ours", hook, lib))
-        finally:
-            del os.environ[DISABLE_VAR]
     torch.manual_seed(0)
     probe = DistributedDataParallel(_Net(), bucket_cap_mb=0.001)
     probe.register_comm_hook(None, getattr(default_hooks if lib == "torch" else our_hooks,

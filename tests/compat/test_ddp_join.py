@@ -12,7 +12,7 @@ from torch.distributed.algorithms.join import Join
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from tests.compat.common import IMPLS, assert_states_close, ddp_class, state_of
-from tests.harness import WORLD_SIZES, run_on_ranks
+from tests.harness import WORLD_SIZES, reference_train, run_on_ranks
 
 LR = 0.1
 RTOL = 1e-5
@@ -61,17 +61,16 @@ def _train_with_join(ctx, impl: str, divide: bool, with_zero: bool, option: str 
 def _reference(world_size: int, divide: bool) -> dict[str, torch.Tensor]:
     """Step t averages the gradients of the ranks that still have a batch t (over the initial
     world size, or over the ranks still training)."""
-    torch.manual_seed(0)
-    model = _Net()
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
     batches = [_my_batches(r) for r in range(world_size)]
-    for t in range(max(len(b) for b in batches)):
+
+    def loss(model, t):
         active = [b[t] for b in batches if t < len(b)]
         divisor = world_size if divide else len(active)
-        opt.zero_grad()
-        sum(F.mse_loss(model(x), y) for x, y in active).div(divisor).backward()
-        opt.step()
-    return _params(state_of(model))
+        return sum(F.mse_loss(model(x), y) for x, y in active).div(divisor)
+
+    run = reference_train(_Net, loss, lambda m: torch.optim.SGD(m.parameters(), lr=LR),
+                          max(len(b) for b in batches))
+    return _params(run.state())
 
 
 def _params(state: dict) -> dict:

@@ -11,7 +11,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersg
 
 from shardwise.ddp import hooks as our_hooks
 from tests.compat.common import ddp_class
-from tests.harness import rank_slice, run_on_ranks
+from tests.harness import rank_slice, reference_train, run_on_ranks
 
 STEPS = 20
 GLOBAL_BATCH = 16
@@ -67,18 +67,13 @@ def _train(ctx, impl: str, hooks: str | None, cap_mb: float | None = None) -> li
 
 
 def _reference() -> list[float]:
-    torch.manual_seed(0)
-    model = _Net()
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
-    losses = []
-    for step in range(STEPS):
-        x, y = _batch(step)
-        opt.zero_grad()
-        loss = F.mse_loss(model(x), y)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses
+    return reference_train(_Net, _loss, lambda m: torch.optim.SGD(m.parameters(), lr=LR),
+                           STEPS).losses
+
+
+def _loss(model, step):
+    x, y = _batch(step)
+    return F.mse_loss(model(x), y)
 
 
 def _max_rel(a: list[float], b: list[float]) -> float:

@@ -14,7 +14,7 @@ from torch.utils.checkpoint import checkpoint
 
 from shardwise import DistributedDataParallel
 from tests.compat.common import IMPLS, assert_states_close, ddp_class, state_of
-from tests.harness import WORLD_SIZES, rank_slice, run_on_ranks
+from tests.harness import WORLD_SIZES, rank_slice, reference_train, run_on_ranks
 
 STEPS = 3
 RTOL = 1e-5
@@ -62,15 +62,13 @@ def _train(ctx, impl: str, via_setter: bool):
 
 
 def _reference():
-    torch.manual_seed(0)
-    model = _SharedTwice()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    for step in range(STEPS):
-        x, y = _batch(step)
-        opt.zero_grad()
-        F.mse_loss(model(x), y).backward()
-        opt.step()
-    return state_of(model)
+    return reference_train(_SharedTwice, _loss,
+                           lambda m: torch.optim.SGD(m.parameters(), lr=0.1), STEPS).state()
+
+
+def _loss(model, step):
+    x, y = _batch(step)
+    return F.mse_loss(model(x), y)
 
 
 @pytest.mark.parametrize("via_setter", (True, False))

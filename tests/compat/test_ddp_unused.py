@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tests.compat.common import IMPLS, assert_states_close, ddp_class, state_of
-from tests.harness import WORLD_SIZES, run_on_ranks
+from tests.harness import WORLD_SIZES, reference_train, run_on_ranks
 
 STEPS = 3
 RTOL = 1e-5
@@ -52,19 +52,18 @@ def _train(ctx, impl: str):
 
 
 def _reference(world_size: int):
-    torch.manual_seed(0)
-    model = _Parts()
-    model.late.requires_grad_(False)
-    opt = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.5)
-    for step in range(STEPS):
-        opt.zero_grad()
-        total = 0.0
-        for r in range(world_size):
-            x, y = _data(r, step)
-            total = total + F.mse_loss(model(x, use_branch=r == 0), y)
-        (total / world_size).backward()
-        opt.step()
-    return state_of(model)
+    def frozen_late():
+        model = _Parts()
+        model.late.requires_grad_(False)
+        return model
+
+    def loss(model, step):
+        pairs = [_data(r, step) for r in range(world_size)]
+        return sum(F.mse_loss(model(x, use_branch=r == 0), y)
+                   for r, (x, y) in enumerate(pairs)) / world_size
+
+    return reference_train(frozen_late, loss, lambda m: torch.optim.AdamW(
+        m.parameters(), lr=0.05, weight_decay=0.5), STEPS).state()
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)

@@ -15,7 +15,7 @@ from torch import nn
 
 from tests.compat.models import Transformer
 from tests.compat.models import batch as _batch
-from tests.harness import assert_rel_close, run_on_ranks
+from tests.harness import assert_rel_close, reference_train, run_on_ranks
 
 RTOL = 1e-5
 
@@ -76,18 +76,12 @@ def _program(ctx, impl):
 
 
 def _reference(world_size: int) -> list[float]:
-    torch.manual_seed(0)
-    model = Transformer()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    out = []
-    for step in range(3):
+    def loss(model, step):
         _, _, x, y = _batch(step, 0, world_size)
-        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        out.append(loss.item())
-    return out
+        return F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+
+    return reference_train(Transformer, loss,
+                           lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2), 3).losses
 
 
 @pytest.mark.parametrize("world_size", (2,))

@@ -27,7 +27,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from tests.compat.models import Transformer
 from tests.compat.models import batch as _batch
-from tests.harness import WORLD_SIZES, assert_rel_close, run_on_ranks
+from tests.harness import WORLD_SIZES, assert_rel_close, reference_train, run_on_ranks
 
 RTOL = 1e-5
 
@@ -74,19 +74,18 @@ def _train(model, ctx, steps, clip=None):
 
 def _reference(full_state: dict, ctx, steps, clip=None):
     """One process, the unwrapped model from ``full_state``, on the global batch."""
-    model = Transformer()
-    model.load_state_dict(full_state)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
-    out = []
-    for step in range(steps):
+    def loaded():
+        model = Transformer()
+        model.load_state_dict(full_state)
+        return model
+
+    def loss(model, step):
         _, _, x, y = _batch(step, 0, ctx.world_size)
-        loss = _loss(model, x, y)
-        loss.backward()
-        norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)) if clip else None
-        opt.step()
-        opt.zero_grad()
-        out.append((loss.item(), norm))
-    return out
+        return _loss(model, x, y)
+
+    run = reference_train(loaded, loss, lambda m: torch.optim.AdamW(
+        m.parameters(), lr=1e-2, weight_decay=0.1), steps, seed=None, clip=clip)
+    return list(zip(run.losses, run.norms or [None] * steps))
 
 
 def _full_state(model) -> dict:

@@ -36,7 +36,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from tests.harness import assert_rel_close, run_on_ranks
+from tests.harness import assert_rel_close, reference_train, run_on_ranks
 
 RTOL = 1e-6
 D, VOCAB, SEQ, BATCH = 16, 32, 4, 2
@@ -234,19 +234,13 @@ def _resume_program(ctx, impl, ckpt, api):
 def _reference(steps: int) -> list:
     """One process, the plain model on the whole batch (TP adds partial sums in another order:
     a looser tolerance than between the two FSDPs)."""
-    torch.manual_seed(0)
-    model = Net()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
-    out = []
-    for step in range(steps):
+    def loss(model, step):
         x, y = _batch(step, 0, 1)
-        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
-        loss.backward()
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
-        opt.step()
-        opt.zero_grad()
-        out.append((loss.item(), float(norm)))
-    return out
+        return F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+
+    run = reference_train(Net, loss, lambda m: torch.optim.AdamW(
+        m.parameters(), lr=1e-2, weight_decay=0.1), steps, clip=0.5)
+    return list(zip(run.losses, run.norms))
 
 
 def _assert_curves(ours, theirs, what, rtol=RTOL):

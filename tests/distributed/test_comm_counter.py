@@ -6,7 +6,6 @@ all-gather of a 48-byte shard: 3 x 48 sent, 2 x 48 of it to the other node; redu
 48 bytes: 3 x 12 sent, 2 x 12 across; all-reduce of 48 bytes: 2 x 3/4 x 48 = 72 sent, 48 across.
 """
 
-import os
 
 import pytest
 import torch
@@ -189,14 +188,11 @@ def _ddp_body(ctx):
     cfg = GPTConfig(vocab_size=64, seq_len=8, n_layer=1, n_head=2, d_model=16)
     # the gloo path's collectives are what this counts (on one host DDP would otherwise
     # average through shared memory: tests/dp/test_shm_reduce.py)
-    os.environ[DISABLE_VAR] = "1"
-    try:
-        with CommCounter(local_world_size=2) as comm:
-            model = DistributedDataParallel(GPT(cfg))
-            x = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len + 1))
-            lm_loss(model(x[:, :-1]), x[:, 1:]).backward()
-    finally:
-        del os.environ[DISABLE_VAR]
+    with pytest.MonkeyPatch.context() as patch, CommCounter(local_world_size=2) as comm:
+        patch.setenv(DISABLE_VAR, "1")
+        model = DistributedDataParallel(GPT(cfg))
+        x = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len + 1))
+        lm_loss(model(x[:, :-1]), x[:, 1:]).backward()
     state = sum(t.numel() * 4 for t in model.module.state_dict().values())
     grads = sum(p.grad.numel() * 4 for p in model.parameters())
     return _stats(comm, "broadcast"), _stats(comm, "all_reduce"), state, grads

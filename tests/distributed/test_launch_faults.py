@@ -96,6 +96,7 @@ def test_restart_after_a_failure_runs_a_fresh_attempt():
     assert "[rank0]: attempt 1 total=2" in out and "[rank1]: attempt 1 total=2" in out
 
 
+@pytest.mark.slow  # max_restarts=0 is the default every other failing job here runs with
 def test_without_restarts_the_first_failure_ends_the_job():
     code, out, err = _launch(2, "restart_once.py", max_restarts=0)
     assert code == 1
@@ -111,10 +112,13 @@ def _gone(pid):
         return True
 
 
+# rank 0 (which hosts the store) killed, and rank 1's exit code, in the default run; rank 0's
+# exit code, a combination of the two, with the slow tests
 @pytest.mark.parametrize(("rank", "how", "code", "says"), [
     (0, "kill", 128 + 9, "rank 0 was killed by SIGKILL"),
     (1, "exit3", 3, "rank 1 failed (exit code 3) without a Python exception"),
-    (0, "exit3", 3, "rank 0 failed (exit code 3) without a Python exception"),
+    pytest.param(0, "exit3", 3, "rank 0 failed (exit code 3) without a Python exception",
+                 marks=pytest.mark.slow),
 ])
 def test_a_rank_that_dies_is_named_and_no_rank_is_left(rank, how, code, says):
     got, out, err = _launch(2, "die_hard.py", str(rank), how)

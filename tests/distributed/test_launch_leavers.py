@@ -17,7 +17,7 @@ from shardwise.launch import launch
 from shardwise.launch.launcher import python_command
 from tests.distributed import test_launch_faults as faults
 from tests.distributed.test_launch_faults import _report
-from tests.harness import zygote
+from tests.harness import procs
 
 SCRIPTS = Path(__file__).parent / "scripts"
 GRACE = 2.0
@@ -111,7 +111,7 @@ def _start_launcher(folder, setsid=False):
     args = ["run", "--nproc", "2", "--grace-seconds", str(GRACE),
             str(SCRIPTS / "grandchild.py"), str(folder), "wait"]
     cmd = ["-c", _SETSID, *args] if setsid else ["-m", "shardwise", *args]
-    return zygote.start(cmd, dict(os.environ, OMP_NUM_THREADS="1"), merge_stderr=False,
+    return procs.start(cmd, dict(os.environ, OMP_NUM_THREADS="1"), merge_stderr=False,
                         streams=True)
 
 
@@ -153,7 +153,7 @@ def _children(pid):
 
 
 def test_sigkill_to_the_launcher_while_its_ranks_import_torch_leaves_no_rank():
-    launcher = zygote.start(["-m", "shardwise", "run", "--nproc", "2", "--grace-seconds",
+    launcher = procs.start(["-m", "shardwise", "run", "--nproc", "2", "--grace-seconds",
                              str(GRACE), str(SCRIPTS / "forever.py")],
                             dict(os.environ, OMP_NUM_THREADS="1"), merge_stderr=False,
                             streams=True)

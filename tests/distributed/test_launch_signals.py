@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.harness import zygote
+from tests.harness import procs
 
 SCRIPTS = Path(__file__).parent / "scripts"
 GRACE = 2.0
@@ -18,9 +18,9 @@ GRACE = 2.0
 def _start_job(*script_args):
     cmd = ["-m", "shardwise", "run", "--nproc", "2", "--grace-seconds", str(GRACE),
            str(SCRIPTS / "forever.py"), *script_args]
-    # the launcher forked from the zygote that imported torch (tests/harness/zygote.py), read
+    # the launcher started by tests/harness/procs.py (forked from its server), read
     # as it runs; its ranks get OMP_NUM_THREADS=1 as the launcher gave them on two cores
-    launcher = zygote.start(cmd, dict(os.environ, OMP_NUM_THREADS="1"), merge_stderr=False,
+    launcher = procs.start(cmd, dict(os.environ, OMP_NUM_THREADS="1"), merge_stderr=False,
                             streams=True)
     pids = {}
     while len(pids) < 2:
@@ -48,8 +48,10 @@ def _wait_gone(pids, seconds):
     return [p for p in pids if _alive(p)]
 
 
+# SIGHUP is forwarded as SIGINT is: with the slow tests
 @pytest.mark.parametrize(("sig", "ignore_term"), [
-    (signal.SIGTERM, True), (signal.SIGHUP, False), (signal.SIGINT, False)])
+    (signal.SIGTERM, True), pytest.param(signal.SIGHUP, False, marks=pytest.mark.slow),
+    (signal.SIGINT, False)])
 def test_signal_stops_every_rank_within_the_grace_period(sig, ignore_term):
     # ignore_term: the ranks ignore SIGTERM, so the launcher must kill them after the grace period
     launcher, pids = _start_job(*(["--ignore-term"] if ignore_term else []))

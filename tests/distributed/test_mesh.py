@@ -17,7 +17,7 @@ from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from shardwise.distributed import DeviceMesh, InvalidMeshError, init_device_mesh
 from shardwise.distributed.topology import coordinate, group_of, mesh_ranks
 from shardwise.launch import launch
-from tests.harness import WORLD_SIZES, run_on_ranks, zygote
+from tests.harness import WORLD_SIZES, procs, run_on_ranks
 
 SCRIPTS = Path(__file__).parent / "scripts"
 
@@ -227,9 +227,9 @@ def test_the_mesh_starts_the_world_group_under_torchrun():
     cmd = ["-m", "torch.distributed.run", "--nproc-per-node", "2",
            "--master-addr", "127.0.0.1", "--master-port", "0", "--rdzv-backend", "c10d",
            "--rdzv-endpoint", "127.0.0.1:0", str(SCRIPTS / "mesh_ranks.py")]
-    # torchrun forked from the zygote that imported torch (tests/harness/zygote.py); its ranks
+    # torchrun started by tests/harness/procs.py (forked from its server); its ranks
     # get OMP_NUM_THREADS=1, as torchrun sets by default
-    done = zygote.run(cmd, dict(os.environ, OMP_NUM_THREADS="1"), timeout=240)
+    done = procs.run(cmd, dict(os.environ, OMP_NUM_THREADS="1"), timeout=240)
     report = f"exit code {done.returncode}\nstdout:\n{done.stdout}\nstderr:\n{done.stderr[-4000:]}"
     assert done.returncode == 0, report
     for rank in range(2):  # torchrun sets LOCAL_WORLD_SIZE=2: one node of two ranks

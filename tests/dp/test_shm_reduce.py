@@ -38,11 +38,9 @@ def _equals_all_reduce(ctx):
         modes.append(stat.S_IMODE(os.stat(path).st_mode))
         real_unlink(path)
 
-    shm_reduce._unlink = recording_unlink
-    try:
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(shm_reduce, "_unlink", recording_unlink)
         reducer = ShmReducer(LAYOUTS, ctx.group)
-    finally:
-        shm_reduce._unlink = real_unlink
     if ctx.rank == 0:
         assert modes == [0o600], f"segment mode {modes}"
     dist.barrier(group=ctx.group)  # rank 0 unlinks right after the constructor's barrier
@@ -103,15 +101,13 @@ class _Net(nn.Module):
 
 
 def _ddp_matches_reference(ctx, disabled: bool):
-    os.environ[DISABLE_VAR] = "1" if disabled else "0"
-    try:
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(DISABLE_VAR, "1" if disabled else "0")
         torch.manual_seed(0)
         model = _Net()
         ref = _Net()
         ref.load_state_dict(model.state_dict())
         ddp = DistributedDataParallel(model, process_group=ctx.group, bucket_cap_mb=0.004)
-    finally:
-        del os.environ[DISABLE_VAR]
     expect_shm = ctx.world_size > 1 and not disabled
     assert (ddp._shm is not None) == expect_shm
     assert len(ddp.reducer.buckets) > 2
@@ -140,13 +136,11 @@ def test_ddp_through_shared_memory_matches_the_reference(world_size, disabled):
 def _one_rank_lacks_room(ctx):
     """A rank whose /dev/shm is too small makes every rank take the gloo path (one collective
     decision); training still matches (checked above for the gloo path)."""
-    real = shm_reduce._room_for
-    shm_reduce._room_for = (lambda nbytes: False) if ctx.rank == 1 else real
-    try:
+    with pytest.MonkeyPatch.context() as patch:
+        if ctx.rank == 1:
+            patch.setattr(shm_reduce, "_room_for", lambda nbytes: False)
         torch.manual_seed(0)
         ddp = DistributedDataParallel(_Net(), process_group=ctx.group)
-    finally:
-        shm_reduce._room_for = real
     assert ddp._shm is None
 
 

@@ -16,8 +16,7 @@ whatever the schedule) a third of it. Counts are exact; nothing is timed.
 
 from __future__ import annotations
 
-import os
-
+import pytest
 import torch
 
 from shardwise import DistributedDataParallel, fully_shard
@@ -47,11 +46,9 @@ def _cross_node_per_step(ctx, strategy: str):
     if strategy == "ddp":
         # two simulated nodes on one host: DDP's same-host shared-memory reduction would move
         # nothing through the group, so the gloo path shows the pattern that crosses real nodes
-        os.environ[DISABLE_VAR] = "1"
-        try:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setenv(DISABLE_VAR, "1")
             model = DistributedDataParallel(model)
-        finally:
-            del os.environ[DISABLE_VAR]
     else:
         mesh = init_device_mesh("cpu", (2, 2) if strategy.startswith("hsdp") else (4,))
         for block in model.blocks:

@@ -20,22 +20,28 @@ test; a failing or hung test kills its pool (the next test gets a fresh one) and
 each failing rank's traceback.
 """
 
-from tests.harness.batches import rank_slice, token_batch
-from tests.harness.compare import (
-    assert_rel_close,
-    assert_state_close,
-    local_part,
-    max_rel_diff,
-    shard0_rows,
-)
-from tests.harness.pool import (
-    WORLD_SIZES,
-    RankContext,
-    RankFailure,
-    TestTimeout,
-    run_on_ranks,
-    shutdown_pools,
-)
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+# each name's module, imported on first use: a program or rank started by procs.py imports
+# this package, and must not import torch with it unless it asks for a name that needs it
+_HOMES = {
+    "rank_slice": "batches", "token_batch": "batches",
+    "assert_rel_close": "compare", "assert_state_close": "compare", "local_part": "compare",
+    "max_rel_diff": "compare", "shard0_rows": "compare",
+    "WORLD_SIZES": "pool", "RankContext": "pool", "RankFailure": "pool", "TestTimeout": "pool",
+    "run_on_ranks": "pool", "shutdown_pools": "pool",
+    "reference_train": "reference",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _HOMES:
+        raise AttributeError(f"module 'tests.harness' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"tests.harness.{_HOMES[name]}"), name)
+
 
 __all__ = [
     "WORLD_SIZES",
@@ -51,4 +57,5 @@ __all__ = [
     "shutdown_pools",
     "rank_slice",
     "token_batch",
+    "reference_train",
 ]

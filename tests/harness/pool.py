@@ -1,11 +1,12 @@
 """A pool of persistent rank processes per world size, reused across tests.
 
 Spawning a process and importing torch costs seconds; a suite of hundreds of distributed tests
-cannot pay that per test on two cores. Each pool starts its ranks once (forked from a server
-that imported torch and shardwise: forkserver.py), initialises a gloo default group over a
-TCPStore hosted by the test process (port picked by the OS), then runs one test body after
-another. Any failure or timeout tears the pool down so that no later test inherits a group left
-mid-collective.
+cannot pay that per test on two cores. Each pool starts its ranks once (from procs.context():
+see [Note: test processes] in procs.py), initialises a gloo default group over a TCPStore
+hosted by the test process (port picked by the OS), then runs one test body after another.
+Any failure or timeout tears the pool down so that no later test inherits a group left
+mid-collective. Before each body, a rank resets the module-level state that would otherwise
+carry from one test to the next (state.py), so each test sees the process as new.
 
 Messages go through the pipes as plain pickles, so tensors travel by value: multiprocessing's
 own pickler would hand each tensor over as a shared-memory file descriptor that the test process
@@ -17,7 +18,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import multiprocessing as mp
 import os
 import pickle
 import time
@@ -29,11 +29,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-from tests.harness import forkserver
-
-# Ranks fork from a server that imported these once (not spawned, each importing them again);
-# each test module's bodies are imported by the ranks that run them, as before.
-forkserver.set_preload(["torch", "torch.distributed", "shardwise", "tests.harness.pool"])
+from tests.harness import procs
+from tests.harness.state import reset_module_state
 
 WORLD_SIZES = (1, 2, 4)
 TEST_TIMEOUT_S = float(os.environ.get("SHARDWISE_TEST_TIMEOUT", "120"))
@@ -88,6 +85,7 @@ def _worker_main(rank: int, world_size: int, port: int, conn: Connection) -> Non
             break
         fn, args, kwargs = job
         try:
+            reset_module_state()
             _send(conn, ("ok", fn(ctx, *args, **kwargs)))
         except BaseException:  # noqa: BLE001 - everything goes back to the test process
             _send(conn, ("error", traceback.format_exc()))
@@ -106,16 +104,17 @@ class _Pool:
         self.store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True,
                                    wait_for_workers=False)
         self.conns: list[Connection] = []
-        self.procs = []
+        self.processes = []
+        ctx = procs.context()
         for rank in range(world_size):
-            parent, child = mp.Pipe()
-            proc = forkserver.Process(target=_worker_main,
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=_worker_main,
                                       args=(rank, world_size, self.store.port, child),
                                       daemon=True, name=f"shardwise-test-rank{rank}")
             proc.start()
             child.close()
             self.conns.append(parent)
-            self.procs.append(proc)
+            self.processes.append(proc)
         self._collect("ready", timeout=GROUP_TIMEOUT_S + 30)
 
     def run(self, fn: Callable, args: tuple, kwargs: dict, timeout: float) -> list[Any]:
@@ -132,13 +131,13 @@ class _Pool:
             left = deadline - time.monotonic()
             if left <= 0:
                 break
-            sentinels = {self.procs[r].sentinel: r for r in pending}
+            sentinels = {self.processes[r].sentinel: r for r in pending}
             ready = wait(list(pending.values()) + list(sentinels), timeout=left)
             for obj in ready:
                 if obj in sentinels:
                     rank = sentinels[obj]
                     if rank in pending and not pending[rank].poll():
-                        code = self.procs[rank].exitcode
+                        code = self.processes[rank].exitcode
                         errors[rank] = f"rank {rank} process died (exit code {code})"
                         pending.pop(rank)
                     continue
@@ -180,9 +179,9 @@ class _Pool:
             for conn in self.conns:
                 with contextlib.suppress(BrokenPipeError, OSError):
                     _send(conn, None)
-            for proc in self.procs:
+            for proc in self.processes:
                 proc.join(timeout=5)
-        for proc in self.procs:
+        for proc in self.processes:
             if proc.is_alive():
                 proc.kill()
                 proc.join(timeout=5)

@@ -17,7 +17,7 @@ from shardwise.pipeline import (
     pipeline_layout,
     split_gpt,
 )
-from tests.harness import rank_slice, token_batch
+from tests.harness import rank_slice, reference_train, token_batch
 
 CFG = GPTConfig(n_layer=2, n_head=2, d_model=32, seq_len=16)
 BATCH, STEPS, LR = 8, 5, 3e-3
@@ -31,18 +31,12 @@ def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def reference_losses() -> list[float]:
     """The unsplit model, one process, the whole batch, AdamW."""
-    torch.manual_seed(0)
-    model = GPT(CFG)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    losses = []
-    for step in range(STEPS):
+    def loss(model, step):
         x, y = batch(step)
-        loss = lm_loss(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses
+        return lm_loss(model(x), y)
+
+    return reference_train(lambda: GPT(CFG), loss,
+                           lambda m: torch.optim.AdamW(m.parameters(), lr=LR), STEPS).losses
 
 
 @contextlib.contextmanager

@@ -1,7 +1,8 @@
-"""One pool of RPC workers for all RPC tests: this process is worker0, two more are spawned.
+"""One pool of RPC workers for all RPC tests: this process is worker0, two more are started
+(``python -m tests.rpc.worker_main``, by tests/harness/procs.py).
 
-Spawning a worker costs seconds (importing torch), so the pool starts once per session and
-channel. worker1 and worker2 join through env:// (MASTER_ADDR / MASTER_PORT, as torchrun sets
+Starting a worker costs seconds where it imports torch, so the pool starts once per session
+and channel. worker1 and worker2 join through env:// (MASTER_ADDR / MASTER_PORT, as torchrun sets
 them); this process joins through tcp:// and hosts the store.
 
 Every RPC test runs once per channel between workers (``rpc_channel``): TCP and shared memory
@@ -15,7 +16,6 @@ import itertools
 import os
 import socket
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -23,6 +23,7 @@ import pytest
 import shardwise.rpc as rpc
 from shardwise.rpc import rendezvous
 from shardwise.rpc.shm_channel import ENV as CHANNEL_ENV
+from tests.harness import procs
 from tests.rpc import helpers
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -41,11 +42,12 @@ def python_path() -> str:
                                        os.environ.get("PYTHONPATH", "")) if p)
 
 
-def spawn(module: str, rank: int, world: int, port: int, extra_env=None) -> subprocess.Popen:
+def spawn(module: str, rank: int, world: int, port: int, extra_env=None) -> procs.Program:
+    """``python -m module`` as rank ``rank`` of ``world`` (env://, as torchrun sets it)."""
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                WORLD_SIZE=str(world), PYTHONPATH=python_path(), OMP_NUM_THREADS="1",
                **(extra_env or {}))
-    return subprocess.Popen([sys.executable, "-m", module], env=env, cwd=ROOT)
+    return procs.start(["-m", module], env, ROOT)
 
 
 # the default run covers shared memory (what `auto` picks between workers on one host); TCP, the
@@ -57,37 +59,38 @@ CHANNELS = [os.environ[CHANNEL_ENV]] if os.environ.get(CHANNEL_ENV) else [
 @pytest.fixture(scope="session", params=CHANNELS, autouse=True)
 def rpc_channel(request):
     """The channel every RPC connection of the test uses (``tcp`` or ``shm``), forced."""
-    outer = os.environ.get(CHANNEL_ENV)
-    os.environ[CHANNEL_ENV] = request.param
-    yield request.param
-    if outer is None:
-        os.environ.pop(CHANNEL_ENV, None)
-    else:
-        os.environ[CHANNEL_ENV] = outer
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(CHANNEL_ENV, request.param)
+        yield request.param
 
 
 @pytest.fixture(scope="session")
 def rpc_world(rpc_channel):
     """Names of the pool's workers; this process is ``worker0``."""
+    with pytest.MonkeyPatch.context() as patch:
+        yield from _world(patch)
+
+
+def _world(patch: pytest.MonkeyPatch):
     port = free_port()
     # A fresh store and fresh workers: this process's next init_rpc is their first too, so
     # its keys must go under the first call's prefix (rendezvous.scoped), as theirs do.
-    rendezvous._init_counter = itertools.count()
-    procs = [spawn("tests.rpc.worker_main", r, WORLD, port) for r in range(1, WORLD)]
+    patch.setattr(rendezvous, "_init_counter", itertools.count())
+    workers = [spawn("tests.rpc.worker_main", r, WORLD, port) for r in range(1, WORLD)]
     opts = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{port}",
                                            rpc_timeout=30, connect_timeout=60)
     try:
         rpc.init_rpc("worker0", rank=0, world_size=WORLD, rpc_backend_options=opts,
                      allowed_modules=[helpers])
     except BaseException:
-        for p in procs:
+        for p in workers:
             p.kill()
         raise
     yield [f"worker{r}" for r in range(WORLD)]
     for r in range(1, WORLD):
         rpc.rpc_async(f"worker{r}", helpers.stop)
     rpc.shutdown(graceful=True, timeout=20)
-    for p in procs:
+    for p in workers:
         try:
             p.wait(timeout=30)
         except subprocess.TimeoutExpired:

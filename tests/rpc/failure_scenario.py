@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 
 import shardwise.rpc as rpc
-from tests.harness import zygote
+from tests.harness import procs
 from tests.rpc import helpers
 from tests.rpc.conftest import free_port
 
@@ -22,7 +22,7 @@ def victim() -> None:
 
 def main() -> None:
     init = f"tcp://127.0.0.1:{free_port()}"
-    proc = zygote.fork_call(victim, {"INIT": init})  # the victim: a process of its own
+    proc = procs.fork_call(victim, {"INIT": init})  # the victim: a process of its own
     opts = rpc.TensorPipeRpcBackendOptions(init_method=init, rpc_timeout=30)
     rpc.init_rpc("survivor", rank=0, world_size=2, rpc_backend_options=opts)
     pending = rpc.rpc_async("victim", helpers.die_soon, args=(0.5,))

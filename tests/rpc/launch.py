@@ -3,7 +3,7 @@
 A program is a module run as ``python -m MODULE IMPL OUT_DIR``, with IMPL ``torch`` or
 ``shardwise``; every rank saves what it computed to ``OUT_DIR/IMPL_rank<r>.pt``. Ranks get
 RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT as a launcher sets them (each rank a process of
-its own, forked from a zygote that has imported torch: see zygote.py), or run under torchrun
+its own, started by tests/harness/procs.py), or run under torchrun
 itself (``torchrun=True``), whose agent then hosts the store on MASTER_PORT.
 """
 
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from tests.harness import zygote
+from tests.harness import procs
 
 IMPLS = ("torch", "shardwise")
 
@@ -27,22 +27,22 @@ def run_program(module: str, impl: str, world: int, out_dir: Path, torchrun: boo
     env = dict(os.environ, PYTHONPATH=python_path(), OMP_NUM_THREADS="1",
                TP_SOCKET_IFNAME="lo", GLOO_SOCKET_IFNAME="lo")
     args = [module, impl, str(out_dir)]
-    if torchrun:  # torchrun forked from the zygote that imported torch; its ranks are not
-        procs = [zygote.start(["-m", "torch.distributed.run", "--standalone",
+    if torchrun:  # torchrun started by tests/harness/procs.py; its ranks are not
+        programs = [procs.start(["-m", "torch.distributed.run", "--standalone",
                                f"--nproc-per-node={world}", "-m", *args], env, ROOT)]
-    else:  # `python -m module impl out_dir` per rank, forked from a zygote that imported torch
+    else:  # `python -m module impl out_dir` per rank, started by tests/harness/procs.py
         env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(world))
-        procs = [zygote.start(["-m", *args], dict(env, RANK=str(r), LOCAL_RANK=str(r)), ROOT)
+        programs = [procs.start(["-m", *args], dict(env, RANK=str(r), LOCAL_RANK=str(r)), ROOT)
                  for r in range(world)]
     outputs = []
     try:
-        for p in procs:
+        for p in programs:
             outputs.append(p.communicate(timeout=timeout)[0])
     finally:
-        for p in procs:
+        for p in programs:
             if p.poll() is None:
                 p.kill()
-    failed = [(p.args, out) for p, out in zip(procs, outputs) if p.returncode != 0]
+    failed = [(p.args, out) for p, out in zip(programs, outputs) if p.returncode != 0]
     assert not failed, f"{impl} run of {module} failed:\n" + "\n".join(o for _, o in failed)
     return [torch.load(out_dir / f"{impl}_rank{r}.pt", weights_only=True) for r in range(world)]
 

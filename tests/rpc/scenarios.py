@@ -30,21 +30,21 @@ STEPS, PAUSE = 6, 0.5
 
 def run(mode: str, world: int, timeout: float = 120, extra_env=None) -> list[tuple[int, str]]:
     """Start ``world`` ranks of ``mode``; returns (exit code, stdout + stderr) per rank."""
-    from tests.harness import zygote
+    from tests.harness import procs
     from tests.rpc.conftest import ROOT, free_port, python_path
 
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
                WORLD_SIZE=str(world), PYTHONPATH=python_path(), OMP_NUM_THREADS="1",
                **(extra_env or {}))
-    # each rank a process of its own, forked from a zygote that has imported torch (zygote.py)
-    procs = [zygote.start(["-m", "tests.rpc.scenarios", mode], dict(env, RANK=str(r)), ROOT)
+    # each rank a process of its own, started by tests/harness/procs.py
+    programs = [procs.start(["-m", "tests.rpc.scenarios", mode], dict(env, RANK=str(r)), ROOT)
              for r in range(world)]
     out = []
-    for p in procs:
+    for p in programs:
         try:
             text, _ = p.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
-            for q in procs:
+            for q in programs:
                 q.kill()
             raise
         out.append((p.returncode, text))

@@ -18,7 +18,7 @@ import torch
 import shardwise.rpc as rpc
 from shardwise.rpc import shm_ring
 from shardwise.rpc.current import get_agent
-from tests.harness import zygote
+from tests.harness import procs
 from tests.rpc import helpers
 from tests.rpc.conftest import free_port
 
@@ -36,7 +36,7 @@ def callee() -> None:
 
 def main(mode: str) -> None:
     init = f"tcp://127.0.0.1:{free_port()}"
-    proc = zygote.fork_call(callee, {"INIT": init, "MODE": mode})  # the callee: a process too
+    proc = procs.fork_call(callee, {"INIT": init, "MODE": mode})  # the callee: a process too
     opts = rpc.TensorPipeRpcBackendOptions(init_method=init, rpc_timeout=TIMEOUT)
     rpc.init_rpc("caller", rank=0, world_size=2, rpc_backend_options=opts)
     conn = get_agent().transport.conns[1]

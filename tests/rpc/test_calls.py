@@ -43,6 +43,7 @@ def _assert_same(a, b):
         assert a == b
 
 
+@pytest.mark.fresh
 def test_rpc_sync_positional_and_keyword(rpc_world):
     x = torch.arange(6.0).reshape(2, 3)
     got = rpc.rpc_sync("worker1", helpers.add, args=(x, torch.ones(3)), kwargs={"scale": 2})

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import os
 
-from tests.harness import zygote
+import pytest
+
+from tests.harness import procs
 from tests.rpc.conftest import ROOT, python_path
 
 
+@pytest.mark.fresh
 def test_dead_worker_fails_pending_calls_and_shutdown_names_it():
-    # `python -m tests.rpc.failure_scenario`, forked from the zygote that imported torch
-    program = zygote.start(["-m", "tests.rpc.failure_scenario"], dict(
+    # `python -m tests.rpc.failure_scenario`, started by tests/harness/procs.py
+    program = procs.start(["-m", "tests.rpc.failure_scenario"], dict(
         os.environ, PYTHONPATH=python_path(), OMP_NUM_THREADS="1"), ROOT, merge_stderr=False)
     try:
         stdout, stderr = program.communicate(timeout=90)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import sys
 
-from tests.harness import zygote
+from tests.harness import procs
 from tests.rpc.conftest import ROOT, free_port, python_path
 
 PROGRAM = str(ROOT / "tests" / "rpc" / "launched_program.py")
@@ -29,18 +29,18 @@ def _check(outputs: list[str], world: int) -> None:
 
 
 def _run(cmds: list[list[str]]) -> list[str]:
-    # each launcher forked from the zygote that imported torch (tests/harness/zygote.py); the
+    # each launcher started by tests/harness/procs.py (forked from its server); the
     # ranks they start are fresh interpreters, as always
-    procs = [zygote.start(c[1:], _env(), ROOT) for c in cmds]
+    programs = [procs.start(c[1:], _env(), ROOT) for c in cmds]
     outs = []
     try:
-        for p in procs:
+        for p in programs:
             outs.append(p.communicate(timeout=180)[0])
     finally:
-        for p in procs:
+        for p in programs:
             if p.poll() is None:
                 p.kill()
-    assert [p.returncode for p in procs] == [0] * len(procs), "\n".join(outs)
+    assert [p.returncode for p in programs] == [0] * len(programs), "\n".join(outs)
     return outs
 
 

@@ -265,12 +265,10 @@ def test_setstate_of_program_classes_needs_registration(monkeypatch):
     assert _round_trip(_PlainData(5)).a == 5
     own = glob(mod.__name__, "_OwnSetstate") + b")\x81" + d((s("a"), k(7))) + b"b"
     _refused(pk(own), "__setstate__")
-    rpc.register(_OwnSetstate)
-    try:
-        assert _loads(pk(own)).via_setstate
-    finally:
-        callables._registry.pop(f"{mod.__name__}:_OwnSetstate")
-        callables._names.pop(id(_OwnSetstate))
+    monkeypatch.setattr(callables, "_registry", dict(callables._registry))
+    monkeypatch.setattr(callables, "_names", dict(callables._names))
+    rpc.register(_OwnSetstate)  # (into the copies: undone with the test)
+    assert _loads(pk(own)).via_setstate
     # a class whose __new__ hands out an existing object: never given a state
     single = _OwnNew()
     for op in (b")\x81", b")R"):

@@ -70,15 +70,14 @@ def program(tmp_path, monkeypatch):
     (outside / "h1prog_outside.py").write_text(WRITES)
     for d in (root, lib, outside):
         monkeypatch.syspath_prepend(str(d))
-    saved = dict(callables._program)
+    monkeypatch.setattr(callables, "_program", dict(callables._program))
+    monkeypatch.setattr(callables, "_program_modules", {})
     callables.set_program_roots([str(root)])
     names = ("h1prog_sibling", "h1prog_vendored", "h1prog_linked", "h1prog_outside")
     mods = {n: importlib.import_module(n) for n in names}
     yield mods
     for n in (*names, "h1prog_target", "h1prog_unimported"):
         sys.modules.pop(n, None)
-    callables._program.update(saved)
-    callables._program_modules.clear()
 
 
 def test_program_module_resolves_its_own_definitions(program):
@@ -137,18 +136,15 @@ def test_library_functions_stay_refused_whatever_the_root(program, func):
 
 
 def test_program_roots_are_the_script_dir_and_cwd_never_library_trees(monkeypatch, tmp_path):
-    saved = dict(callables._program)
-    try:
-        script = tmp_path / "app" / "train.py"
-        script.parent.mkdir()
-        script.write_text("")
-        monkeypatch.setattr(sys.modules["__main__"], "__file__", str(script), raising=False)
-        monkeypatch.chdir(tmp_path)
-        callables.set_program_roots()
-        assert set(callables.program_roots()) == {os.path.realpath(script.parent),
-                                                  os.path.realpath(tmp_path)}
-        callables.set_program_roots([os.sep, sys.prefix, os.path.dirname(torch.__file__)])
-        assert callables.program_roots() == ()
-    finally:
-        callables._program.update(saved)
-        callables._program_modules.clear()
+    monkeypatch.setattr(callables, "_program", dict(callables._program))
+    monkeypatch.setattr(callables, "_program_modules", {})
+    script = tmp_path / "app" / "train.py"
+    script.parent.mkdir()
+    script.write_text("")
+    monkeypatch.setattr(sys.modules["__main__"], "__file__", str(script), raising=False)
+    monkeypatch.chdir(tmp_path)
+    callables.set_program_roots()
+    assert set(callables.program_roots()) == {os.path.realpath(script.parent),
+                                              os.path.realpath(tmp_path)}
+    callables.set_program_roots([os.sep, sys.prefix, os.path.dirname(torch.__file__)])
+    assert callables.program_roots() == ()

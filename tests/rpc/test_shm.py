@@ -16,7 +16,7 @@ import torch
 import shardwise.rpc as rpc
 from shardwise.rpc import shm_channel, shm_ring, transport, wire
 from shardwise.rpc.current import get_agent
-from tests.harness import zygote
+from tests.harness import procs
 from tests.rpc import helpers
 from tests.rpc.conftest import ROOT, python_path
 from tests.rpc.pairs import sessions, shm_pair
@@ -198,8 +198,8 @@ def test_a_segment_that_is_not_private_is_refused(tmp_path):
 
 
 def _scenario(mode: str, pool_mb: str = "256") -> dict[str, str]:
-    # `python -m tests.rpc.shm_scenario MODE`, forked from the zygote that imported torch
-    program = zygote.start(["-m", "tests.rpc.shm_scenario", mode], dict(
+    # `python -m tests.rpc.shm_scenario MODE`, started by tests/harness/procs.py
+    program = procs.start(["-m", "tests.rpc.shm_scenario", mode], dict(
         os.environ, SHARDWISE_RPC_SHM_POOL_MB=pool_mb, PYTHONPATH=python_path(),
         OMP_NUM_THREADS="1"), ROOT, merge_stderr=False)
     try:

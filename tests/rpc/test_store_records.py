@@ -44,23 +44,23 @@ def _attacker(port: int, where, done: threading.Event) -> None:
 def test_forged_shutdown_and_left_records_change_nothing(tmp_path):
     """Before: rank 0 took the forged records as rank 1's arrival at shutdown and its leave,
     left, and rank 1's calls failed (WorkerDied)."""
-    from tests.harness import zygote
+    from tests.harness import procs
     from tests.rpc.conftest import ROOT, free_port, python_path
 
     port = free_port()
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2",
                PYTHONPATH=python_path(), OMP_NUM_THREADS="1", SCENARIO_DIR=str(tmp_path))
-    procs = [zygote.start(["-m", "tests.rpc.forged_records"], dict(env, RANK=str(r)), ROOT)
+    programs = [procs.start(["-m", "tests.rpc.forged_records"], dict(env, RANK=str(r)), ROOT)
              for r in range(2)]
     done = threading.Event()
     attacker = threading.Thread(target=_attacker, args=(port, tmp_path, done), daemon=True)
     attacker.start()
     out = []
-    for p in procs:
+    for p in programs:
         try:
             text, _ = p.communicate(timeout=180)
         except subprocess.TimeoutExpired:
-            for q in procs:
+            for q in programs:
                 q.kill()
             raise
         out.append((p.returncode, text))

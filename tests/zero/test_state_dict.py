@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from shardwise import DistributedDataParallel, ZeroDataParallel, ZeroRedundancyOptimizer
-from tests.harness import assert_rel_close, rank_slice, run_on_ranks
+from tests.harness import assert_rel_close, rank_slice, reference_train, run_on_ranks
 from tests.zero.common import (
     RTOL,
     assert_params_equal,
@@ -59,14 +59,12 @@ def _second_half(ctx, stage, model_state, opt_state):
 
 
 def _reference_state_after_5():
-    reference = make_net()
-    ref_opt = OPT[0](param_groups(reference), **OPT[1])
-    for step in range(5):
+    def loss(model, step):
         x, y = global_batch(step)
-        loss_fn(reference(x[0]), y[0]).backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-    return ref_opt.state_dict()
+        return loss_fn(model(x[0]), y[0])
+
+    return reference_train(make_net, loss, lambda m: OPT[0](param_groups(m), **OPT[1]), 5,
+                           seed=None).optimizer.state_dict()
 
 
 @pytest.mark.parametrize(("stage", "first", "second"), [(1, 2, 4), (1, 4, 1), (2, 1, 2),

@@ -42,9 +42,10 @@
 #     test_zero_model_parallel (4 GPUs) and test_ddp_zero_overlap (GPUs).
 #  7. Every test runs in the default `python -m pytest` (once a subset, behind a switch, while
 #     each test's ranks imported torch afresh; change 8 made the whole file take ~13 s).
-#  8. On CPU the ranks of each test are forked from a forkserver that has imported this file
-#     once, not spawned afresh (see _rank_process_class): the same fresh processes per test,
-#     without each one importing torch again.
+#  8. On CPU the ranks of each test start from the test harness's forkserver, which imported
+#     torch, its test utilities and shardwise once, not spawned afresh (see
+#     _rank_process_class): the same new processes per test, without each one importing torch
+#     again.
 #
 # test_sharding and test_add_param_group pass unchanged, but shardwise's partition differs
 # from torch's where some parameters are frozen (see [Note: ZeRO partition] in
@@ -126,16 +127,16 @@ def deterministic_algorithms(enabled=True):
 
 
 def _rank_process_class():
-    """shardwise (change 8): the class the ranks of a test start as. On CPU: forked from a
-    forkserver that imported this module (so torch, torch's test utilities and shardwise) once
-    for the whole file, instead of spawned afresh for every test, each importing all of that
-    again (about 4 s per rank). Each test still gets its own new processes and process group.
-    With an accelerator, torch's spawn as before."""
+    """shardwise (change 8): the class the ranks of a test start as. On CPU: the test harness's
+    (tests/harness/procs.py), forked from the forkserver that imported torch, torch's test
+    utilities and shardwise once for the session, instead of spawned afresh for every test,
+    each importing all of that again (about 4 s per rank). Each test still gets its own new
+    processes and process group. With an accelerator, torch's spawn as before."""
     if device_type != "cpu":
         return torch.multiprocessing.get_context("spawn").Process
-    ctx = torch.multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload([__name__])
-    return ctx.Process
+    from tests.harness import procs
+
+    return procs.context().Process
 
 
 class TestZeroRedundancyOptimizer(DistributedTestBase):
