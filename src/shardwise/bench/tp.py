@@ -5,7 +5,11 @@ its output features and fc2 on its input features, forward + backward + zero_gra
 (no optimizer: the comparison is of the sharded computation). Bytes communicated per step and
 rank are counted from the collectives each implementation makes: ours from
 ``shardwise.sharded_tensor.TRAFFIC``, torch's by a dispatch mode that sees its functional
-collectives (payload of each call, one untimed step).
+collectives (payload of each call, one untimed step). ``local-shard`` computes one rank's
+share with plain layers (fc1 with hidden / world outputs, fc2 with hidden / world inputs) and no
+communication, then measures the two all-reduces the pattern cannot overlap (limits.py): the
+forward one of fc2's partial outputs and the backward one of the input's partial gradients,
+each of tokens x d_model; its step plus those is the limit of both rows.
 
     shardwise bench tp --nproc 2 --rounds 3 --steps 20
 """
@@ -21,17 +25,19 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from shardwise.bench.sidebyside import SideBySide
+from shardwise.bench.limits import PATTERNS, synchronize, timed_collective
+from shardwise.bench.sidebyside import SideBySide, bench_device
 from shardwise.sharded_tensor import TRAFFIC, ChunkShardingSpec, shard_module
 
-IMPLS = ["torch-dtensor", "shardwise-tp"]
+IMPLS = ["torch-dtensor", "shardwise-tp", "local-shard"]
+PATTERN = PATTERNS["tp"]
 
 
 class MLP(nn.Module):
-    def __init__(self, d: int, hidden: int):
+    def __init__(self, d: int, hidden: int, cut: bool = False):
         super().__init__()
         self.fc1 = nn.Linear(d, hidden)
-        self.fc2 = nn.Linear(hidden, d)
+        self.fc2 = nn.Linear(hidden, d, bias=not cut)  # a row-wise cut adds the bias once
 
     def forward(self, x):
         return self.fc2(F.gelu(self.fc1(x)))
@@ -65,8 +71,11 @@ def _args(parser) -> None:
 
 def _prepare(impl: str, args, group):
     torch.manual_seed(0)
-    mlp = MLP(args.d_model, args.hidden)
     world = dist.get_world_size(group)
+    device = bench_device(args)
+    if impl == "local-shard":
+        return MLP(args.d_model, args.hidden // world, cut=True).to(device)
+    mlp = MLP(args.d_model, args.hidden).to(device)
     if impl == "torch-dtensor":
         from torch.distributed.device_mesh import DeviceMesh
         from torch.distributed.tensor.parallel import (
@@ -75,7 +84,7 @@ def _prepare(impl: str, args, group):
             parallelize_module,
         )
 
-        mesh = DeviceMesh("cpu", list(range(world)))
+        mesh = DeviceMesh(device.type, list(range(world)))
         parallelize_module(mlp, mesh, {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
     else:
         ranks = list(range(world))
@@ -86,8 +95,9 @@ def _prepare(impl: str, args, group):
 
 def worker(impl: str, args, group: dist.ProcessGroup):
     mlp = _prepare(impl, args, group)
+    device = bench_device(args)
     x = torch.randn(args.tokens, args.d_model, generator=torch.Generator().manual_seed(1))
-    x.requires_grad_()
+    x = x.to(device).requires_grad_()
 
     def step():
         mlp(x).sum().backward()
@@ -96,11 +106,17 @@ def worker(impl: str, args, group: dist.ProcessGroup):
 
     times = []
     for i in range(args.warmup + args.steps):
+        synchronize(device)
         dist.barrier(group=group)
         t0 = time.perf_counter()
         step()
+        synchronize(device)
         if i >= args.warmup:
             times.append(time.perf_counter() - t0)
+    if impl == "local-shard":
+        partial = torch.ones(args.tokens, args.d_model, device=device)
+        once = timed_collective(lambda: dist.all_reduce(partial, group=group), group, device)
+        return times, {"pattern_comm_ms": round(2 * once, 2)}
     if impl == "torch-dtensor":
         with _CountCollectives() as counter:
             step()
@@ -115,4 +131,6 @@ def worker(impl: str, args, group: dist.ProcessGroup):
 
 
 BENCH = SideBySide("tp", worker, IMPLS, "torch-dtensor", _args,
-                   "tensor-parallel MLP against torch's DTensor")
+                   "tensor-parallel MLP against torch's DTensor",
+                   limit_rows={"torch-dtensor": "local-shard", "shardwise-tp": "local-shard"},
+                   pattern=PATTERN)
