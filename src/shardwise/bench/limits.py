@@ -34,11 +34,11 @@ import torch.distributed as dist
 from shardwise.distributed.fast_collectives import all_gather_flat, reduce_scatter_flat
 
 _BUCKETS = ("each row's own wait at the end of backward for its last buckets (exposed_comm_ms, "
-            "from our bucketer: nothing computes after the last gradient arrives); the local "
+            "from our bucketer{}: nothing computes after the last gradient arrives); the local "
             "row (local-adamw) is each rank's world-size-1 step")
 PATTERNS = {
-    "ddp": _BUCKETS,
-    "zero": _BUCKETS + " (stage 2 included)",
+    "ddp": _BUCKETS.format(""),
+    "zero": _BUCKETS.format(", ZeRO-2's included"),
     "fsdp": ("the root unit's all-gather (the first of forward: nothing to compute before it) "
              "and its reduce-scatter (the last of backward: its gradients arrive last), with our "
              "FSDP's collectives, measured by local-fsdp (whole-model forward and backward, AdamW "

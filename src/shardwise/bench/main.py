@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from shardwise.bench import BENCHES
-from shardwise.bench.records import format_table, load, render_markdown, save
+from shardwise.bench.records import format_table, load, render_markdown, run_meta, save
 
 USAGE = ("usage: shardwise bench NAME [--device cpu|cuda] [--nproc N] [--rounds R] [--out DIR]"
          " ...  (NAME --help for a benchmark's options)\n"
@@ -50,6 +50,7 @@ def main(argv: Sequence[str]) -> int:
         print(f"shardwise bench: error: --out {problem}", file=sys.stderr)
         return 2
     module = importlib.import_module(BENCHES[name])
+    meta = run_meta(_device_flag(rest) or "cpu") if "--worker" not in rest else {}
     if hasattr(module, "BENCH"):
         from shardwise.bench.sidebyside import run
 
@@ -58,11 +59,26 @@ def main(argv: Sequence[str]) -> int:
         record = module.run(rest)
     if record is None:  # a worker rank
         return 0
+    record.setdefault("meta", {**meta, "load_after": run_meta()["load_before"]})
+    record["meta"]["command"] = command_line(name, rest)
     print(format_table(record))
     if out:
         path, png = save(record, out)
         print(f"wrote {path}" + (f" and {png}" if png else " (no plot: matplotlib is missing)"))
     return 1 if record.get("failed") else 0
+
+
+def command_line(name: str, argv: list[str]) -> str:
+    """The command that repeats this run (``--out DIR`` left out)."""
+    kept, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == "--out":
+            skip = True
+        elif not arg.startswith("--out="):
+            kept.append(arg)
+    return " ".join(["shardwise bench", name, *kept])
 
 
 def _device_flag(argv: list[str]) -> str | None:
