@@ -13,6 +13,7 @@ from shardwise.cli.main import main
 TINY = ["--nproc", "2", "--rounds", "2", "--steps", "2", "--warmup", "1", "--n-layer", "1",
         "--d-model", "32", "--n-head", "2", "--seq-len", "8",
         "--only", "torch-fsdp2,shardwise-fsdp"]
+FSDP_ROWS = "torch-fsdp2,shardwise-fsdp,local-fsdp"
 
 
 def png_size(path):
@@ -25,6 +26,8 @@ def _impl_rows(table, impls):
     """implementation -> every number on its row (and on its extra-figures line)."""
     rows, current = {}, None
     for line in table.splitlines():
+        if line.startswith("ratio: "):  # the table ends; limit lines name the rows again
+            break
         name = line.split()[0] if line.strip() else ""
         if name in impls:
             current = name
@@ -46,18 +49,32 @@ def _printed_numbers(s):
 
 def test_bench_fsdp_writes_table_json_and_png(tmp_path, capsys):
     out = tmp_path / "records"
-    assert main(["bench", "fsdp", *TINY, "--out", str(out)]) == 0
+    assert main(["bench", "fsdp", *TINY[:-1], FSDP_ROWS, "--out", str(out)]) == 0
     table = capsys.readouterr().out
     record = json.loads((out / "fsdp.json").read_text())
     impls = record["impls"]
-    assert list(impls) == ["torch-fsdp2", "shardwise-fsdp"]
+    assert list(impls) == ["torch-fsdp2", "shardwise-fsdp", "local-fsdp"]
     assert record["settings"]["rounds"] == 2 and record["baseline"] == "torch-fsdp2"
     rows = _impl_rows(table, impls)
     for impl, s in impls.items():
         assert len(s["round_median_step_s"]) == 2 and len(s["peak_rss_mib"]) == 2
         assert rows[impl] == pytest.approx(_printed_numbers(s), abs=1e-9), impl
-        assert s["extra"]["state_MiB"] > 0
+        if impl != "local-fsdp":
+            assert s["extra"]["state_MiB"] > 0
     assert impls["torch-fsdp2"]["ratio"] == 1.0
+    # the limit of both FSDPs: local-fsdp's step plus the root unit's gather and reduce-scatter
+    local = impls["local-fsdp"]
+    assert local["extra"]["pattern_comm_ms"] > 0
+    limits = record["limits"]
+    assert set(limits["impls"]) == {"torch-fsdp2", "shardwise-fsdp"}
+    for impl, row in limits["impls"].items():
+        assert row["limit_ms"] == pytest.approx(local["median_step_s"] * 1e3
+                                                + local["extra"]["pattern_comm_ms"])
+        assert row["step_over_limit"] == pytest.approx(
+            impls[impl]["median_step_s"] * 1e3 / row["limit_ms"])
+        assert f"step/limit {row['step_over_limit']:.3f}" in table
+    assert record["meta"]["command"].startswith("shardwise bench fsdp --nproc 2")
+    assert "--out" not in record["meta"]["command"] and record["meta"]["date"].endswith("UTC")
     width, height = png_size(out / "fsdp.png")
     assert (width, height) == PLOT_SIZE_PX == (record["plot"]["width_px"],
                                                record["plot"]["height_px"])
@@ -110,6 +127,38 @@ def test_bad_bench_input_is_named(tmp_path, capsys):
         main(["bench", "fsdp", "--only", "torch-fsdp3"])
     assert exit_info.value.code == 2
     assert "unknown implementation(s) torch-fsdp3" in capsys.readouterr().err
+
+
+def test_device_cuda_without_a_cuda_device_is_one_line_and_exit_2(capsys):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is present")
+    assert main(["bench", "ddp", "--device", "cuda"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1
+    assert err == "shardwise bench: no CUDA device is present (--device cuda needs one); " \
+                  "nothing was run\n"
+    assert main(["bench", "pipeline", "--device=cuda"]) == 2  # the same line, whatever NAME
+    assert "no CUDA device is present" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, args", [
+    ("tp", ["--d-model", "32", "--hidden", "64", "--tokens", "8"]),
+    ("pipeline", ["--n-layer", "2", "--d-model", "32", "--n-head", "2", "--seq-len", "8",
+                  "--batch-size", "4", "--microbatches", "2", "--only",
+                  "torch-gpipe,shardwise-1f1b"]),
+])
+def test_tp_and_pipeline_records_have_limit_lines(name, args, tmp_path, capsys):
+    tiny = ["--nproc", "2", "--rounds", "1", "--steps", "2", "--warmup", "1"]
+    assert main(["bench", name, *tiny, *args, "--out", str(tmp_path)]) == 0
+    record = json.loads((tmp_path / f"{name}.json").read_text())
+    rows = [i for i in record["impls"] if not i.startswith("local")]
+    assert set(record["limits"]["impls"]) == set(rows)
+    for row in record["limits"]["impls"].values():
+        assert row["limit_ms"] == pytest.approx(row["compute_ms"] + row["exposed_comm_ms"])
+        assert row["exposed_comm_ms"] > 0 and row["compute_ms"] > 0
 
 
 def test_ddp_bench_defaults_are_shardwise_trains():

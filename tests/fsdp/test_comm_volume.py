@@ -79,6 +79,6 @@ def test_bytes_crossing_nodes_per_step_follow_the_logical_patterns():
     # HSDP against FULL_SHARD on the pattern's schedule (every unit gathered twice: 1.5 M), both
     # measured. Against the default schedule (1.5 M less half the two kept units' share: 1.34 M
     # on this 4-block model) it is 0.37x: keeping units gathered saves FULL_SHARD cross-node
-    # gathers, and HSDP has none to save (see docs/benchmarks.md)
+    # gathers, and HSDP has none to save (see docs/mesh.md)
     assert max(ratios["hsdp"]) <= 0.35 * min(ratios["full_shard_resharded"])
     assert max(ratios["hsdp"]) <= 0.38 * min(ratios["full_shard"])

@@ -25,7 +25,8 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from shardwise.bench.gpt_steps import batch_stream, exposed_comm_probe, timed_steps
-from shardwise.bench.sidebyside import SideBySide
+from shardwise.bench.limits import PATTERNS
+from shardwise.bench.sidebyside import SideBySide, bench_device
 from shardwise.ddp import DistributedDataParallel, hooks
 from shardwise.memory import state_bytes
 from shardwise.models import GPT, GPTConfig
@@ -57,7 +58,7 @@ def worker(impl: str, args, group: dist.ProcessGroup):
     cfg = GPTConfig(n_layer=args.n_layer, d_model=args.d_model, n_head=args.n_head,
                     seq_len=args.seq_len)
     torch.manual_seed(0)
-    model = GPT(cfg)
+    model = GPT(cfg).to(bench_device(args))
     wrapped = _wrap(impl, model, args, group)
     opt = torch.optim.AdamW(wrapped.parameters(), lr=1e-3)
     stream = batch_stream(cfg.seq_len, args.batch_size, group)
@@ -92,4 +93,5 @@ def bf16_hook(state, bucket):  # unannotated: torch checks annotations by value
     return default_hooks.bf16_compress_hook(state, bucket)
 
 BENCH = SideBySide("ddp", worker, IMPLS, "torch-ddp", _model_args,
-                   "DDP: ours against torch's DistributedDataParallel", limit_of="local-adamw")
+                   "DDP: ours against torch's DistributedDataParallel", limit_of="local-adamw",
+                   pattern=PATTERNS["ddp"])

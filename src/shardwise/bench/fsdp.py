@@ -3,6 +3,11 @@
 The demo GPT with one unit per transformer block (the root owning embeddings, final norm and
 head), each rank its slice of a global batch from the stdlib corpus, AdamW, fp32, CPU + gloo.
 Every implementation runs in fresh ranks, rounds interleaved (see shardwise/bench/sidebyside.py).
+``local-fsdp`` has no wrapper and no communication: each rank runs the whole model's forward
+and backward on its slice of the batch and AdamW over 1/world of the elements (what one FSDP
+rank computes), then measures the communication FSDP's pattern cannot overlap: the root unit's
+all-gather and reduce-scatter (limits.py). Its step plus that is the limit of both FSDP rows
+(and of torch's).
 
     shardwise bench fsdp --nproc 2 --rounds 3 --steps 10
     shardwise bench fsdp --mmap-threshold     # peak RSS that tracks live memory
@@ -16,14 +21,16 @@ import torch
 import torch.distributed as dist
 
 from shardwise.bench.gpt_steps import batch_stream, timed_steps
-from shardwise.bench.sidebyside import SideBySide
+from shardwise.bench.limits import PATTERNS, ShardedStepStandIn, fsdp_pattern_ms, root_numel
+from shardwise.bench.sidebyside import SideBySide, bench_device
 from shardwise.ddp import DistributedDataParallel
 from shardwise.fsdp import fully_shard
 from shardwise.memory import state_bytes
 from shardwise.models import GPT, GPTConfig
 
 IMPLS = ["torch-fsdp2", "shardwise-fsdp", "shardwise-fsdp-noprefetch", "shardwise-ddp",
-         "torch-ddp"]
+         "torch-ddp", "local-fsdp"]
+PATTERN = PATTERNS["fsdp"]
 
 
 def _model_args(parser) -> None:
@@ -41,7 +48,7 @@ def _wrap(impl: str, model: GPT, group: dist.ProcessGroup, reshard: bool):
         from torch.distributed.device_mesh import DeviceMesh
         from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
-        mesh = DeviceMesh.from_group(group, "cpu")
+        mesh = DeviceMesh.from_group(group, next(model.parameters()).device.type)
         for block in model.blocks:
             torch_fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
         return torch_fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
@@ -50,6 +57,8 @@ def _wrap(impl: str, model: GPT, group: dist.ProcessGroup, reshard: bool):
             fully_shard(block, process_group=group, reshard_after_forward=reshard)
         return fully_shard(model, process_group=group, reshard_after_forward=reshard,
                            forward_prefetch=not impl.endswith("-noprefetch"))
+    if impl == "local-fsdp":
+        return model
     if impl == "torch-ddp":
         return torch.nn.parallel.DistributedDataParallel(model, process_group=group)
     return DistributedDataParallel(model, process_group=group)
@@ -74,10 +83,14 @@ def worker(impl: str, args, group: dist.ProcessGroup):
     cfg = GPTConfig(n_layer=args.n_layer, d_model=args.d_model, n_head=args.n_head,
                     seq_len=args.seq_len)
     torch.manual_seed(0)
-    model = GPT(cfg)
+    device = bench_device(args)
+    model = GPT(cfg).to(device)
     n_params = sum(p.numel() for p in model.parameters())
     wrapped = _wrap(impl, model, group, not args.no_reshard)
-    opt = torch.optim.AdamW(wrapped.parameters(), lr=1e-3)
+    if impl == "local-fsdp":
+        opt = ShardedStepStandIn(model, dist.get_world_size(group), device)
+    else:
+        opt = torch.optim.AdamW(wrapped.parameters(), lr=1e-3)
     stream = batch_stream(cfg.seq_len, args.batch_size, group)
     state = {}
 
@@ -85,9 +98,18 @@ def worker(impl: str, args, group: dist.ProcessGroup):
         if step == max(args.warmup - 1, 0):
             state["MiB"] = _state_mib(model, opt)  # between steps: params + grads + AdamW state
 
-    times = timed_steps(wrapped, opt, stream, args, group, after_step=measure)
-    return times, {"params_M": round(n_params / 1e6, 2), "state_MiB": state.get("MiB", 0.0)}
+    times = timed_steps(wrapped, opt, stream, args, group,
+                        after_step=None if impl == "local-fsdp" else measure)
+    extra = {"params_M": round(n_params / 1e6, 2)}
+    if impl == "local-fsdp":
+        extra["pattern_comm_ms"] = fsdp_pattern_ms(root_numel(model), group, device)
+    else:
+        extra["state_MiB"] = state.get("MiB", 0.0)
+    return times, extra
 
 
 BENCH = SideBySide("fsdp", worker, IMPLS, "torch-fsdp2", _model_args,
-                   "FSDP against torch's fully_shard (FSDP2)")
+                   "FSDP against torch's fully_shard (FSDP2)",
+                   limit_rows={"torch-fsdp2": "local-fsdp", "shardwise-fsdp": "local-fsdp",
+                               "shardwise-fsdp-noprefetch": "local-fsdp"},
+                   pattern=PATTERN)

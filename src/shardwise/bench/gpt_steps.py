@@ -3,7 +3,8 @@
 Every rank trains the wrapped demo GPT on its slice of a global batch from the stdlib corpus and
 times each step (forward, backward, optimizer step, zero_grad) after ``args.warmup`` steps. A
 barrier before each step makes the ranks start together, so a step's time is the step's own and
-not the skew between ranks.
+not the skew between ranks. With ``--device cuda`` the batch is copied to the rank's device
+before the clock starts and the device is synchronized before it stops.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from shardwise.bench.limits import synchronize
+from shardwise.bench.sidebyside import bench_device
 from shardwise.data import BatchStream, TokenWindows, load_corpus
 from shardwise.models import lm_loss
 
@@ -53,8 +56,10 @@ def timed_steps(wrapped: torch.nn.Module, opt: torch.optim.Optimizer, stream: Ba
     """Seconds per timed step; ``after_step(step)`` runs after ``opt.step()``, before
     ``zero_grad``, inside the timing (keep it cheap, or call it on a warm-up step only)."""
     times = []
+    device = bench_device(args)
     for step in range(args.warmup + args.steps):
-        x, y = stream.batch(step)
+        x, y = (t.to(device) for t in stream.batch(step))
+        synchronize(device)
         dist.barrier(group=group)
         t0 = time.perf_counter()
         lm_loss(wrapped(x), y).backward()
@@ -62,6 +67,7 @@ def timed_steps(wrapped: torch.nn.Module, opt: torch.optim.Optimizer, stream: Ba
         if after_step is not None:
             after_step(step)
         opt.zero_grad(set_to_none=True)
+        synchronize(device)
         if step >= args.warmup:
             times.append(time.perf_counter() - t0)
     return times

@@ -1,4 +1,8 @@
-"""`shardwise bench NAME [options]` and `shardwise bench --render-md RECORD.json ...`."""
+"""`shardwise bench NAME [options]`, `shardwise bench --render-md RECORD.json ...` and
+`shardwise bench --render-page` (docs/benchmarks.md from docs/records/, page.py).
+
+``--device cuda`` on a host without a CUDA device prints one line saying so and exits 2 before
+anything else is imported or started."""
 
 from __future__ import annotations
 
@@ -9,11 +13,14 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from shardwise.bench import BENCHES
-from shardwise.bench.records import format_table, load, render_markdown, save
+from shardwise.bench.records import format_table, load, render_markdown, run_meta, save
 
-USAGE = ("usage: shardwise bench NAME [--nproc N] [--rounds R] [--out DIR] ...  "
-         "(NAME --help for a benchmark's options)\n"
-         "       shardwise bench --render-md RECORD.json [RECORD.json ...]")
+USAGE = ("usage: shardwise bench NAME [--device cpu|cuda] [--nproc N] [--rounds R] [--out DIR]"
+         " ...  (NAME --help for a benchmark's options)\n"
+         "       shardwise bench --render-md RECORD.json [RECORD.json ...]\n"
+         "       shardwise bench --render-page [--records DIR] [--check] [PAGE.md]")
+NO_CUDA = "shardwise bench: no CUDA device is present (--device cuda needs one); nothing was run"
+CUDA_BENCHES = ("ddp", "zero", "fsdp", "mesh", "tp")
 
 
 def main(argv: Sequence[str]) -> int:
@@ -23,17 +30,27 @@ def main(argv: Sequence[str]) -> int:
         return 0 if argv else 2
     if argv[0] == "--render-md":
         return _render(argv[1:])
+    if argv[0] == "--render-page":
+        from shardwise.bench.page import main as page_main
+
+        return page_main(argv[1:])
     name, rest = argv[0], argv[1:]
     if name not in BENCHES:
         print(f"shardwise bench: error: unknown benchmark {name!r}; known: "
               f"{', '.join(BENCHES)}", file=sys.stderr)
         return 2
+    if _device_flag(rest) == "cuda" and "--worker" not in rest:
+        problem = _cuda_problem(name)
+        if problem:
+            print(problem, file=sys.stderr)
+            return 2
     out = _out_flag(rest)
     problem = writable_problem(out) if out and "--worker" not in rest else None
     if problem:
         print(f"shardwise bench: error: --out {problem}", file=sys.stderr)
         return 2
     module = importlib.import_module(BENCHES[name])
+    meta = run_meta(_device_flag(rest) or "cpu") if "--worker" not in rest else {}
     if hasattr(module, "BENCH"):
         from shardwise.bench.sidebyside import run
 
@@ -42,11 +59,47 @@ def main(argv: Sequence[str]) -> int:
         record = module.run(rest)
     if record is None:  # a worker rank
         return 0
+    record.setdefault("meta", {**meta, "load_after": run_meta()["load_before"]})
+    record["meta"]["command"] = command_line(name, rest)
     print(format_table(record))
     if out:
         path, png = save(record, out)
-        print(f"wrote {path} and {png}")
-    return 0
+        print(f"wrote {path}" + (f" and {png}" if png else " (no plot: matplotlib is missing)"))
+    return 1 if record.get("failed") else 0
+
+
+def command_line(name: str, argv: list[str]) -> str:
+    """The command that repeats this run (``--out DIR`` left out)."""
+    kept, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == "--out":
+            skip = True
+        elif not arg.startswith("--out="):
+            kept.append(arg)
+    return " ".join(["shardwise bench", name, *kept])
+
+
+def _device_flag(argv: list[str]) -> str | None:
+    for i, arg in enumerate(argv):
+        if arg == "--device" and i + 1 < len(argv):
+            return argv[i + 1]
+        if arg.startswith("--device="):
+            return arg.split("=", 1)[1]
+    return None
+
+
+def _cuda_problem(name: str) -> str | None:
+    """Why ``NAME --device cuda`` cannot run here (one line), or None."""
+    import torch
+
+    if not torch.cuda.is_available() or torch.cuda.device_count() == 0:
+        return NO_CUDA
+    if name not in CUDA_BENCHES:
+        return (f"shardwise bench: error: {name} has no --device cuda variant; "
+                f"these have: {', '.join(CUDA_BENCHES)}")
+    return None
 
 
 def writable_problem(directory: str | Path) -> str | None:

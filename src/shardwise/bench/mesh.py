@@ -7,6 +7,9 @@ torch, ours for ours: identical rank layouts). The demo GPT with one unit per tr
 AdamW, fp32, CPU + gloo, each rank its slice of a global batch; every implementation in fresh
 ranks, rounds interleaved (sidebyside.py). Prints the table, then for each mesh our step time
 over torch's and both peak RSS per rank (kept in the record as ``comparison``).
+``local-hsdp`` and ``local-full`` have no wrapper and no communication (each rank: the whole
+model's forward and backward, AdamW over 1/shard of the elements) and measure what each mesh's
+pattern cannot overlap, for the limit of both implementations on that mesh (limits.py).
 
     shardwise bench mesh --rounds 3 --steps 10      # --nproc 4 --replicas 2
 """
@@ -20,12 +23,17 @@ import torch.distributed as dist
 
 from shardwise.bench.fsdp import _model_args, _state_mib
 from shardwise.bench.gpt_steps import batch_stream, timed_steps
-from shardwise.bench.sidebyside import SideBySide
+from shardwise.bench.limits import PATTERNS, ShardedStepStandIn, fsdp_pattern_ms, root_numel
+from shardwise.bench.sidebyside import SideBySide, bench_device
 from shardwise.bench.sidebyside import run as run_side_by_side
 from shardwise.fsdp import fully_shard
 from shardwise.models import GPT, GPTConfig
 
-IMPLS = ["torch-fsdp2-hsdp", "shardwise-hsdp", "torch-fsdp2-full", "shardwise-full"]
+IMPLS = ["torch-fsdp2-hsdp", "shardwise-hsdp", "torch-fsdp2-full", "shardwise-full",
+         "local-hsdp", "local-full"]
+LIMIT_ROWS = {"torch-fsdp2-hsdp": "local-hsdp", "shardwise-hsdp": "local-hsdp",
+              "torch-fsdp2-full": "local-full", "shardwise-full": "local-full"}
+PATTERN = PATTERNS["mesh"]
 PAIRS = [("shardwise-hsdp", "torch-fsdp2-hsdp"), ("shardwise-full", "torch-fsdp2-full")]
 
 
@@ -37,10 +45,11 @@ def _args(parser) -> None:
 
 def _mesh(impl: str, args, group: dist.ProcessGroup):
     world = dist.get_world_size(group)
+    kind = bench_device(args).type
     if impl.endswith("-full"):
         from torch.distributed.device_mesh import DeviceMesh
 
-        return DeviceMesh.from_group(group, "cpu")
+        return DeviceMesh.from_group(group, kind)
     if world % args.replicas:
         raise SystemExit(f"--replicas {args.replicas} does not divide --nproc {world}")
     shape, names = (args.replicas, world // args.replicas), ("replicate", "shard")
@@ -48,7 +57,7 @@ def _mesh(impl: str, args, group: dist.ProcessGroup):
         from torch.distributed.device_mesh import init_device_mesh
     else:
         from shardwise.distributed import init_device_mesh
-    return init_device_mesh("cpu", shape, mesh_dim_names=names)
+    return init_device_mesh(kind, shape, mesh_dim_names=names)
 
 
 def _wrap(impl: str, model: GPT, mesh, reshard: bool):
@@ -65,8 +74,11 @@ def worker(impl: str, args, group: dist.ProcessGroup):
     cfg = GPTConfig(n_layer=args.n_layer, d_model=args.d_model, n_head=args.n_head,
                     seq_len=args.seq_len)
     torch.manual_seed(0)
-    model = GPT(cfg)
-    wrapped = _wrap(impl, model, _mesh(impl, args, group), not args.no_reshard)
+    model = GPT(cfg).to(bench_device(args))
+    mesh = _mesh(impl, args, group)
+    if impl.startswith("local"):
+        return _local_worker(impl, model, mesh, cfg, args, group)
+    wrapped = _wrap(impl, model, mesh, not args.no_reshard)
     opt = torch.optim.AdamW(wrapped.parameters(), lr=1e-3)
     stream = batch_stream(cfg.seq_len, args.batch_size, group)
     state = {}
@@ -77,6 +89,20 @@ def worker(impl: str, args, group: dist.ProcessGroup):
 
     times = timed_steps(wrapped, opt, stream, args, group, after_step=measure)
     return times, {"state_MiB": state.get("MiB", 0.0)}
+
+
+def _local_worker(impl: str, model: GPT, mesh, cfg: GPTConfig, args, group):
+    """No wrapper, no communication in the step; then the mesh pattern's exposed part."""
+    device = bench_device(args)
+    if impl == "local-full":
+        shard_group, replicate_group = group, None
+    else:
+        shard_group, replicate_group = mesh.get_group("shard"), mesh.get_group("replicate")
+    opt = ShardedStepStandIn(model, dist.get_world_size(shard_group), device)
+    stream = batch_stream(cfg.seq_len, args.batch_size, group)
+    times = timed_steps(model, opt, stream, args, group)
+    ms = fsdp_pattern_ms(root_numel(model), shard_group, device, replicate_group)
+    return times, {"pattern_comm_ms": ms}
 
 
 def comparison(summary: dict) -> list[dict]:
@@ -110,7 +136,8 @@ def comparison_lines(rows: list[dict]) -> list[str]:
 
 
 _BENCH = SideBySide("mesh", worker, IMPLS, "torch-fsdp2-full", _args,
-                   "HSDP and FULL_SHARD against torch's fully_shard(mesh=...)")
+                    "HSDP and FULL_SHARD against torch's fully_shard(mesh=...)",
+                    limit_rows=LIMIT_ROWS, pattern=PATTERN)
 
 
 def run(argv: Sequence[str]) -> dict | None:

@@ -12,8 +12,13 @@ communication; the median of a few runs), and a schedule's idle fraction is
 other jobs on the machine falls on all four alike; its ``ours_over_torch`` is the steadier
 ratio on a busy machine (its peak RSS is of all four together).
 
+Each schedule's row also gets its physical limit (limits.py): the computation on the
+schedule's critical path, from every stage's busy time alone and its optimizer step timed alone,
+plus one activation and one gradient transfer per stage boundary (``limit_compute_ms`` and
+``exposed_comm_ms``).
+
 Prints the table, then per schedule our step time over torch's (kept in the record as
-``per_schedule``).
+``per_schedule``). CPU and gloo only (no ``--device cuda`` yet).
 
     shardwise bench pipeline --nproc 2 --rounds 3 --steps 20 --microbatches 4
 """
@@ -27,6 +32,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from shardwise.bench.limits import PATTERNS, boundary_transfers_ms, pipeline_critical_path_ms
 from shardwise.bench.sidebyside import SideBySide
 from shardwise.bench.sidebyside import run as run_side_by_side
 from shardwise.models import GPT, GPTConfig, lm_loss
@@ -39,6 +45,7 @@ from shardwise.pipeline import (
 )
 
 IMPLS = ["torch-gpipe", "shardwise-gpipe", "torch-1f1b", "shardwise-1f1b", "alternating"]
+PATTERN = PATTERNS["pipeline"]
 ALTERNATED = IMPLS[:4]
 
 
@@ -65,8 +72,9 @@ def _make_schedule(impl: str, module, rank: int, pp: int, group, micro: int):
 
 
 def _busy_alone(module, cfg: GPTConfig, rank: int, pp: int, micro_batch: int, micro: int,
-                repeats: int = 5) -> float:
-    """Seconds of one step's forwards and backwards on this stage with no communication."""
+                repeats: int = 5) -> tuple[float, float]:
+    """Seconds of one step's forwards and backwards on this stage with no communication, and
+    of an AdamW step over the stage's parameters (on a copy: the stage itself is untouched)."""
     gen = torch.Generator().manual_seed(7)
     if rank == 0:
         x = torch.randint(0, cfg.vocab_size, (micro_batch, cfg.seq_len), generator=gen)
@@ -84,8 +92,25 @@ def _busy_alone(module, cfg: GPTConfig, rank: int, pp: int, micro_batch: int, mi
             else:
                 out.backward(torch.ones_like(out))
         runs.append(time.perf_counter() - start)
-        module.zero_grad(set_to_none=True)
-    return statistics.median(runs[1:])
+        if len(runs) <= repeats:
+            module.zero_grad(set_to_none=True)
+    return statistics.median(runs[1:]), _optimizer_alone(module)
+
+
+def _optimizer_alone(module, repeats: int = 3) -> float:
+    """Seconds of an AdamW step over copies of ``module``'s parameters and gradients."""
+    params = [p.detach().clone().requires_grad_(True) for p in module.parameters()]
+    for p, q in zip(params, module.parameters()):
+        p.grad = q.grad.clone() if q.grad is not None else torch.zeros_like(p)
+    module.zero_grad(set_to_none=True)
+    opt = torch.optim.AdamW(params, lr=1e-3)
+    opt.step()  # creates the state
+    runs = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        opt.step()
+        runs.append(time.perf_counter() - start)
+    return statistics.median(runs)
 
 
 def _batch(step: int, cfg: GPTConfig, batch: int) -> torch.Tensor:
@@ -148,8 +173,8 @@ def worker(impl: str, args, group: dist.ProcessGroup):
                     seq_len=args.seq_len)
     torch.manual_seed(0)
     module = split_gpt(GPT(cfg), pp)[rank]
-    busy = _busy_alone(module, cfg, rank, pp, args.batch_size // args.microbatches,
-                       args.microbatches)
+    micro_batch = args.batch_size // args.microbatches
+    busy, opt_alone = _busy_alone(module, cfg, rank, pp, micro_batch, args.microbatches)
     stage, schedule = _make_schedule(impl, module, rank, pp, group, args.microbatches)
     opt = torch.optim.AdamW(module.parameters(), lr=1e-3)
     times, own_idle = [], []
@@ -166,13 +191,18 @@ def worker(impl: str, args, group: dist.ProcessGroup):
                 own_idle.append(stage.stats.idle_fraction)
     step_s = statistics.median(times)
     own = round(statistics.median(own_idle), 3) if own_idle else None
-    mine = (round(1 - busy / step_s, 3), own)
+    mine = (round(1 - busy / step_s, 3), own, busy * 1e3, opt_alone * 1e3)
     per_rank: list = [None] * pp
     dist.all_gather_object(per_rank, mine, group=group)  # rank 0's record shows every rank
-    extra = {"bubble_per_rank": [b for b, _ in per_rank],
-             "bubble_formula": round(bubble_fraction(pp, args.microbatches), 3)}
+    transfers = boundary_transfers_ms((micro_batch, cfg.seq_len, cfg.d_model), group,
+                                      torch.device("cpu"))
+    extra = {"bubble_per_rank": [r[0] for r in per_rank],
+             "bubble_formula": round(bubble_fraction(pp, args.microbatches), 3),
+             "limit_compute_ms": round(pipeline_critical_path_ms(
+                 [r[2] for r in per_rank], [r[3] for r in per_rank], args.microbatches), 2),
+             "exposed_comm_ms": transfers}
     if own_idle:
-        extra["own_idle_per_rank"] = [o for _, o in per_rank]
+        extra["own_idle_per_rank"] = [r[1] for r in per_rank]
     return times, extra
 
 
@@ -194,7 +224,8 @@ def per_schedule_lines(rows: list[dict]) -> list[str]:
 
 
 _BENCH = SideBySide("pipeline", worker, IMPLS, "torch-gpipe", _args,
-                    "our p2p pipeline against torch.distributed.pipelining")
+                    "our p2p pipeline against torch.distributed.pipelining", pattern=PATTERN,
+                    cuda=False)
 
 
 def run(argv: Sequence[str]) -> dict | None:

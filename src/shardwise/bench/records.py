@@ -8,14 +8,20 @@ per round), ``peak_rss_mib`` (per rank, the most over rounds, or None when not m
 ``extra`` (figures the benchmark adds, such as model-state MiB); optionally ``time_label``
 (what one timed unit is: "step time" unless said); optionally ``notes`` (lines printed after
 the table, made from numbers the record holds) and ``limits`` (the physical limit of rows that
-report ``exposed_comm_ms``: ``local``, ``local_step_ms`` and per implementation
-``exposed_comm_ms``, ``limit_ms``, ``step_over_limit``; see sidebyside.limit_figures). Every
-number the table prints is one of these, rounded as printed.
+report one: ``local``, ``local_step_ms``, ``pattern`` (what the strategy cannot overlap) and
+per implementation ``compute_ms``, ``exposed_comm_ms``, ``limit_ms``, ``step_over_limit``; see
+sidebyside.limit_figures and limits.py); ``meta`` (``date`` in UTC, ``machine``, ``device``,
+``load_before`` / ``load_after``: the load average around the run; see ``run_meta``);
+optionally ``failed`` (rows whose ranks failed, left out). Every number the table prints is one
+of these, rounded as printed.
 """
 
 from __future__ import annotations
 
+import datetime
 import json
+import os
+import platform
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -26,7 +32,8 @@ _DPI = 100
 def format_table(record: dict) -> str:
     if record.get("kind") == "figures":
         return _figures_table(record)
-    lines = [f"{record['bench']}: {record['description']}", _settings_line(record),
+    lines = [f"{record['bench']}: {record['description']}",
+             *filter(None, [_meta_line(record)]), _settings_line(record),
              f"{'implementation':<28}{'median step (ms)':>18}  {'round medians (ms)':<24}"
              f"{'ratio':>7}  peak RSS per rank (MiB)"]
     for impl, s in record["impls"].items():
@@ -40,17 +47,68 @@ def format_table(record: dict) -> str:
     lines += record.get("notes", [])  # a benchmark's own lines, from numbers in its record
     if "limits" in record:
         lines += format_limits(record["limits"])
+    lines += [f"FAILED {impl}: {why}" for impl, why in record.get("failed", {}).items()]
     return "\n".join(lines)
 
 
+def run_meta(device: str = "cpu") -> dict:
+    """When and where a run happens: UTC time, the machine, the device, the load average."""
+    import torch
+
+    meta = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "machine": machine_line(), "device": "cpu",
+            "torch": torch.__version__, "python": platform.python_version()}
+    if device == "cuda" and torch.cuda.is_available():
+        meta["device"] = (f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}, "
+                          f"CUDA {torch.version.cuda}, NCCL")
+    try:
+        load = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    except OSError:
+        load = "unknown"
+    meta["load_before"] = f"{load} on {os.cpu_count()} CPUs"
+    return meta
+
+
+def machine_line() -> str:
+    """CPU model, logical CPUs, memory and OS, from /proc where it exists."""
+    model, mem = platform.processor() or platform.machine(), ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+        kib = int(Path("/proc/meminfo").read_text().split()[1])
+        mem = f", {kib / 2**20:.0f} GiB memory"
+    except (OSError, ValueError, IndexError):
+        pass
+    return f"{model}, {os.cpu_count()} CPUs{mem}, {platform.system()} {platform.release()}"
+
+
 def format_limits(limits: dict) -> list[str]:
-    """One line per row with exposed communication: its physical limit and step / limit."""
-    lines = [f"physical limit = {limits['local']} step ({limits['local_step_ms']:.1f} ms) "
-             "+ the row's exposed communication"]
+    """One line per row with a physical limit: the limit (computation without communication +
+    what the pattern cannot overlap) and step / limit."""
+    if "local_step_ms" in limits and all(s.get("from", limits["local"]) == limits["local"]
+                                         for s in limits["impls"].values()):
+        head = (f"physical limit = {limits['local']} step ({limits['local_step_ms']:.1f} ms) "
+                "+ the row's exposed communication")
+    else:
+        head = "physical limit = computation without communication + exposed communication"
+    lines = [head + (f"; exposed: {limits['pattern']}" if limits.get("pattern") else "")]
     for impl, s in limits["impls"].items():
+        compute = s.get("compute_ms", limits.get("local_step_ms"))
         lines.append(f"{impl:<28}limit {s['limit_ms']:>9.1f} ms   "
-                     f"step/limit {s['step_over_limit']:.3f}")
+                     f"step/limit {s['step_over_limit']:.3f}   "
+                     f"(compute {compute:.1f} + communication {s['exposed_comm_ms']:.1f})")
     return lines
+
+
+def _meta_line(record: dict) -> str | None:
+    meta = record.get("meta")
+    if not meta:
+        return None
+    return (f"{meta.get('date', 'date not recorded')}; {meta.get('machine', '')}; device "
+            f"{meta.get('device', 'cpu')}; load before {meta.get('load_before', '?')}, after "
+            f"{meta.get('load_after', '?')}")
 
 
 def _settings_line(record: dict) -> str:
@@ -65,14 +123,20 @@ def _settings_line(record: dict) -> str:
     return head + "; " + ", ".join(f"{k}={v}" for k, v in rest.items() if v not in (None, False))
 
 
-def save(record: dict, out_dir: str | Path) -> tuple[Path, Path]:
-    """Write ``NAME.json`` and ``NAME.png`` into ``out_dir`` (made if missing)."""
+def save(record: dict, out_dir: str | Path) -> tuple[Path, Path | None]:
+    """Write ``NAME.json`` and ``NAME.png`` into ``out_dir`` (made if missing); without
+    matplotlib (a bare GPU host) the JSON alone, and None for the PNG."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    png = out / f"{record['bench']}.png"
-    plot(record, png)
-    record = {**record, "plot": {"file": png.name, "width_px": PLOT_SIZE_PX[0],
-                                 "height_px": PLOT_SIZE_PX[1]}}
+    png: Path | None = out / f"{record['bench']}.png"
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        png = None
+    if png is not None:
+        plot(record, png)
+        record = {**record, "plot": {"file": png.name, "width_px": PLOT_SIZE_PX[0],
+                                     "height_px": PLOT_SIZE_PX[1]}}
     path = out / f"{record['bench']}.json"
     path.write_text(json.dumps(record, indent=2) + "\n")
     return path, png
@@ -97,10 +161,18 @@ def plot(record: dict, path: str | Path) -> None:
     fig, axes = plt.subplots(1, 2 if has_memory else 1, squeeze=False,
                              figsize=(PLOT_SIZE_PX[0] / _DPI, PLOT_SIZE_PX[1] / _DPI), dpi=_DPI)
     colors = ["tab:blue" if n.startswith(("shardwise", "all_gather/fast", "reduce_scatter/fast"))
-              else "tab:orange" for n in names]
+              else "tab:gray" if n.startswith("local") else "tab:orange" for n in names]
     _panel(axes[0][0], names, colors, [impls[n]["median_step_s"] * 1e3 for n in names],
            [[t * 1e3 for t in impls[n]["round_median_step_s"]] for n in names],
            f"{record.get('time_label', 'step time')} (ms, median)")
+    limits = record.get("limits", {}).get("impls", {})
+    for x, n in enumerate(names):
+        if n in limits:
+            axes[0][0].hlines(limits[n]["limit_ms"], x - 0.4, x + 0.4, color="tab:red",
+                              linewidth=2)
+            axes[0][0].annotate(f"{limits[n]['step_over_limit']:.2f}x",
+                                (x + 0.4, limits[n]["limit_ms"]), textcoords="offset points",
+                                xytext=(2, -3), ha="left", fontsize=7, color="tab:red")
     if has_memory:
         _panel(axes[0][1], names, colors, [max(impls[n]["peak_rss_mib"] or [0]) for n in names],
                [impls[n]["round_peak_rss_mib"] or [] for n in names],
@@ -113,10 +185,15 @@ def plot(record: dict, path: str | Path) -> None:
 
     handles = [Patch(color="tab:blue", label="shardwise"),
                Patch(color="tab:orange", label="torch (or plain c10d)"),
+               Patch(color="tab:gray", label="local: no communication"),
                Line2D([], [], marker="o", color="black", linestyle="", label="each round"),
                Line2D([], [], color="black", label="spread across rounds (min-max)")]
-    fig.legend(handles=handles, loc="lower center", ncol=4, fontsize=8, frameon=False)
-    fig.tight_layout(rect=(0, 0.06, 1, 1))
+    if limits:
+        handles.append(Line2D([], [], color="tab:red", linewidth=2,
+                              label="physical limit (step/limit beside it)"))
+    fig.legend(handles=handles, loc="lower center", ncol=min(len(handles), 4), fontsize=8,
+               frameon=False)
+    fig.tight_layout(rect=(0, 0.06 if len(handles) <= 4 else 0.1, 1, 1))
     fig.savefig(path, dpi=_DPI)
     plt.close(fig)
 

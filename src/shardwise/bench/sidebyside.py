@@ -12,7 +12,14 @@ A benchmark is a ``SideBySide``: ``worker(impl, args, group)`` runs on every ran
 `shardwise bench` prints, saves as JSON and plots. A benchmark with ``limit_of`` (an
 implementation without communication: each rank's world-size-1 step) also gets the physical
 limit of every row whose worker reports ``exposed_comm_ms``: that local step plus the row's
-communication left exposed after backward (``limit_figures``; the record's ``limits``).
+communication left exposed after backward; one with ``limit_rows`` (row -> its ``local-*`` row)
+gets it from the local row's step plus the ``pattern_comm_ms`` that row measured; a row that
+reports ``limit_compute_ms`` brings its own (``limit_figures``; the record's ``limits``; what
+each strategy cannot overlap: limits.py).
+
+``--device cuda`` runs the ranks on CUDA devices with NCCL (one device per rank; the world size
+defaults to the number of devices), and adds each rank's CUDA peak memory and, on the local row,
+how much an all-reduce overlaps computation on one device's streams (cuda_overlap.py).
 """
 
 from __future__ import annotations
@@ -23,11 +30,11 @@ import os
 import statistics
 import sys
 import tempfile
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from shardwise.dp.buckets import MIB
+MIB = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -41,12 +48,19 @@ class SideBySide:
     add_args: Callable[[argparse.ArgumentParser], None] | None = None
     description: str = ""
     limit_of: str | None = None
+    # row -> the local row whose step and ``pattern_comm_ms`` make that row's limit
+    limit_rows: Mapping[str, str] = field(default_factory=dict)
+    pattern: str = ""  # what the strategy's pattern cannot overlap (the limit's communication)
+    cuda: bool = True  # whether ``--device cuda`` is supported
 
 
 def common_parser(bench_name: str, description: str = "") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=f"shardwise bench {bench_name}",
                                      description=description or None)
-    parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--nproc", type=int, default=None,
+                        help="world size (default: 2 on CPU, the number of CUDA devices)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="cuda: one CUDA device per rank, NCCL")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--steps", type=int, default=20, help="timed steps per round")
@@ -66,6 +80,11 @@ def parse(bench: SideBySide, argv: Sequence[str]) -> argparse.Namespace:
     if bench.add_args:
         bench.add_args(parser)
     args = parser.parse_args(list(argv))
+    if args.nproc is None:
+        args.nproc = cuda_device_count() if args.device == "cuda" else 2
+    if args.device == "cuda" and not args.worker and args.nproc > cuda_device_count():
+        parser.error(f"--nproc {args.nproc} is more than the {cuda_device_count()} CUDA "
+                     "device(s) present")
     for flag in ("nproc", "rounds", "steps"):
         if getattr(args, flag) < 1:
             parser.error(f"--{flag} must be at least 1, got {getattr(args, flag)}")
@@ -79,18 +98,33 @@ def parse(bench: SideBySide, argv: Sequence[str]) -> argparse.Namespace:
     return args
 
 
+def cuda_device_count() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def bench_device(args: argparse.Namespace):
+    """The torch device this rank computes on: ``cpu``, or its CUDA device."""
+    import torch
+
+    if getattr(args, "device", "cpu") == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def run(bench: SideBySide, argv: Sequence[str]) -> dict | None:
     """Parent: run every round and return the record. Worker (``--worker``): run one rank,
     write its JSON and return None."""
     args = parse(bench, argv)
     if args.worker:
-        _run_worker(bench.worker, args)
+        _run_worker(bench, args)
         return None
     chosen = args.only.split(",") if args.only else list(bench.impls)
     return _run_parent(bench, args, list(argv), chosen)
 
 
-def _run_worker(worker: Callable, args: argparse.Namespace) -> None:
+def _run_worker(bench: SideBySide, args: argparse.Namespace) -> None:
     import torch
 
     import shardwise.distributed as sd
@@ -98,9 +132,13 @@ def _run_worker(worker: Callable, args: argparse.Namespace) -> None:
     from shardwise.memory import peak_memory_bytes
 
     torch.set_num_threads(int_var("OMP_NUM_THREADS", 1, minimum=1))
-    group = sd.init()
+    group = sd.init(backend="nccl" if args.device == "cuda" else "gloo")
     rank = torch.distributed.get_rank(group)
-    times, extra = worker(args.worker, args, group)
+    times, extra = bench.worker(args.worker, args, group)
+    if args.device == "cuda":
+        from shardwise.bench.cuda_overlap import cuda_figures
+
+        extra = {**extra, **cuda_figures(group, overlap=args.worker in _locals(bench))}
     record = {"rank": rank, "times": times, "peak_rss_mib": peak_memory_bytes() / MIB, **extra}
     Path(f"{args.worker_out}.rank{rank}.json").write_text(json.dumps(record))
     sd.destroy()
@@ -113,30 +151,49 @@ def _run_worker(worker: Callable, args: argparse.Namespace) -> None:
     os._exit(0)
 
 
+def _locals(bench: SideBySide) -> set[str]:
+    return {r for r in (bench.limit_of, *bench.limit_rows.values()) if r}
+
+
 def _run_parent(bench: SideBySide, args: argparse.Namespace, argv: list[str],
                 impls: list[str]) -> dict:
+    """Every round of every implementation in fresh ranks. A row whose ranks fail is left out
+    of later rounds and of the summary, and named in the record's ``failed``."""
+    from shardwise.bench.records import run_meta
     from shardwise.launch import launch
 
     env = dict(os.environ)
     if args.mmap_threshold:
         env["MALLOC_MMAP_THRESHOLD_"] = "131072"
     records: dict[str, list[list[dict]]] = {impl: [] for impl in impls}
+    failed: dict[str, str] = {}
     command = [sys.executable, "-m", "shardwise.bench", bench.name]
+    meta = run_meta(args.device)
     with tempfile.TemporaryDirectory() as tmp:
         for rnd in range(args.rounds):
-            for impl in impls:
+            for impl in [i for i in impls if i not in failed]:
                 out = f"{tmp}/{impl}.{rnd}"
                 code = launch(args.nproc, [*command, *argv, "--worker", impl,
                                            "--worker-out", out], env=env)
                 if code:
-                    raise SystemExit(f"{impl} failed in round {rnd} (exit code {code})")
+                    failed[impl] = f"exit code {code} in round {rnd}"
+                    print(f"shardwise bench: {impl} failed ({failed[impl]}); left out",
+                          file=sys.stderr)
+                    continue
                 records[impl].append([json.loads(Path(f"{out}.rank{r}.json").read_text())
                                       for r in range(args.nproc)])
-    record = {"bench": bench.name, "description": bench.description,
+    meta["load_after"] = run_meta(args.device)["load_before"]
+    done = {impl: rounds for impl, rounds in records.items() if impl not in failed}
+    if not done:
+        raise SystemExit(f"every implementation failed: {failed}")
+    record = {"bench": bench.name, "description": bench.description, "meta": meta,
               "settings": _settings(args), "baseline": bench.baseline,
-              "impls": summarise(records, bench.baseline)}
-    if bench.limit_of in record["impls"]:
-        record["limits"] = limit_figures(record["impls"], bench.limit_of)
+              "impls": summarise(done, bench.baseline)}
+    if failed:
+        record["failed"] = failed
+    limits = limit_figures(record["impls"], bench.limit_of, bench.limit_rows, bench.pattern)
+    if limits["impls"]:
+        record["limits"] = limits
     return record
 
 
@@ -145,6 +202,9 @@ def _settings(args: argparse.Namespace) -> dict:
     settings = {k: v for k, v in vars(args).items() if k not in hidden}
     settings["omp_threads"] = os.environ.get("OMP_NUM_THREADS", "cores // nproc (launcher)")
     return settings
+
+
+_MEDIAN_OVER_ROUNDS = ("exposed_comm_ms", "pattern_comm_ms", "limit_compute_ms")
 
 
 def summarise(records: dict[str, list[list[dict]]], baseline: str) -> dict:
@@ -164,22 +224,51 @@ def summarise(records: dict[str, list[list[dict]]], baseline: str) -> dict:
             "extra": {k: v for k, v in rounds[0][0].items()
                       if k not in ("rank", "times", "peak_rss_mib")},
         }
+        for key in _MEDIAN_OVER_ROUNDS:  # the limit's parts: rank 0's, median over rounds
+            values = [rnd[0][key] for rnd in rounds if key in rnd[0]]
+            if values:
+                summary[impl]["extra"][key] = round(statistics.median(values), 2)
     base = summary.get(baseline, {}).get("median_step_s")
     for impl in summary:
         summary[impl]["ratio"] = summary[impl]["median_step_s"] / base if base else None
     return summary
 
 
-def limit_figures(summary: dict, local: str) -> dict:
-    """The physical limit of each row with an ``exposed_comm_ms``: ``local``'s median step
-    (no communication at all) plus that row's exposed communication, and step / limit."""
-    base = summary[local]["median_step_s"] * 1000
-    rows = {}
+def limit_figures(summary: dict, local: str | None = None,
+                  rows: Mapping[str, str] | None = None, pattern: str = "") -> dict:
+    """The physical limit of each row that has one, and step / limit. A row's limit is its
+    computation without communication plus the communication its pattern cannot overlap:
+
+    - a row reporting ``limit_compute_ms`` and ``exposed_comm_ms`` (pipeline) brings both;
+    - a row reporting only ``exposed_comm_ms`` (our DDP / ZeRO bucketer's wait at the end of
+      backward) adds it to ``local``'s median step;
+    - a row named in ``rows`` adds the ``pattern_comm_ms`` its local row measured to that local
+      row's median step.
+    """
+    out: dict = {"local": local, "pattern": pattern, "impls": {}}
+    if local in summary:
+        out["local_step_ms"] = summary[local]["median_step_s"] * 1000
     for impl, s in summary.items():
-        exposed = s["extra"].get("exposed_comm_ms")
-        if exposed is None:
+        figures = _limit_parts(impl, s, summary, local, rows or {})
+        if figures is None:
             continue
-        limit = base + exposed
-        rows[impl] = {"exposed_comm_ms": exposed, "limit_ms": limit,
-                      "step_over_limit": s["median_step_s"] * 1000 / limit}
-    return {"local": local, "local_step_ms": base, "impls": rows}
+        compute, exposed, source = figures
+        limit = compute + exposed
+        out["impls"][impl] = {"compute_ms": compute, "exposed_comm_ms": exposed,
+                              "limit_ms": limit, "from": source,
+                              "step_over_limit": s["median_step_s"] * 1000 / limit}
+    return out
+
+
+def _limit_parts(impl: str, s: dict, summary: dict, local: str | None,
+                 rows: Mapping[str, str]) -> tuple[float, float, str] | None:
+    extra = s["extra"]
+    if "limit_compute_ms" in extra and "exposed_comm_ms" in extra:
+        return extra["limit_compute_ms"], extra["exposed_comm_ms"], impl
+    if "exposed_comm_ms" in extra and local in summary:
+        return summary[local]["median_step_s"] * 1000, extra["exposed_comm_ms"], local
+    own = rows.get(impl)
+    if own in summary and "pattern_comm_ms" in summary[own]["extra"]:
+        return (summary[own]["median_step_s"] * 1000, summary[own]["extra"]["pattern_comm_ms"],
+                own)
+    return None

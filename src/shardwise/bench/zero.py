@@ -30,7 +30,8 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero
 
 from shardwise.bench.gpt_steps import batch_stream, exposed_comm_probe, timed_steps
-from shardwise.bench.sidebyside import SideBySide
+from shardwise.bench.limits import PATTERNS
+from shardwise.bench.sidebyside import SideBySide, bench_device
 from shardwise.ddp import DistributedDataParallel
 from shardwise.memory import state_bytes
 from shardwise.models import GPT, GPTConfig, lm_loss
@@ -102,12 +103,12 @@ def worker(impl: str, args, group: dist.ProcessGroup):
     cfg = GPTConfig(n_layer=args.n_layer, d_model=args.d_model, n_head=args.n_head,
                     seq_len=args.seq_len)
     torch.manual_seed(0)
-    model = GPT(cfg)
+    model = GPT(cfg).to(bench_device(args))
     wrapped, opt = _build(impl, model, args, group)
     stream = batch_stream(cfg.seq_len, args.batch_size, group)
     exposed = exposed_comm_probe(wrapped, args.warmup)
     times = timed_steps(wrapped, opt, stream, args, group, after_step=exposed.record)
-    x, y = stream.batch(0)
+    x, y = (t.to(bench_device(args)) for t in stream.batch(0))
     lm_loss(wrapped(x), y).backward()
     real_opt = getattr(opt, "opt", opt)
     held = state_bytes(model, real_opt).as_mib()  # after backward: gradients as a step sees them
@@ -118,4 +119,5 @@ def worker(impl: str, args, group: dist.ProcessGroup):
 
 BENCH = SideBySide("zero", worker, IMPLS, "torch-ddp-zero1", _model_args,
                    "ZeRO stages 1 and 2 against torch's ZeroRedundancyOptimizer",
-                   limit_of="local-adamw")
+                   limit_of="local-adamw",
+                   pattern=PATTERNS["zero"])

@@ -25,13 +25,11 @@ gradient is allocated, and in any case before another reduction is issued (at mo
 pre-backward and the computation of its first gradient, and no unit's flat gradient is
 allocated while another unit's reduction still holds its own: the flat gradients alive are the
 root's (whose head receives the first gradient of backward) and at most one other unit's.
-This, keeping no per-parameter gradients next to the flat one, and a reduce-scatter that
-receives straight into its output on two ranks (fast_collectives.py) lowered the backward peak
-(figures in docs/fsdp.md): at the old peak the last block's gradients were alive twice (per
-parameter and just concatenated into its flat gradient), and the previous block's reduction
-still held its flat gradient and a receive buffer. torch's FSDP2 reduces synchronously, so it
-has no reduction in flight, but it copies each unit's gradients into a reduce-scatter input
-while they are alive.
+With no per-parameter gradients kept next to the flat one, and a reduce-scatter that receives
+straight into its output on two ranks (fast_collectives.py), no unit's gradients are alive twice
+at the backward peak (what the peak holds: docs/fsdp.md). torch's FSDP2 reduces synchronously,
+so it has no reduction in flight, but it copies each unit's gradients into a reduce-scatter
+input while they are alive.
 A callback queued on autograd's engine reduces the gradient of any unit that got only part of
 its gradients (a parameter unused in forward) or got some after its reduction ([Note: FSDP unit
 states], unit.py), finishes the remaining reductions and reshards

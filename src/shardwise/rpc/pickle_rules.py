@@ -1,7 +1,8 @@
 """Which instances a pickle may set state on, and how deep its data may nest.
 
-[Note: data classes] pickle_scan.py makes sure a ``BUILD`` targets an instance the same pickle
-made with ``NEWOBJ`` / ``NEWOBJ_EX`` / ``REDUCE`` of a named class, once, with a plain state;
+[Note: data classes] The scan (pickle_scan.py) makes sure a ``BUILD`` targets an instance the
+same pickle made with ``NEWOBJ`` / ``NEWOBJ_EX`` / ``REDUCE`` of a named class, once, with a
+plain state;
 :func:`check_builds` then decides on the class, resolved exactly as the unpickler will:
 
 * it is a class whose ``__new__`` is ``object.__new__`` (so ``NEWOBJ`` gives a fresh object)

@@ -21,13 +21,13 @@ through the pool or a segment of its own is hashed by the sender once it has cop
 (:meth:`Session.buffer_hasher`), and the frame's tag covers that digest; the reader hashes the
 region it maps before the frame is handed on.
 
-Why keyed BLAKE3 (the ``blake3`` package): one call over 64 MB ran at 1.7 GB/s on this
-project's 2-core VM under load, against 1.2 for HMAC-SHA256 (with SHA extensions) and 0.4 for
-keyed BLAKE2b; for a 1 KB message the three cost 3-5 us each. BLAKE3 alone hashes one input on
-several cores with the same digest (``max_threads``), and it releases the GIL while it hashes.
-With one core per side the MAC cut the 64 MB shared-memory rate from 3.4-3.6x TensorPipe's to
-0.9x on a 16-core host; hashed on several cores it came back to 2.6-3.0x (docs/benchmarks.md).
-Poly1305 needs a fresh key per message, which would add a key derivation per frame.
+Why keyed BLAKE3 (the ``blake3`` package): over large buffers it is faster than HMAC-SHA256
+and keyed BLAKE2b, and as fast for small messages (the measurements are in
+docs/benchmarks-history.md); it alone hashes one input on several cores with the same digest
+(``max_threads``), which a large shared-memory transfer needs to keep its rate, and it releases
+the GIL while it hashes. Poly1305 needs a fresh key per message, which would add a key
+derivation per frame. The package is imported when the first session starts, so that
+``import shardwise`` (and ``shardwise bench`` on a bare GPU host) needs no more than torch.
 """
 
 from __future__ import annotations
@@ -36,14 +36,22 @@ import hashlib
 import hmac
 import struct
 
-import blake3
-
 from shardwise.rpc.wire import FrameError
 
 TAG = 16
 KEY = 32
 _SEQ = struct.Struct("<Q")
-_THREADS = blake3.blake3.AUTO  # a large input is hashed on several cores (same digest)
+_BLAKE3: type | None = None  # blake3.blake3, once a session has started
+
+
+def _keyed(key: bytes, data: bytes = b""):
+    """A keyed BLAKE3 hasher; a large input is hashed on several cores (same digest)."""
+    global _BLAKE3
+    if _BLAKE3 is None:
+        from blake3 import blake3
+
+        _BLAKE3 = blake3
+    return _BLAKE3(data, key=key, max_threads=_BLAKE3.AUTO)
 _LABEL = b"shardwise-rpc-session-v1"
 
 
@@ -72,7 +80,7 @@ class Session:
     # ------------------------------------------------------------------ sending
     def tag_out(self, parts) -> bytes:
         """The tag of the next message sent, whose bytes are ``parts`` in order."""
-        h = blake3.blake3(_SEQ.pack(self.sent), key=self._send_key, max_threads=_THREADS)
+        h = _keyed(self._send_key, _SEQ.pack(self.sent))
         for part in parts:
             h.update(part)
         self.sent += 1
@@ -81,13 +89,12 @@ class Session:
     def buffer_hasher(self, outgoing: bool):
         """A fresh keyed hasher for one large buffer's bytes (fed piece by piece); its
         ``digest(TAG)`` goes into the frame's tagged bytes."""
-        return blake3.blake3(key=self._send_key if outgoing else self._recv_key,
-                             max_threads=_THREADS)
+        return _keyed(self._send_key if outgoing else self._recv_key)
 
     # ------------------------------------------------------------------ receiving
     def check_in(self, parts, tag, peer: int) -> None:
         """Check the next received message's tag; FrameError (the connection ends) if wrong."""
-        h = blake3.blake3(_SEQ.pack(self.received), key=self._recv_key, max_threads=_THREADS)
+        h = _keyed(self._recv_key, _SEQ.pack(self.received))
         for part in parts:
             h.update(part)
         if not hmac.compare_digest(h.digest(TAG), bytes(tag)):
@@ -99,8 +106,7 @@ class Session:
     def receiver(self):
         """A hasher already fed the next received message's sequence number (for a message
         whose bytes arrive in pieces); finish with :meth:`check_hasher`."""
-        return blake3.blake3(_SEQ.pack(self.received), key=self._recv_key,
-                             max_threads=_THREADS)
+        return _keyed(self._recv_key, _SEQ.pack(self.received))
 
     def check_hasher(self, h, tag, peer: int) -> None:
         if not hmac.compare_digest(h.digest(TAG), bytes(tag)):
