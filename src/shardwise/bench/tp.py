@@ -19,8 +19,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from shardwise._compat import TorchDispatchMode
 from shardwise.bench.sidebyside import SideBySide
 from shardwise.sharded_tensor import TRAFFIC, ChunkShardingSpec, shard_module
 

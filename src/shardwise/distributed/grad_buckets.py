@@ -74,6 +74,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
+from shardwise._compat import queue_callback
+
 
 class Waitable(Protocol):
     """What a launch function returns: a ``dist.Work`` or anything else with ``wait()``."""
@@ -407,7 +409,7 @@ class GradBucketer:
             return
         if not self._in_backward:
             self._in_backward = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._finalize)
+            queue_callback(self._finalize)
         bucket, i = self._where[param]
         if self.static:
             if not self._static_ready(param, bucket, i):

@@ -25,6 +25,8 @@ import torch
 import torch.distributed as dist
 from torch.autograd import Function
 
+from shardwise._compat import dist_all_gather
+
 
 class Traffic:
     """Payload bytes this rank handed to each kind of collective since the last ``reset``."""
@@ -47,8 +49,7 @@ class Traffic:
 
 
 TRAFFIC = Traffic()
-# torch 2.13 deprecates all_gather_into_tensor in favour of all_gather_single (same semantics)
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_all_gather_single = dist_all_gather  # [Note: torch compatibility] in _compat.py
 
 
 def world(group: dist.ProcessGroup | None) -> int:
