@@ -220,3 +220,15 @@ def test_importing_shardwise_under_an_untested_torch_warns_once():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=120, check=True).stdout
     assert out.strip().splitlines()[-1] == "1"
+
+
+def test_pyproject_readme_and_docs_state_the_tested_range_and_names():
+    root = SRC.parent.parent
+    floor, newest = _compat.TESTED
+    assert f'"torch>={floor}"' in (root / "pyproject.toml").read_text()
+    assert f"torch {floor} to {newest}" in " ".join((root / "README.md").read_text().split())
+    doc = (root / "docs" / "compat.md").read_text()
+    assert f"{floor} to {newest}" in doc
+    missing = [label for label, _, _ in _compat.TORCH_NAMES if f"`{label}`" not in doc]
+    missing += [f"{c}.{a}" for c, a, _ in _compat.PRIVATE_ATTRIBUTES if f"`{c}.{a}`" not in doc]
+    assert not missing, f"docs/compat.md does not list {missing}"

@@ -172,17 +172,17 @@ dist_reduce_scatter = _name(
     "from 2.13)", "torch.distributed:reduce_scatter_single",
     "torch.distributed:reduce_scatter_tensor")
 
-# Private attributes read or written on torch objects (checked by tests/test_compat_names.py;
-# each use is in the module named): (class, attribute, reason).
+# Private attributes of torch objects that shardwise reads or writes (the helpers below, and
+# DTensor and nn.Module internals in fsdp/), each checked by tests/test_compat_names.py.
 PRIVATE_ATTRIBUTES: list[tuple[str, str, str]] = [
     ("DTensor", "_local_tensor", "FSDP and checkpoints read and swap a DTensor parameter's "
-     "local shard in place, without the autograd view to_local() makes (fsdp/dtensor.py)"),
+     "local shard in place, without the autograd view to_local() makes"),
     ("DeviceMesh", "_mesh_dim_names", "a mesh built from several groups drops the placeholder "
-     "names from_group requires (distributed/mesh.py)"),
+     "names from_group requires"),
     ("DeviceMesh", "_concatenate", "FSDP over TP joins a dp and a tp slice into one 2D mesh "
-     "when they come from one mesh (fsdp/tp_params.py)"),
+     "when they come from one mesh"),
     ("ProcessGroup", "_get_sequence_number_for_group", "the launcher's progress records count "
-     "the collectives a rank has entered (distributed/progress.py)"),
+     "the collectives a rank has entered"),
     ("nn.Module", "_parameters / _buffers / _non_persistent_buffers_set", "FSDP swaps "
      "parameters in place and builds state dicts as nn.Module does"),
     ("OpOverload", "_schema", "CommCounter reads a collective's name off the op (its .name)"),
