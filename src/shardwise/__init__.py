@@ -3,7 +3,7 @@
 The public API. Mechanisms live in subpackages; this module only names them.
 """
 
-from shardwise import distributed, rpc, sharded_tensor
+from shardwise import _compat, distributed, rpc, sharded_tensor
 from shardwise.ddp import DistributedDataParallel
 from shardwise.fsdp import (
     CPUOffload,
@@ -18,6 +18,8 @@ from shardwise.fsdp import (
 from shardwise.zero import ZeroDataParallel, ZeroRedundancyOptimizer
 
 __version__ = "0.1.0"
+
+_compat.warn_if_untested()  # once per process: a module body runs once
 
 __all__ = [
     "CPUOffload",

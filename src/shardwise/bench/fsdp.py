@@ -46,12 +46,14 @@ def _model_args(parser) -> None:
 def _wrap(impl: str, model: GPT, group: dist.ProcessGroup, reshard: bool):
     if impl == "torch-fsdp2":
         from torch.distributed.device_mesh import DeviceMesh
-        from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
+        from shardwise._compat import torch_fully_shard
+
+        torch_shard = torch_fully_shard()
         mesh = DeviceMesh.from_group(group, next(model.parameters()).device.type)
         for block in model.blocks:
-            torch_fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
-        return torch_fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
+            torch_shard(block, mesh=mesh, reshard_after_forward=reshard)
+        return torch_shard(model, mesh=mesh, reshard_after_forward=reshard)
     if impl.startswith("shardwise-fsdp"):
         for block in model.blocks:
             fully_shard(block, process_group=group, reshard_after_forward=reshard)

@@ -62,7 +62,9 @@ def _mesh(impl: str, args, group: dist.ProcessGroup):
 
 def _wrap(impl: str, model: GPT, mesh, reshard: bool):
     if impl.startswith("torch"):
-        from torch.distributed.fsdp import fully_shard as shard
+        from shardwise._compat import torch_fully_shard
+
+        shard = torch_fully_shard()
     else:
         shard = fully_shard
     for block in model.blocks:

@@ -16,10 +16,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-from torch.distributed.tensor.placement_types import _StridedShard
 
+from shardwise._compat import DTensor, Replicate, Shard, compute_local_shape_and_global_offset
+from shardwise._compat import StridedShard as _StridedShard
 from shardwise.sharded_tensor import ShardedTensor
 from shardwise.sharded_tensor.metadata import Box, tiling_fault
 

@@ -23,8 +23,8 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
+from shardwise._compat import DTensor
 from shardwise.checkpoint import exchange
 from shardwise.ddp import DistributedDataParallel
 from shardwise.fsdp.state_dict import clean_name

@@ -24,8 +24,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from shardwise._compat import TorchDispatchMode, resolve_process_group
 from shardwise.distributed.comm_patterns import KINDS, CommStats, traffic
 from shardwise.distributed.topology import local_world_size_from_env, node_of
 
@@ -139,9 +139,7 @@ def _pg(obj: Any) -> dist.ProcessGroup:
         return obj
     if isinstance(obj, torch.ScriptObject):
         return dist.ProcessGroup.unbox(obj)
-    from torch.distributed.distributed_c10d import _resolve_process_group
-
-    return _resolve_process_group(obj)  # a functional collective names its group
+    return resolve_process_group(obj)  # a functional collective names its group
 
 
 def _split_rows(t: torch.Tensor, splits: list[int]) -> dict:

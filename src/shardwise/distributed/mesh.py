@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from shardwise._compat import clear_mesh_dim_names
 from shardwise.distributed.env import int_var
 from shardwise.distributed.init import init, pick_backend
 from shardwise.distributed.timeouts import as_timedelta
@@ -107,7 +108,7 @@ def _from_groups(groups: list[dist.ProcessGroup], device_type: str, shape: tuple
     given = names or tuple(f"dim_{d}" for d in range(len(shape)))
     mesh = DeviceMesh.from_group(groups, device_type, mesh=ranks, mesh_dim_names=given)
     if names is None:
-        mesh._mesh_dim_names = None
+        clear_mesh_dim_names(mesh)
     return mesh
 
 

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from shardwise._compat import FUTURE_TYPE
 from shardwise.dp.buckets import Bucket
 
 CommHook = Callable[[Any, "GradBucket"], torch.futures.Future]
@@ -96,7 +97,7 @@ def run_comm_hook(hook: CommHook, state: Any, bucket: Bucket, n_buckets: int) ->
     """Call ``hook`` on ``bucket`` (launched during backward); checks that it gave a Future."""
     future = hook(state, GradBucket(bucket, bucket.index == n_buckets - 1))
     name = getattr(hook, "__qualname__", repr(hook))
-    if not isinstance(future, torch._C.Future):  # torch.futures.Future and what .then() gives
+    if not isinstance(future, FUTURE_TYPE):  # torch.futures.Future and what .then() gives
         raise TypeError(f"communication hook {name} must return a torch.futures.Future of the "
                         f"reduced bucket, got {type(future).__name__}")
     return HookWork(future, bucket, name)

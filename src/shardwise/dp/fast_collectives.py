@@ -31,6 +31,7 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
+from shardwise._compat import dist_all_gather, dist_reduce_scatter
 from shardwise.dp.data_parallel import global_rank
 
 Impl = Literal["auto", "fast", "plain"]
@@ -202,9 +203,8 @@ def _result(pending: Pending, async_op: bool) -> Pending | None:
 
 
 
-# torch 2.13 renamed the flat collectives; older releases (>= 2.4) have only the old names
-_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_ALL_GATHER = dist_all_gather  # [Note: torch compatibility] in _compat.py
+_REDUCE_SCATTER = dist_reduce_scatter
 
 
 def _has_avg(group: dist.ProcessGroup | None) -> bool:

@@ -202,7 +202,7 @@ class GradBucketer:
             return
         if not self._in_backward:
             self._in_backward = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._finalize)
+            queue_callback(self._finalize)
         bucket, i = self._where[param]
         try:
             ready = self._admit(param, bucket, i)

@@ -21,9 +21,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.autograd import Variable
-from torch.utils._pytree import tree_flatten
 
+from shardwise._compat import queue_callback, tree_flatten
 from shardwise.dp.fast_collectives import Pending, all_gather_flat, reduce_scatter_flat
 from shardwise.fsdp.layout import UnitLayout, chunks_of, copy_from_chunks
 
@@ -106,4 +105,4 @@ def _returning_none(hook: Callable[[], None]) -> Callable[[torch.Tensor], None]:
 
 def queue_end_of_backward(callback: Callable[[], None]) -> None:
     """Run ``callback`` when the backward pass now running has finished (call during backward)."""
-    Variable._execution_engine.queue_callback(callback)
+    queue_callback(callback)

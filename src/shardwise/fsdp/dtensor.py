@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from shardwise._compat import DTensor, Replicate, Shard
 from shardwise.distributed.groups import collective_device
 from shardwise.fsdp.layout import ParamLayout
 

@@ -47,8 +47,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
 
+from shardwise._compat import DTensor
 from shardwise.distributed.groups import global_ranks
 from shardwise.dp.fast_collectives import Pending, uses_fast_path
 from shardwise.fsdp.collectives import (

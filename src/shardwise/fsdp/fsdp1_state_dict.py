@@ -21,8 +21,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor, Shard
 
+from shardwise._compat import DTensor, Shard
 from shardwise.fsdp.fsdp1_config import StateDictSettings, StateDictType
 from shardwise.fsdp.state_dict import _unit_prefixes, replace_with_full
 

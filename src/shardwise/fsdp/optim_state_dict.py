@@ -27,8 +27,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor, Shard
 
+from shardwise._compat import DTensor, Shard
 from shardwise.fsdp.fsdp1_config import OptimStateKeyType, as_enum
 
 

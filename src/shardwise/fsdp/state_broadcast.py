@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
+from shardwise._compat import DTensor
 from shardwise.distributed.collectives import broadcast_bytes
 from shardwise.distributed.groups import global_rank
 

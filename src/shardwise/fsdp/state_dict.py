@@ -18,8 +18,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 
+from shardwise._compat import DTensor
 from shardwise.fsdp import tp_params
 from shardwise.fsdp.dtensor import sharded_dtensor, sharded_like
 from shardwise.fsdp.unit import FSDPUnit, units_of

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any, NoReturn
 
-from torch.distributed.fsdp import FSDPModule as _TorchFSDPModule
+from shardwise._compat import TorchFSDPModule as _TorchFSDPModule
 
 _AVERAGED = ("shardwise's units always average gradients over their group; scale the loss "
              "instead")

@@ -45,10 +45,18 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
-from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
-from torch.distributed.tensor.placement_types import _StridedShard
 
+from shardwise._compat import (
+    DTensor,
+    DTensorSpec,
+    Partial,
+    Placement,
+    Replicate,
+    Shard,
+    TensorMeta,
+    concatenate_meshes,
+)
+from shardwise._compat import StridedShard as _StridedShard
 from shardwise.distributed.groups import collective_device, global_ranks, group_alive
 from shardwise.fsdp.dtensor import _contiguous_stride as contiguous_stride
 from shardwise.fsdp.dtensor import device_type_of
@@ -211,7 +219,7 @@ def _concatenated(dp_mesh: DeviceMesh, tp_mesh: DeviceMesh) -> DeviceMesh | None
     if dp_mesh.ndim != 1 or not dp_mesh.mesh_dim_names or not tp_mesh.mesh_dim_names:
         return None
     try:
-        return DeviceMesh._concatenate([dp_mesh, tp_mesh])
+        return concatenate_meshes([dp_mesh, tp_mesh])
     except (RuntimeError, AttributeError, ValueError, TypeError):
         return None  # not slices of one mesh (or a torch without _concatenate)
 

@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.autograd.graph import register_multi_grad_hook
-from torch.utils._pytree import tree_flatten, tree_map
 
+from shardwise._compat import tree_flatten, tree_map
 from shardwise.fsdp.checks import class_name
 from shardwise.fsdp.collectives import register_pre_backward
 from shardwise.fsdp.flat_param import FlatParamHandle

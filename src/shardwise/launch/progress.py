@@ -31,6 +31,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from shardwise._compat import sequence_number
 from shardwise.distributed import signed_store
 
 PREFIX = "shardwise/progress/"
@@ -60,7 +61,7 @@ def collective_count() -> int:
     try:
         if not dist.is_initialized():
             return -1
-        return int(dist.group.WORLD._get_sequence_number_for_group())
+        return sequence_number(dist.group.WORLD)
     except (RuntimeError, AttributeError, ValueError):
         return -1
 

@@ -16,7 +16,7 @@ import functools
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-import torch
+from shardwise._compat import FUTURE_TYPE
 
 __all__ = ["async_execution"]
 
@@ -42,7 +42,7 @@ def is_async_execution(func: Any) -> bool:
 
 def is_future(value: Any) -> bool:
     """``torch.futures.Future`` and the plain ``torch._C.Future`` of ``then`` / ``collect_all``."""
-    return isinstance(value, torch._C.Future)
+    return isinstance(value, FUTURE_TYPE)
 
 
 def check_async_result(func: Any, result: Any) -> None:

@@ -38,6 +38,7 @@ from urllib.parse import urlparse
 
 import torch.distributed as dist
 
+from shardwise._compat import default_store
 from shardwise.distributed import signed_store
 from shardwise.distributed.env import AGENT_STORE_VAR, flag_var, int_var
 from shardwise.distributed.groups import global_ranks
@@ -78,7 +79,7 @@ def default_group_store(host: str, port: int) -> dist.Store | None:
     if not dist.is_available() or not dist.is_initialized():
         return None
     try:
-        store = dist.distributed_c10d._get_default_store()
+        store = default_store()
     except (RuntimeError, ValueError, AttributeError):
         return None
     while isinstance(store, dist.PrefixStore):
@@ -113,7 +114,7 @@ def group_store(group: dist.ProcessGroup | None = None) -> dist.Store:
         raise RendezvousError("group_store() needs an initialised default process group")
     ranks = global_ranks(group)
     return dist.PrefixStore(f"shardwise_rpc_group/{'_'.join(map(str, ranks))}",
-                            dist.distributed_c10d._get_default_store())
+                            default_store())
 
 
 def _store_address(init_method: str) -> tuple[str, int]:

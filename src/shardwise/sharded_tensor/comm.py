@@ -24,8 +24,9 @@ import torch
 import torch.distributed as dist
 from torch.autograd import Function
 
-# torch 2.13 deprecates all_gather_into_tensor in favour of all_gather_single (same semantics)
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+from shardwise._compat import dist_all_gather
+
+_all_gather_single = dist_all_gather  # [Note: torch compatibility] in _compat.py
 
 
 def world(group: dist.ProcessGroup | None) -> int:

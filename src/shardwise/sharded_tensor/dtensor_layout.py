@@ -10,8 +10,8 @@ tensor-parallel model) takes our TP shards and torch's alike.
 from __future__ import annotations
 
 import torch.distributed as dist
-from torch.distributed.tensor import Placement, Shard
 
+from shardwise._compat import Placement, Shard
 from shardwise.distributed.groups import global_ranks
 from shardwise.sharded_tensor.metadata import ShardingError
 from shardwise.sharded_tensor.sharded_tensor import ShardedTensor

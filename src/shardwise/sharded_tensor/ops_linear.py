@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from shardwise._compat import nn_linear
 from shardwise.sharded_tensor import comm
 from shardwise.sharded_tensor.dispatch import implements, unsupported
 from shardwise.sharded_tensor.layout import bind, chunk_dim, rank_chunks
@@ -94,7 +95,7 @@ def _rowwise(func, x, w: ShardedTensor, bias, args, in_dim: int) -> torch.Tensor
     return y if bias is None else y + bias
 
 
-@implements(F.linear, torch._C._nn.linear)
+@implements(F.linear, nn_linear)
 def linear(func, args, kwargs):
     a = bind(args, kwargs, ("input", "weight", "bias"))
     x, w, b = a["input"], a["weight"], a["bias"]

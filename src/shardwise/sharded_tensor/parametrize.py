@@ -32,8 +32,8 @@ from collections.abc import Iterable, Mapping, Sequence
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 
+from shardwise._compat import DTensor
 from shardwise.sharded_tensor import comm
 from shardwise.sharded_tensor.creation import shard_tensor
 from shardwise.sharded_tensor.metadata import ShardingError, ShardMetadata
