@@ -43,6 +43,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from shardwise._compat import queue_callback
 from shardwise.dp.buckets import Bucket, BucketSizes, BucketState, Waitable, plan_buckets
 
 Launch = Callable[[Bucket], "Waitable | None"]
