@@ -4,9 +4,11 @@ The model is built on the meta device and materialised under ``FakeTensorMode``;
 own library code wraps it (``DistributedDataParallel``, ``ZeroRedundancyOptimizer`` with DDP or
 ``ZeroDataParallel``, ``fully_shard`` per transformer layer and on the root over a 1D mesh, a
 (dp, tp) mesh after ``shard_module`` or a (replicate, shard) mesh); then one step runs: forward,
-backward, optimizer step, counted: the bytes this rank sends per collective kind, its
-collectives, and the peak of FSDP's gathered buffers (wrapping's own collectives, such as
-DDP's initial broadcast, are not part of the step). What the rank holds afterwards
+backward, optimizer step. The first step runs uncounted: it learns the schedule (FSDP records
+the order of its units' forwards and from then on keeps the last one gathered into backward;
+optimizer state is made lazily). The second step is counted: the bytes this rank sends per
+collective kind, its collectives, and the peak of FSDP's gathered buffers (wrapping's own
+collectives, such as DDP's initial broadcast, are not part of a step). What the rank holds afterwards
 (parameters, gradients, optimizer state) comes from ``shardwise.memory.state_bytes``, the
 library's byte accounting. See [Note: simulated ranks] (fake_group.py).
 """
@@ -87,7 +89,7 @@ class _Wrapped:
 def simulate_step(build: Callable[[], nn.Module], run: DryRun,
                   after: Callable[[_Wrapped], dict] | None = None) -> StepResult:
     """Set up the fake world, wrap the model built by ``build`` (meta device) with ``run``'s
-    strategy and run one counted training step; ``after`` (optional) runs on
+    strategy and run a first training step, then a second one, counted; ``after`` (optional) runs on
     the wrapped model inside the fake world (the checkpoint planner) and its dict is kept."""
     with fake_world(run.world_size, run.rank) as world:
         meshes = _meshes(run, world)  # real tensors: made before the fake mode starts
@@ -96,6 +98,7 @@ def simulate_step(build: Callable[[], nn.Module], run: DryRun,
             model.to_empty(device="cpu")
             wrapped = WRAPPERS[run.strategy](model, run, world, meshes)
             ids = torch.zeros((run.batch, min(sequence_length(model), 16)), dtype=torch.long)
+            _step(wrapped, ids)  # uncounted: the first step learns the schedule
             counter = SimCounter(local_world_size=run.local_world_size or run.world_size,
                                  gathered=wrapped.gathered)
             with counter:
