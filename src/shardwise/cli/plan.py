@@ -9,7 +9,9 @@ ZeRO paper's mixed precision: 2 + 2 + 12 bytes per parameter with Adam); ``--bat
 the activation estimate of shardwise/memory/activations.py. FSDP is estimated with one unit per
 transformer layer plus the root unit, as `shardwise train --strategy fsdp` wraps it; ``--tp``
 (one or more degrees) and ``--replicas`` add the mesh layouts (see [Note: mesh state estimates]
-in shardwise/memory/layouts.py).
+in shardwise/memory/layouts.py). ``--simulate`` also runs the library's own code for each row
+on one rank of a fake process group of ``--nproc`` ranks (shardwise/sim/: no data, no other
+process) and reports that rank's state, peak of gathered units and communication per step.
 """
 
 from __future__ import annotations
@@ -108,6 +110,12 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="tensor-parallel degree(s), e.g. 2 or 2,4,8: add FSDP x TP (2D) layouts")
     add("--replicas", type=WORLD, default=1, help="replica groups: add the hybrid (HSDP) layout")
     add("--json", action="store_true", help="print a JSON record instead of the table")
+    add("--simulate", action="store_true",
+        help="dry-run the library's own code for each row on one rank of a fake group of "
+             "--nproc ranks (no data moved); adds the simulated figures")
+    add("--rank", type=int_arg(0, 2**24), default=0, help="--simulate: the rank to play")
+    add("--strategy", default=None, choices=("ddp", "zero1", "zero2", "fsdp", "hsdp"),
+        help="--simulate: dry-run this strategy's rows only (default: every row)")
     return parser
 
 
@@ -140,7 +148,7 @@ def plan_record(args: argparse.Namespace) -> dict:
         if args.memory_gib <= 0:
             raise ValueError(f"--memory-gib must be positive, got {args.memory_gib}")
         fits = {r.name: r.total <= args.memory_gib * 1024**3 for r in rows}
-    return {
+    record = {
         "model": spec.description, "parameters": spec.n_params, "world_size": args.nproc,
         "precision": args.precision, "optimizer": args.optimizer,
         "bytes_per_parameter": dict(zip(("params", "grads", "optimizer"),
@@ -155,6 +163,44 @@ def plan_record(args: argparse.Namespace) -> dict:
                   "mesh": list(r.mesh) if r.mesh else None,
                   "fits": None if fits is None else fits[r.name]} for r in rows],
     }
+    if getattr(args, "simulate", False):
+        _simulate(args, record)
+    return record
+
+
+def _simulate(args: argparse.Namespace, record: dict) -> None:
+    """Add each row's ``"simulated"`` figures and the ``"simulation"`` cost (shardwise/sim)."""
+    from shardwise.sim.models import demo_gpt, hf_model
+    from shardwise.sim.report import dry_run_for, simulate_rows
+
+    if args.params is not None:
+        raise ValueError("--simulate needs the model's shapes (the demo GPT or --hf-config); "
+                         "a bare --params count has none")
+    if args.optimizer != "adamw":
+        raise ValueError(f"--simulate steps AdamW; --optimizer {args.optimizer} is planned by "
+                         "the formulas only")
+    if not 0 <= args.rank < args.nproc:
+        raise ValueError(f"--rank {args.rank} is outside a world of {args.nproc} ranks")
+    if args.hf_config:
+        def build():
+            return hf_model(args.hf_config)
+    else:
+        cfg = _demo_config(args)
+
+        def build():
+            return demo_gpt(cfg)
+    picked = [r["strategy"] for r in record["rows"] if args.strategy in (None, r["strategy"])
+              or (args.strategy == "fsdp" and r["strategy"].startswith("fsdp x tp"))]
+    if args.strategy == "hsdp" and args.replicas < 2:
+        raise ValueError("--strategy hsdp needs --replicas R (at least 2 replica groups)")
+    runs = [dry_run_for(r["strategy"], args.nproc, rank=args.rank, replicas=args.replicas,
+                        precision=args.precision) if r["strategy"] in picked else None
+            for r in record["rows"]]
+    figures, cost = simulate_rows(build, runs)
+    for row, sim in zip(record["rows"], figures):
+        row["simulated"] = sim
+    record["simulated_rank"] = args.rank
+    record["simulation"] = cost
 
 
 def format_plan(record: dict) -> str:
@@ -189,6 +235,10 @@ def format_plan(record: dict) -> str:
         lines.append(f"cheapest strategy that fits in {record['memory_gib']:g} GiB per rank: "
                      + (best if best else "none") + " (ranked by communication per step: "
                      + ", ".join(COST_ORDER) + ", then tensor parallelism)")
+    if "simulation" in record:
+        from shardwise.sim.report import format_simulated
+
+        lines += format_simulated(record, scale, record["units"])
     extra = "FSDP's gathered units" if acts is not None else "activations, FSDP's gathered units"
     lines.append(f"Not counted: {extra}, communication buckets, allocator caching.")
     return "\n".join(lines)

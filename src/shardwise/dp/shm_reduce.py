@@ -104,6 +104,8 @@ def usable(group: dist.ProcessGroup, device: torch.device,
     """
     if device.type != "cpu" or dist.get_world_size(group) < 2:
         return False
+    if dist.get_backend(group) == "fake":  # a dry run's ranks share no host (shardwise.sim)
+        return False
     local = platform.machine().lower() in ("x86_64", "amd64") and not flag_var(DISABLE_VAR) \
         and _room_for(segment_bytes(layouts, dist.get_world_size(group)))
     flag = torch.tensor([1 if local else 0], dtype=torch.int32)

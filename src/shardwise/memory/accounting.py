@@ -61,12 +61,20 @@ def _unique_bytes(tensors: Iterable[torch.Tensor]) -> int:
         if t.device.type == "meta" or t.numel() == 0:
             continue
         storage = t.untyped_storage()
-        key = storage.data_ptr()
+        key = _storage_key(t, storage)
         start = t.storage_offset() * t.element_size()
         end = start + _span_elements(t) * t.element_size()
         lo, hi = spans.get(key, (start, end))
         spans[key] = (min(lo, start), max(hi, end))
     return sum(hi - lo for lo, hi in spans.values())
+
+
+def _storage_key(t: torch.Tensor, storage: torch.UntypedStorage) -> int:
+    """What identifies ``t``'s storage: its data pointer; a fake tensor (a dry run's, see
+    [Note: simulated ranks] in shardwise/sim/fake_group.py) has none, so its storage object."""
+    if hasattr(t, "fake_mode"):
+        return storage._cdata
+    return storage.data_ptr()
 
 
 def _span_elements(t: torch.Tensor) -> int:
