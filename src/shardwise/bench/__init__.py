@@ -5,7 +5,9 @@ rank runs) or a ``run(argv)`` of its own (collectives); ``BENCHES`` maps the nam
 bench` takes to those modules, imported only when chosen. A run prints a table and, with
 ``--out DIR``, writes ``DIR/NAME.json`` (the record: every number the table prints, and each
 round's) and ``DIR/NAME.png`` (step time and peak memory per implementation with the spread
-across rounds); records.py renders records as the Markdown tables of docs/benchmarks.md.
+across rounds, and each row's physical limit); records.py renders a record as a table,
+page.py writes docs/benchmarks.md from docs/records/, limits.py measures what each strategy's
+limit is made of, and cuda_overlap.py adds what ``--device cuda`` measures.
 """
 
 BENCHES = {
