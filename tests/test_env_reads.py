@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from shardwise.distributed.env import EnvError, child_environment, choice_var, is_set, str_var
+
 SRC = Path(__file__).resolve().parents[1] / "src" / "shardwise"
 READERS = SRC / "distributed" / "env.py"
 _OS_NAMES = {"environ", "environb", "getenv", "getenvb"}
@@ -104,3 +106,33 @@ def test_the_scan_finds_a_raw_read(line):
 ])
 def test_the_scan_allows_writes(line):
     assert raw_reads(f"import os\n{line}\n") == []
+
+
+# -- the readers that replaced the raw reads -------------------------------------------------
+
+def test_str_var_and_is_set_treat_an_empty_value_as_unset(monkeypatch):
+    monkeypatch.setenv("SHARDWISE_T_STR", "")
+    assert str_var("SHARDWISE_T_STR", "d") == "d" and not is_set("SHARDWISE_T_STR")
+    monkeypatch.setenv("SHARDWISE_T_STR", " x ")
+    assert str_var("SHARDWISE_T_STR") == " x " and is_set("SHARDWISE_T_STR")
+    monkeypatch.delenv("SHARDWISE_T_STR")
+    assert str_var("SHARDWISE_T_STR") is None and not is_set("SHARDWISE_T_STR")
+
+
+def test_choice_var_names_the_variable_and_the_choices(monkeypatch):
+    monkeypatch.setenv("SHARDWISE_T_CHOICE", " SHM ")
+    assert choice_var("SHARDWISE_T_CHOICE", ("tcp", "shm"), "tcp") == "shm"
+    monkeypatch.setenv("SHARDWISE_T_CHOICE", "udp")
+    with pytest.raises(EnvError, match="^environment variable SHARDWISE_T_CHOICE must be one "
+                                       "of tcp, shm, got 'udp'$"):
+        choice_var("SHARDWISE_T_CHOICE", ("tcp", "shm"), "tcp")
+    monkeypatch.delenv("SHARDWISE_T_CHOICE")
+    assert choice_var("SHARDWISE_T_CHOICE", ("tcp", "shm"), "tcp") == "tcp"
+
+
+def test_child_environment_is_a_copy_with_the_extra_variables(monkeypatch):
+    monkeypatch.setenv("SHARDWISE_T_PARENT", "p")
+    child = child_environment(SHARDWISE_T_CHILD="c")
+    assert child["SHARDWISE_T_PARENT"] == "p" and child["SHARDWISE_T_CHILD"] == "c"
+    child["SHARDWISE_T_PARENT"] = "changed"
+    assert str_var("SHARDWISE_T_PARENT") == "p" and str_var("SHARDWISE_T_CHILD") is None
