@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import tempfile
@@ -22,6 +21,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from shardwise.distributed.env import str_var
 from shardwise.dp.buckets import MIB
 
 CASES = ("all_gather", "reduce_scatter")
@@ -88,7 +88,7 @@ def run(argv: Sequence[str]) -> dict | None:
             rounds.append([json.loads(Path(f"{out}.rank{r}.json").read_text())
                            for r in range(args.nproc)])
     settings = {k: v for k, v in vars(args).items() if k not in ("out", "worker_out")}
-    settings["omp_threads"] = os.environ.get("OMP_NUM_THREADS", "1 (set by the worker)")
+    settings["omp_threads"] = str_var("OMP_NUM_THREADS", "1 (set by the worker)")
     return {"bench": "collectives", "description": DESCRIPTION, "settings": settings,
             "baseline": "plain (of the same collective)", "time_label": "time per call",
             "impls": _summary(rounds)}

@@ -34,6 +34,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from shardwise.distributed.env import child_environment, str_var
+
 MIB = 1 << 20
 
 
@@ -162,7 +164,7 @@ def _run_parent(bench: SideBySide, args: argparse.Namespace, argv: list[str],
     from shardwise.bench.records import run_meta
     from shardwise.launch import launch
 
-    env = dict(os.environ)
+    env = child_environment()
     if args.mmap_threshold:
         env["MALLOC_MMAP_THRESHOLD_"] = "131072"
     records: dict[str, list[list[dict]]] = {impl: [] for impl in impls}
@@ -200,7 +202,7 @@ def _run_parent(bench: SideBySide, args: argparse.Namespace, argv: list[str],
 def _settings(args: argparse.Namespace) -> dict:
     hidden = {"worker", "worker_out", "out"}
     settings = {k: v for k, v in vars(args).items() if k not in hidden}
-    settings["omp_threads"] = os.environ.get("OMP_NUM_THREADS", "cores // nproc (launcher)")
+    settings["omp_threads"] = str_var("OMP_NUM_THREADS", "cores // nproc (launcher)")
     return settings
 
 

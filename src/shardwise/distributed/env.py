@@ -1,14 +1,22 @@
 """Reading the launch environment that torchrun (and our own launcher) sets for each rank.
 
-Every environment variable shardwise reads goes through ``int_var``, ``seconds_var`` or
-``flag_var`` here, so that a malformed value is an error that names the variable and what it must
-be, rather than a conversion error from deep inside.
+Every environment variable shardwise reads goes through a reader here (``int_var``,
+``seconds_var``, ``flag_var``, ``choice_var``, ``str_var``, ``is_set``), so that a malformed value
+is an error that names the variable and what it must be, rather than a conversion error from
+deep inside. Writes are not reads: the launcher sets a rank's variables in the environment it
+hands the rank (``child_environment()``, a copy of this process's, extended), and a process may
+set or delete its own (``os.environ[K] = V``, ``update``, ``pop``) before it starts a child.
+tests/test_env_reads.py scans src/ and fails on any other use of ``os.environ`` or ``os.getenv``.
+
+Standard library only: rank_boot.py and lifeline.py load this file by its path before the
+package (which imports torch) may be imported.
 """
 
 from __future__ import annotations
 
 import math
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 # The launcher hosts the TCPStore itself and tells ranks so, as torchrun's agent does.
@@ -51,7 +59,7 @@ def read_env() -> LaunchEnv:
         rank=rank,
         world_size=world_size,
         local_rank=int_var("LOCAL_RANK", default=rank, minimum=0),
-        master_addr=os.environ.get("MASTER_ADDR", "127.0.0.1"),
+        master_addr=str_var("MASTER_ADDR", "127.0.0.1"),
         master_port=int_var("MASTER_PORT", minimum=0, maximum=65535),
         agent_store=flag_var(AGENT_STORE_VAR),
         restart_count=int_var("TORCHELASTIC_RESTART_COUNT", default=0, minimum=0),
@@ -107,3 +115,31 @@ def flag_var(name: str) -> bool:
     if raw in ("1", "true", "yes"):
         return True
     raise EnvError(f"environment variable {name} must be 1/true/yes or 0/false/no, got {raw!r}")
+
+
+def choice_var(name: str, choices: Sequence[str], default: str) -> str:
+    """``$name`` (stripped, lower case) as one of ``choices``; ``default`` when unset or empty."""
+    raw = os.environ.get(name, "").strip().lower()
+    if not raw:
+        return default
+    if raw not in choices:
+        raise EnvError(f"environment variable {name} must be one of {', '.join(choices)}, "
+                       f"got {raw!r}")
+    return raw
+
+
+def str_var(name: str, default: str | None = None) -> str | None:
+    """``$name`` as it is set; ``default`` when unset or empty (an empty value means unset)."""
+    raw = os.environ.get(name)
+    return raw if raw else default
+
+
+def is_set(name: str) -> bool:
+    """True when ``$name`` is set to a non-empty value."""
+    return bool(os.environ.get(name))
+
+
+def child_environment(**extra: str) -> dict[str, str]:
+    """A copy of this process's environment with ``extra`` set: what a child process is given
+    (the launcher's ranks, a benchmark's workers)."""
+    return {**os.environ, **extra}

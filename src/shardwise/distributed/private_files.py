@@ -17,6 +17,8 @@ import stat
 import tempfile
 from pathlib import Path
 
+from shardwise.distributed.env import str_var
+
 _OPEN_FLAGS = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)  # (a FIFO never blocks)
 
 
@@ -54,7 +56,7 @@ def check_private_file(info: os.stat_result, what: str, error: type[Exception]) 
 def private_dir(name: str, hint: str, error: type[Exception]) -> Path:
     """``$XDG_RUNTIME_DIR/NAME`` or ``/tmp/NAME-UID``, created 0700; ``error`` (with ``hint``,
     what else the user can do) if it is a link, someone else's, or open to others."""
-    base = os.environ.get("XDG_RUNTIME_DIR")
+    base = str_var("XDG_RUNTIME_DIR")
     path = Path(base) / name if base else Path(tempfile.gettempdir()) / f"{name}-{os.getuid()}"
     with contextlib.suppress(FileExistsError):
         path.mkdir(mode=0o700)

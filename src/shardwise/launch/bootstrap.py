@@ -25,7 +25,7 @@ import sys
 import traceback
 from datetime import timedelta
 
-from shardwise.distributed.env import flag_var, int_var
+from shardwise.distributed.env import flag_var, int_var, is_set, str_var
 from shardwise.distributed.timeouts import default_timeout
 from shardwise.launch import errors, job_secret, lifeline, progress
 
@@ -101,13 +101,13 @@ def _start_heartbeat() -> progress.Heartbeat | None:
     job's secret to sign them with (else None)."""
     secret = job_secret.of_rank()
     if secret is None or not (flag_var("TORCHELASTIC_USE_AGENT_STORE")
-                              and os.environ.get("MASTER_PORT")):
+                              and is_set("MASTER_PORT")):
         return None
     import torch.distributed as dist
 
     timeout = default_timeout().total_seconds()
     try:
-        store = dist.TCPStore(os.environ.get("MASTER_ADDR", "127.0.0.1"),
+        store = dist.TCPStore(str_var("MASTER_ADDR", "127.0.0.1"),
                               int_var("MASTER_PORT", minimum=1, maximum=65535), is_master=False,
                               timeout=timedelta(seconds=min(timeout, 30.0)))
     except (RuntimeError, dist.DistError) as exc:

@@ -23,6 +23,8 @@ import traceback
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from shardwise.distributed.env import str_var
+
 ERROR_FILE_VAR = "TORCHELASTIC_ERROR_FILE"
 
 # Lower-case fragments of the messages c10d/gloo/NCCL and our own code give when a peer went away
@@ -99,7 +101,7 @@ def write_record(record: FailureRecord, path: str | os.PathLike | None = None) -
 
     The write goes to a temporary name first, so a reader never sees half a record.
     """
-    path = path or os.environ.get(ERROR_FILE_VAR)
+    path = path or str_var(ERROR_FILE_VAR)
     if not path:
         return None
     path = Path(path)

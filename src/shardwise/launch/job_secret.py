@@ -30,7 +30,7 @@ import secrets
 from collections.abc import Mapping
 from pathlib import Path
 
-from shardwise.distributed.env import RPC_SECRET_FILE_VAR, RPC_SECRET_VAR
+from shardwise.distributed.env import RPC_SECRET_FILE_VAR, RPC_SECRET_VAR, str_var
 from shardwise.distributed.private_files import private_dir, read_private_file
 
 LAUNCH_SECRET_VAR = "SHARDWISE_LAUNCH_SECRET"
@@ -40,7 +40,7 @@ class SecretFileError(RuntimeError):
     """A secret file that may not be trusted (another owner, open to others, unreadable)."""
 
 
-def from_environment(environ: Mapping[str, str] = os.environ) -> bytes | None:
+def from_environment(environ: Mapping[str, str]) -> bytes | None:
     """The secret the user set for the job (``$SHARDWISE_RPC_SECRET`` or its file, in
     ``environ``: the environment the launcher gives its ranks), or None."""
     value = environ.get(RPC_SECRET_VAR)
@@ -53,7 +53,7 @@ def from_environment(environ: Mapping[str, str] = os.environ) -> bytes | None:
 
 def of_rank() -> bytes | None:
     """In a rank: the secret its launcher handed it, or None (not started by our launcher)."""
-    value = os.environ.get(LAUNCH_SECRET_VAR, "")
+    value = str_var(LAUNCH_SECRET_VAR, "")
     try:
         return bytes.fromhex(value) or None
     except ValueError:

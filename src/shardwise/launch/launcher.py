@@ -40,7 +40,12 @@ from typing import TextIO
 import torch.distributed as dist
 
 from shardwise.distributed import signed_store
-from shardwise.distributed.env import AGENT_STORE_VAR, RPC_SECRET_FILE_VAR, RPC_SECRET_VAR
+from shardwise.distributed.env import (
+    AGENT_STORE_VAR,
+    RPC_SECRET_FILE_VAR,
+    RPC_SECRET_VAR,
+    child_environment,
+)
 from shardwise.distributed.private_files import host_identity
 from shardwise.distributed.timeouts import as_timedelta
 from shardwise.launch import descendants, job_secret, rank_boot
@@ -108,7 +113,7 @@ def launch(
     if nnodes > 1 and rdzv_endpoint is None:
         raise NodeError("--nnodes above 1 needs --rdzv-endpoint host:port (node 0's address)")
     seconds = as_timedelta(timeout).total_seconds()
-    job = _Job(list(argv), dict(os.environ if env is None else env), stdout or sys.stdout,
+    job = _Job(list(argv), child_environment() if env is None else dict(env), stdout or sys.stdout,
                stderr or sys.stderr, max_restarts, grace_seconds, seconds)
     job.nproc, job.node_rank, job.nnodes = nproc, node_rank, nnodes
     try:

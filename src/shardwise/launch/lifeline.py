@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import importlib.util
 import os
 import signal
 import sys
@@ -30,15 +31,17 @@ LAUNCHER_FD_VAR = "SHARDWISE_LAUNCHER_FD"
 PR_SET_PDEATHSIG = 1
 EXIT_LAUNCHER_GONE = 128 + signal.SIGHUP
 ARMED_VAR = "SHARDWISE_LIFELINE_ARMED"
+_BOOT_ENV = "_shardwise_boot_env"  # env.py loaded by its path (see boot_env)
 
 
 def install() -> None:
     """Tie this process's life to the launcher named in the environment (no-op without one,
     and when this process is armed already)."""
-    if os.environ.get(ARMED_VAR) == str(os.getpid()):
+    env = boot_env()
+    if env.str_var(ARMED_VAR) == str(os.getpid()):
         return
-    pid = _int_var(LAUNCHER_PID_VAR, default=0, minimum=0)
-    fd = _int_var(LAUNCHER_FD_VAR, default=-1, minimum=-1)
+    pid = env.int_var(LAUNCHER_PID_VAR, default=0, minimum=0)
+    fd = env.int_var(LAUNCHER_FD_VAR, default=-1, minimum=-1)
     os.environ[ARMED_VAR] = str(os.getpid())
     if pid:
         _die_with_parent(pid)
@@ -47,20 +50,19 @@ def install() -> None:
                          name="shardwise-lifeline").start()
 
 
-def _int_var(name: str, default: int, minimum: int) -> int:
-    """env.int_var's rule, without importing the package (this runs before torch is)."""
-    raw = os.environ.get(name, "").strip()
-    if not raw:
-        return default
-    try:
-        value = int(raw)
-    except ValueError:
-        value = None
-    if value is None or value < minimum:
-        from shardwise.distributed.env import int_var  # the named error (imports the package)
-
-        return int_var(name, default, minimum=minimum)
-    return value
+def boot_env():
+    """The environment's readers (distributed/env.py) without importing shardwise's package,
+    which imports torch: the package's module once it is imported, else env.py (standard library
+    only) loaded by its path under a private name, as rank_boot.py loads this file."""
+    module = sys.modules.get("shardwise.distributed.env") or sys.modules.get(_BOOT_ENV)
+    if module is None:
+        path = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir,
+                            "distributed", "env.py")
+        spec = importlib.util.spec_from_file_location(_BOOT_ENV, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[_BOOT_ENV] = module
+        spec.loader.exec_module(module)
+    return module
 
 
 def _die_with_parent(launcher_pid: int) -> None:
@@ -81,7 +83,7 @@ def _watch_pipe(fd: int) -> None:
 
 
 def _launcher_gone() -> None:
-    rank = os.environ.get("RANK", "?")
+    rank = boot_env().str_var("RANK", "?")
     try:
         os.write(2, f"shardwise: rank {rank}: the launcher is gone; exiting\n".encode())
     finally:

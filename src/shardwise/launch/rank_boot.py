@@ -39,10 +39,11 @@ def main() -> None:
     if sys.path and os.path.abspath(sys.path[0] or os.curdir) == _HERE:
         sys.path[0] = os.getcwd()
     lifeline = _load("lifeline")
-    fd = os.environ.get(lifeline.LAUNCHER_FD_VAR, "")
+    env = lifeline.boot_env()  # distributed/env.py, by its path
+    fd = env.str_var(lifeline.LAUNCHER_FD_VAR, "")
     if fd.isdigit():  # forked first, while this process has one thread
         descendants = _load("descendants")
-        descendants.start_guard(int(fd), os.environ.get(descendants.LAUNCH_ID_VAR))
+        descendants.start_guard(int(fd), env.str_var(descendants.LAUNCH_ID_VAR))
     lifeline.install()
     runpy.run_module("shardwise.launch.bootstrap", run_name="__main__", alter_sys=True)
 

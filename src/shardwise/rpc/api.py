@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Iterable
 from types import ModuleType
 from typing import Any
 
 import torch
 
-from shardwise.distributed.env import int_var
+from shardwise.distributed.env import int_var, is_set
 from shardwise.rpc import current
 from shardwise.rpc.agent import start_agent
 from shardwise.rpc.callables import qualified_name, register_module, set_program_roots
@@ -34,8 +33,8 @@ def init_rpc(name: str, backend: Any = None, rank: int = -1, world_size: int | N
     """
     if not isinstance(name, str) or not name:
         raise ValueError(f"worker name must be a non-empty string, got {name!r}")
-    rank = int_var("RANK", minimum=0) if rank < 0 and "RANK" in os.environ else rank
-    if world_size is None and "WORLD_SIZE" in os.environ:
+    rank = int_var("RANK", minimum=0) if rank < 0 and is_set("RANK") else rank
+    if world_size is None and is_set("WORLD_SIZE"):
         world_size = int_var("WORLD_SIZE", minimum=1)
     if world_size is None or not 0 <= rank < world_size:
         raise ValueError(f"init_rpc needs 0 <= rank < world_size, got rank={rank}, "

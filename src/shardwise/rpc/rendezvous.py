@@ -28,7 +28,6 @@ from __future__ import annotations
 import ipaddress
 import itertools
 import json
-import os
 import socket
 import threading
 import time
@@ -40,7 +39,7 @@ import torch.distributed as dist
 
 from shardwise._compat import default_store
 from shardwise.distributed import signed_store
-from shardwise.distributed.env import AGENT_STORE_VAR, flag_var, int_var
+from shardwise.distributed.env import AGENT_STORE_VAR, flag_var, int_var, str_var
 from shardwise.distributed.groups import global_ranks
 
 PREFIX = "shardwise_rpc"
@@ -119,7 +118,7 @@ def group_store(group: dist.ProcessGroup | None = None) -> dist.Store:
 
 def _store_address(init_method: str) -> tuple[str, int]:
     if init_method == "env://":
-        addr = os.environ.get("MASTER_ADDR")
+        addr = str_var("MASTER_ADDR")
         if not addr:
             raise RendezvousError("init_method env:// needs MASTER_ADDR and MASTER_PORT in the "
                                   "environment (torchrun and `shardwise run` set them)")
@@ -135,8 +134,9 @@ def advertised_host(store_host: str | None) -> str:
     """The address this worker listens on and peers dial: $SHARDWISE_RPC_ADDR, loopback for a
     loopback store, else the local address of the interface that reaches the store (the one
     the group rendezvoused on; the listener binds there only, never to every interface)."""
-    if os.environ.get("SHARDWISE_RPC_ADDR"):
-        return os.environ["SHARDWISE_RPC_ADDR"]
+    given = str_var("SHARDWISE_RPC_ADDR")
+    if given:
+        return given
     if store_host is not None:
         try:
             ip = socket.gethostbyname(store_host)

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from shardwise.distributed.env import RPC_SECRET_FILE_VAR, RPC_SECRET_VAR
+from shardwise.distributed.env import RPC_SECRET_FILE_VAR, RPC_SECRET_VAR, str_var
 from shardwise.distributed.private_files import host_identity, read_private_file
 from shardwise.distributed.private_files import private_dir as private_dir_of
 from shardwise.rpc.rendezvous import RendezvousError
@@ -53,10 +53,10 @@ class SecretFileError(SecretError):
 
 def from_environment() -> bytes | None:
     """The secret the launcher or the user set, or None."""
-    value = os.environ.get(RPC_SECRET_VAR)
+    value = str_var(RPC_SECRET_VAR)
     if value:
         return value.encode()
-    path = os.environ.get(RPC_SECRET_FILE_VAR)
+    path = str_var(RPC_SECRET_FILE_VAR)
     return read_private_file(path, f"${RPC_SECRET_FILE_VAR} file", SecretFileError) \
         if path else None
 

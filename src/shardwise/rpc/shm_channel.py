@@ -50,7 +50,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from shardwise.distributed.env import int_var
+from shardwise.distributed.env import choice_var, int_var
 from shardwise.rpc import shm_ring
 from shardwise.rpc.connection import Defer, FrameHandler, LostHandler, QueuedConnection
 from shardwise.rpc.shm_pool import PAGE, PoolError, PoolReader, PoolWriter, pool_bytes
@@ -90,12 +90,9 @@ class ChannelError(ConnectionError):
     """The shared-memory channel was required but could not be set up."""
 
 
-def channel_mode(value: str | None = None) -> str:
-    """The channel to use: ``value``, else ``$SHARDWISE_RPC_CHANNEL``, else ``auto``."""
-    mode = (value if value is not None else os.environ.get(ENV, "auto")).strip().lower()
-    if mode not in MODES:
-        raise ValueError(f"{ENV}={mode!r}: the RPC channel is one of {', '.join(MODES)}")
-    return mode
+def channel_mode() -> str:
+    """The channel to use: ``$SHARDWISE_RPC_CHANNEL`` (one of MODES), else ``auto``."""
+    return choice_var(ENV, MODES, "auto")
 
 
 def boot_id() -> bytes:
