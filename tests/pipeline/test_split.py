@@ -91,7 +91,7 @@ def test_sequential_split_and_cover_check():
         split_by_names(seq, [["0", "1"], ["2"]])
     with pytest.raises(ValueError, match="no submodule named"):
         split_by_names(seq, [["0", "9"]])
-    with pytest.raises(ValueError, match="in stages 0 and 1"):
+    with pytest.raises(ValueError, match="stages 0 and 1 share a parameter"):
         split_by_names(seq, [["0", "2"], ["2", "3"]])
 
 

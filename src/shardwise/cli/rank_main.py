@@ -18,7 +18,7 @@ import torch.distributed as dist
 from shardwise.checkpoint import CheckpointError
 from shardwise.cli.train_args import ConfigError, TrainConfig, validate
 from shardwise.cli.train_loop import train
-from shardwise.distributed import destroy, init, read_env
+from shardwise.distributed import destroy, init, pick_backend, read_env
 from shardwise.launch.preemption import EXIT_PREEMPTED, Preempted, Preemption
 
 
@@ -32,7 +32,7 @@ def train_rank(cfg: TrainConfig) -> int:
         print(f"shardwise train: error: {exc}", file=sys.stderr)
         return 2
     device = _device(cfg, env.local_rank)
-    group = init("nccl" if device.type == "cuda" else "gloo")
+    group = init(pick_backend(device))
     try:
         result = train(cfg, group, device, preemption)
         dist.barrier(group=group)  # leave together: rank 0's store must outlive the others' use

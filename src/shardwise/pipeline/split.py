@@ -171,7 +171,7 @@ def split_layers(layers: Layers, num_stages: int | None = None, *,
     else:
         cuts = balanced_cuts(_costs(layers, cost, sample), num_stages)
     stages = [Stage(layers[a:b]) for a, b in zip(cuts, cuts[1:])]
-    _check_no_shared_params(stages)
+    _owners(stages)  # stages must not share parameters
     return stages
 
 
@@ -213,21 +213,18 @@ def split_by_names(model: nn.Module, stage_names: Sequence[Sequence[str]]) -> li
 
 
 def _check_cover(model: nn.Module, stages: list[Stage]) -> None:
-    owner: dict[int, int] = {}
-    for k, stage in enumerate(stages):
-        for p in stage.parameters():
-            if owner.setdefault(id(p), k) != k:
-                raise ValueError(f"a parameter is in stages {owner[id(p)]} and {k}: "
-                                 "stages must not share parameters")
+    owner = _owners(stages)
     left = [n for n, p in model.named_parameters() if id(p) not in owner]
     if left:
         raise ValueError(f"the split does not cover the model: no stage holds {left}")
 
 
-def _check_no_shared_params(stages: list[Stage]) -> None:
+def _owners(stages: list[Stage]) -> dict[int, int]:
+    """The stage of every parameter (by id); ValueError when two stages share one."""
     owner: dict[int, int] = {}
     for k, stage in enumerate(stages):
         for p in stage.parameters():
             if owner.setdefault(id(p), k) != k:
                 raise ValueError(f"stages {owner[id(p)]} and {k} share a parameter (tied "
                                  "weights?): put the layers that use it in one stage")
+    return owner
