@@ -31,6 +31,10 @@ EXPECTED = {"DTensor", "tree_flatten", "tree_map", "TorchDispatchMode",
             "all_gather_single", "reduce_scatter_single"}
 
 
+def _release() -> tuple[int, ...]:
+    return _compat._release(torch.__version__)
+
+
 def _module_of(function):
     return sys.modules[function.__module__]
 
@@ -41,7 +45,9 @@ ATTRIBUTE_CHECKS = {
     ("DTensor", "_local_tensor"):  # the module that defines DTensor's methods uses it
         lambda: "_local_tensor" in inspect.getsource(_module_of(_compat.DTensor.to_local)),
     ("DeviceMesh", "_mesh_dim_names"): lambda: "_mesh_dim_names" in inspect.getsource(DeviceMesh),
-    ("DeviceMesh", "_concatenate"): lambda: callable(DeviceMesh._concatenate),
+    # optional: torch 2.6.0 lacks it, and tp_params then builds the 2D mesh from the groups
+    ("DeviceMesh", "_concatenate"):
+        lambda: callable(getattr(DeviceMesh, "_concatenate", None)) or _release() < (2, 7),
     ("ProcessGroup", "_get_sequence_number_for_group"):
         lambda: hasattr(dist.ProcessGroup, "_get_sequence_number_for_group"),
     ("nn.Module", "_parameters / _buffers / _non_persistent_buffers_set"):

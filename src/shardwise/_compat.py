@@ -180,7 +180,7 @@ PRIVATE_ATTRIBUTES: list[tuple[str, str, str]] = [
     ("DeviceMesh", "_mesh_dim_names", "a mesh built from several groups drops the placeholder "
      "names from_group requires"),
     ("DeviceMesh", "_concatenate", "FSDP over TP joins a dp and a tp slice into one 2D mesh "
-     "when they come from one mesh"),
+     "when they come from one mesh (optional: without it, from the groups; 2.6.0 lacks it)"),
     ("ProcessGroup", "_get_sequence_number_for_group", "the launcher's progress records count "
      "the collectives a rank has entered"),
     ("nn.Module", "_parameters / _buffers / _non_persistent_buffers_set", "FSDP swaps "
