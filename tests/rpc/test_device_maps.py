@@ -12,6 +12,8 @@ import shardwise.rpc as rpc
 from shardwise.rpc.agent import start_agent
 from shardwise.rpc.device_maps import (
     DeviceMapError,
+    check_present,
+    inferred_devices,
     inverse,
     normalize_device_map,
     target_device,
@@ -20,6 +22,34 @@ from shardwise.rpc.device_maps import (
 from tests.rpc.conftest import ROOT, free_port
 
 D = torch.device
+
+
+def _record(name, devices=("cpu",), maps=None, explicit=False):
+    return {"name": name, "devices": list(devices), "explicit": explicit, "maps": maps or {}}
+
+
+def test_a_worker_without_devices_gets_what_peers_map_to_it():
+    """As torch's TensorPipe agent: w0's map to w1 is enough for w1 to have w1's side of it."""
+    records = [_record("w0", ["cpu", "cuda:0"], {"w1": {"cuda:0": "cuda:1"}}), _record("w1")]
+    every = inferred_devices(records)
+    assert every["w1"] == [D("cpu"), D("cuda:1")]
+    assert every["w0"] == [D("cpu"), D("cuda:0")]
+    validate_device_maps({"w1": {D("cuda:0"): D("cuda:1")}}, every["w0"], every, "w0")
+
+
+def test_a_worker_that_named_its_devices_keeps_them_and_the_map_is_refused():
+    records = [_record("w0", ["cpu", "cuda:0"], {"w1": {"cuda:0": "cuda:1"}}),
+               _record("w1", ["cpu"], explicit=True)]
+    every = inferred_devices(records)
+    assert every["w1"] == [D("cpu")]
+    with pytest.raises(DeviceMapError, match=r"'w1' has no device cuda:1"):
+        validate_device_maps({"w1": {D("cuda:0"): D("cuda:1")}}, every["w0"], every, "w0")
+
+
+@pytest.mark.skipif(torch.cuda.device_count() > 7, reason="needs a CUDA device this host lacks")
+def test_a_peer_mapping_to_a_device_this_worker_lacks_is_named():
+    with pytest.raises(DeviceMapError, match=r"sends tensors to cuda:7 on worker 'w1'"):
+        check_present([D("cpu"), D("cuda:7")], "w1")
 
 
 def test_mapping_and_inverse():

@@ -38,7 +38,8 @@ from shardwise.rpc.callables import qualified_name, resolve
 from shardwise.rpc.cuda_transfer import CudaTransfer
 from shardwise.rpc.device_maps import (
     DeviceMap,
-    as_device,
+    check_present,
+    inferred_devices,
     inverse,
     local_devices,
     validate_device_maps,
@@ -488,20 +489,22 @@ def _start(name, rank, world_size, options, store, token, devices, publish) -> R
     transport = factory(lambda *a: holder["agent"]._on_frame(*a),
                         lambda *a: holder["agent"]._on_lost(*a))
     record = {"name": name, "host": host, "port": transport.port,
-              "devices": [str(d) for d in devices]}
+              "devices": [str(d) for d in devices], "explicit": options.devices is not None,
+              "maps": {peer: {str(k): str(v) for k, v in m.items()}
+                       for peer, m in options.device_maps.items()}}
     try:
         records = rendezvous.exchange(store, rank, world_size, record, options.connect_timeout,
                                       token)
-        validate_device_maps(options.device_maps, devices,
-                             {r["name"]: [as_device(d) for d in r["devices"]] for r in records},
-                             name)
+        every = inferred_devices(records)
+        check_present(every[name], name)
+        validate_device_maps(options.device_maps, every[name], every, name)
     except BaseException:
         transport.close()
         raise
     workers = [WorkerInfo(r["name"], i) for i, r in enumerate(records)]
     agent = RpcAgent(name, rank, world_size, options, store, workers, lambda *_: transport)
     holder["agent"] = agent
-    agent.peer_devices = [[as_device(d) for d in r["devices"]] for r in records]
+    agent.peer_devices = [every[r["name"]] for r in records]
     agent.cuda.set_peer_hosts([r["host"] for r in records])
     if publish is not None:  # current before any peer can call in: RRef() needs it
         publish(agent)

@@ -83,6 +83,34 @@ def local_devices(devices: list[torch.device] | None,
     return chosen
 
 
+def inferred_devices(records: list[dict]) -> dict[str, list[torch.device]]:
+    """Every worker's devices, from the records all workers published at init (``name``,
+    ``devices``, ``maps``: its device maps as strings, ``explicit``: whether it named its
+    ``devices``). As in torch's TensorPipe agent, a worker that did not name its devices also has
+    every device a peer's map sends to it, so ``{"w1": {"cuda:0": "cuda:1"}}`` on w0 alone is
+    enough for w1 to receive on cuda:1."""
+    out = {r["name"]: [as_device(d) for d in r["devices"]] for r in records}
+    for r in records:
+        for peer, device_map in r.get("maps", {}).items():
+            if peer not in out or any(p["name"] == peer and p.get("explicit")
+                                      for p in records):
+                continue
+            for dst in device_map.values():
+                if as_device(dst) not in out[peer]:
+                    out[peer].append(as_device(dst))
+    return out
+
+
+def check_present(devices: list[torch.device], name: str) -> None:
+    """Raise DeviceMapError if a device that peers' maps target on this worker is missing."""
+    present = set(available_devices())
+    for dev in devices:
+        if dev not in present:
+            raise DeviceMapError(f"a peer's device map sends tensors to {dev} on worker {name!r}, "
+                                 f"which does not have it (it has "
+                                 f"{', '.join(str(d) for d in sorted(present, key=str))})")
+
+
 def validate_device_maps(device_maps: dict[str, DeviceMap], mine: list[torch.device],
                          peers: dict[str, list[torch.device]], my_name: str) -> None:
     """Check every map of this worker against its devices and the peers' (raises DeviceMapError)."""
