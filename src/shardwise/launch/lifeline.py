@@ -9,11 +9,12 @@ Two mechanisms, because neither alone is enough:
   launcher is gone: the rank says so on stderr and exits at once (the launcher can no longer
   stop it, nor report anything it does).
 
-Both are armed before the rank imports anything heavy: rank_boot.py loads this file (standard
-library only) by its path and calls ``install`` first, then forks the rank's guard
-(descendants.py), and only then imports shardwise and torch. ``install`` notes in the
-environment that this process is armed (``SHARDWISE_LIFELINE_ARMED``, its pid), so a second call
-(bootstrap.py's, for ranks started without rank_boot.py) does nothing.
+Both are armed before the rank imports anything heavy: rank_boot.py loads this file and the
+environment's readers (distributed/env.py, through ``boot_env``; both standard library only) by
+their paths, forks the rank's guard (descendants.py), calls ``install``, and only then imports
+shardwise and torch. ``install`` notes in the environment that this process is armed
+(``SHARDWISE_LIFELINE_ARMED``, its pid), so a second call (bootstrap.py's, for ranks started
+without rank_boot.py) does nothing.
 """
 
 from __future__ import annotations
