@@ -116,9 +116,9 @@ class OwnerScatter:
       sums its own part of every rank's slot (``ShmReducer.launch_scatter``); no socket;
     - NCCL: ``dist.reduce_scatter`` of the parts;
     - otherwise (gloo across hosts, or /dev/shm too small): one ``dist.reduce`` per owner with a
-      part in the bucket, to that owner. gloo has a ``reduce_scatter``, but it costs more than an
-      all-reduce of the whole bucket (it is built on one), while the reduces move only each part
-      to its owner.
+      part in the bucket, to that owner. gloo has a ``reduce_scatter`` that takes parts of
+      unequal sizes, but it is slower than an all-reduce of the whole bucket, while the reduces
+      move only each part to its owner.
 
     ``in_flight``: at most that many buckets are launched and not yet waited for (the bucketer's
     bound), so a slot of the ring is free again when its next bucket is launched. Construction
