@@ -62,6 +62,9 @@ class Holding:
     # a parameter's place in a bucket's layout: parameters of one bucket are laid out sorted
     # by it (stable), so those of equal key are contiguous; None keeps reverse registration order
     layout_key: Callable[[nn.Parameter], int] | None = None
+    # a lazy bucket's buffer, when it needs one: a tensor of the bucket's numel to adopt (shared
+    # memory its collective reads, say), or None for a private allocation
+    buffer_for: Callable[[Bucket], torch.Tensor | None] | None = None
 
     def __post_init__(self) -> None:
         if self.max_in_flight is not None and self.max_in_flight < 1:
@@ -208,7 +211,7 @@ class GradBucketer:
             raise
         if not ready:
             return
-        bucket.allocate()
+        self._allocate(bucket)
         if bucket.ready[i] and self.release_grads:  # the first part was released
             bucket.slot(i).add_(param.grad, alpha=self.scale or 1)
         else:
@@ -236,11 +239,18 @@ class GradBucketer:
         """Copy ``grad`` (None: zeros) into ``param``'s slot, scaled, and mark it ready;
         ``release``: drop ``param.grad`` afterwards when this bucketer releases gradients."""
         bucket, i = self._where[param]
-        bucket.allocate()
+        self._allocate(bucket)
         self._copy_in(bucket, i, grad)
         if release and self.release_grads:
             param.grad = None
         bucket.mark_ready(i)
+
+    def _allocate(self, bucket: Bucket) -> None:
+        if bucket.buffer is None and self.holding.buffer_for is not None:
+            given = self.holding.buffer_for(bucket)
+            if given is not None:
+                bucket.adopt(given)
+        bucket.allocate()
 
     def _copy_in(self, bucket: Bucket, i: int, grad: torch.Tensor | None) -> None:
         """Slot ``i`` of ``bucket`` = ``grad * scale + addend`` in one pass (``scale`` and the

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from shardwise.distributed.collectives import flatten, unflatten_into
-from shardwise.dp.buckets import Bucket, Waitable
+from shardwise.dp.buckets import Bucket, BucketState, Waitable
 from shardwise.dp.data_parallel import global_rank
 from shardwise.dp.fast_collectives import Pending
 from shardwise.dp.shm_reduce import ShmReducer, usable
@@ -112,8 +112,9 @@ class OwnerScatter:
     empty). The collective, chosen once for the group:
 
     - ranks on one host (CPU, [Note: same-host shared-memory reduction] in dp/shm_reduce.py):
-      the bucket is copied into a ring of ``in_flight + 1`` shared-memory slots and each rank
-      sums its own part of every rank's slot (``ShmReducer.launch_scatter``); no socket;
+      the bucket is filled in (or, when its slot was still busy, copied into) its slot of a
+      ring of ``in_flight + 1`` shared-memory slots, and each rank sums its own part of every
+      rank's slot (``ShmReducer.launch_scatter``); no socket;
     - NCCL: ``dist.reduce_scatter`` of the parts;
     - otherwise (gloo across hosts, or /dev/shm too small): one ``dist.reduce`` per owner with a
       part in the bucket, to that owner. gloo has a ``reduce_scatter`` that takes parts of
@@ -137,6 +138,18 @@ class OwnerScatter:
             if usable(group, device, layouts):
                 self.shm = ShmReducer(layouts, group)
 
+    def slot_for(self, bucket: Bucket, buckets: Sequence[Bucket]) -> torch.Tensor | None:
+        """The shared-memory slot ``bucket`` is reduced from, to be filled in place, when it is
+        free now: the bucket ``ring`` places earlier (the slot's previous user in launch order)
+        has been reduced in this pass, or there is none. None otherwise (or without shared
+        memory): the bucket is filled privately and copied into the slot at launch."""
+        if self.shm is None:
+            return None
+        earlier = bucket.index - self.ring
+        if earlier >= 0 and buckets[earlier].state is not BucketState.REDUCED:
+            return None
+        return self.shm.buffer(bucket.index % self.ring)[: bucket.numel]
+
     def close(self) -> None:
         if self.shm is not None:
             self.shm.close()
@@ -150,7 +163,9 @@ class OwnerScatter:
             return None  # the bucket is the sum
         if self.shm is not None:
             slot = bucket.index % self.ring
-            self.shm.buffer(slot)[: bucket.numel].copy_(bucket.buffer)
+            view = self.shm.buffer(slot)[: bucket.numel]
+            if bucket.buffer.data_ptr() != view.data_ptr():  # filled privately: copy it over
+                view.copy_(bucket.buffer)
             bucket.release()  # the slot holds it now
             return self.shm.launch_scatter(slot, parts[self.rank], out)
         buffer = bucket.buffer

@@ -21,7 +21,8 @@ rank's copy, no socket); with NCCL it is ``dist.reduce_scatter``; otherwise (glo
 one ``dist.reduce`` per owner of the bucket. The owner divides its part by the world size and
 its ``.grad``s become views into it. Each parameter's ``.grad`` is dropped as soon as it is copied
 into its bucket, a bucket's buffer exists only from its first gradient until it is launched (on
-the shared-memory path) or reduced, and at most two buckets are in flight, so during backward a
+the shared-memory path, where it is the bucket's slot of a small ring whenever that slot is free,
+so no copy is made) or reduced, and at most two buckets are in flight, so during backward a
 rank holds its owned gradients plus a few buckets, and after backward only its owned gradients:
 at most 1/N of all gradients plus one parameter (see [Note: ZeRO partition]). ``no_sync()``
 accumulates full local gradients (no collective), as DDP does; the next backward outside it
@@ -84,7 +85,7 @@ class ZeroDataParallel(nn.Module):
         self.reducer = GradBucketer(
             list(module.named_parameters()), BucketSizes.default(bucket_cap_mb), self._launch,
             self._finish, allow_unused=find_unused_parameters, wrapper="ZeroDataParallel",
-            holding=sharded_holding(self._owner.__getitem__),
+            holding=sharded_holding(self._owner.__getitem__, self._slot_for),
         )
         buckets = self.reducer.buckets
         self._parts = [owner_parts(b, self._owner, self.world_size) for b in buckets]
@@ -135,6 +136,12 @@ class ZeroDataParallel(nn.Module):
     def _device(self) -> torch.device:
         return next(iter(self._owner)).device
 
+    def _slot_for(self, bucket: Bucket) -> torch.Tensor | None:
+        """Where a bucket is filled: its shared-memory slot when free (not with a hook)."""
+        if self._comm_hooks.hook is not None:
+            return None
+        return self._scatter.slot_for(bucket, self.reducer.buckets)
+
     def _launch(self, bucket: Bucket) -> Waitable | None:
         if self._comm_hooks.hook is not None:
             return self._comm_hooks.run(bucket, len(self.reducer.buckets))
@@ -183,12 +190,14 @@ class ZeroDataParallel(nn.Module):
         self._reduced.clear()
 
 
-def sharded_holding(owner_of: Callable[[nn.Parameter], int]) -> Holding:
+def sharded_holding(owner_of: Callable[[nn.Parameter], int],
+                    buffer_for: Callable[[Bucket], torch.Tensor | None] | None = None
+                    ) -> Holding:
     """How stage 2 holds gradients in the core's buckets (see [Note: stage 2 buckets]): laid out
-    by owner, ``.grad`` dropped once copied, buffers only while in use, at most
-    ``BUCKETS_IN_FLIGHT`` buckets in flight."""
+    by owner, ``.grad`` dropped once copied, buffers only while in use (``buffer_for``: a
+    shared-memory slot when one is free), at most ``BUCKETS_IN_FLIGHT`` buckets in flight."""
     return Holding(release_grads=True, lazy_buffers=True, max_in_flight=BUCKETS_IN_FLIGHT,
-                   layout_key=owner_of)
+                   layout_key=owner_of, buffer_for=buffer_for)
 
 
 def owner_parts(bucket: Bucket, owner: dict[torch.Tensor, int], world: int) -> list[zc.Part]:
