@@ -73,6 +73,39 @@ def test_shm_reduction_equals_gloo_all_reduce(world_size):
     run_on_ranks(world_size, _equals_all_reduce)
 
 
+def _scatter_sums_each_part(ctx):
+    numel = 50
+    # uneven parts, in no order, rank 1's empty, a gap that no one reads
+    bounds = [(10, 30), (0, 0), (30, 47), (0, 10)][: ctx.world_size]
+    reducer = ShmReducer([(numel, torch.float64)] * 2, ctx.group)
+    try:
+        for step in range(4):  # two slots used alternately: each reused twice
+            slot = step % 2
+            reducer.buffer(slot).copy_(_data(ctx.rank, numel, torch.float64, step))
+            start, end = bounds[ctx.rank]
+            out = torch.empty(end - start, dtype=torch.float64) if end > start else None
+            reducer.launch_scatter(slot, bounds[ctx.rank], out).wait()
+            expected = _data(0, numel, torch.float64, step)
+            for k in range(1, ctx.world_size):  # the same order: the same bits
+                expected = expected + _data(k, numel, torch.float64, step)
+            if out is not None:
+                assert torch.equal(out, expected[start:end]), f"step {step}"
+            assert torch.equal(reducer.buffer(slot), _data(ctx.rank, numel, torch.float64,
+                                                           step)), "the slot is left as posted"
+        # an all-reduce after reduce-scatters on the same reducer still lines up
+        reducer.buffer(0).fill_(ctx.rank + 1)
+        reducer.launch(0).wait()
+        assert torch.equal(reducer.buffer(0), torch.full((numel,), float(
+            sum(range(1, ctx.world_size + 1))), dtype=torch.float64))
+    finally:
+        reducer.close()
+
+
+@pytest.mark.parametrize("world_size", (2, 4))
+def test_shm_reduce_scatter_sums_each_ranks_part(world_size):
+    run_on_ranks(world_size, _scatter_sums_each_part)
+
+
 def _peer_never_posts(ctx):
     reducer = ShmReducer([(16, torch.float32)], ctx.group, timeout=timedelta(seconds=1.5))
     try:

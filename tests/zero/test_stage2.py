@@ -1,11 +1,13 @@
 """ZeroDataParallel (stage 2) against one process training on the whole batch."""
 
 import math
+import os
 
 import pytest
 import torch
 
 from shardwise import ZeroDataParallel, ZeroRedundancyOptimizer
+from shardwise.dp.shm_reduce import DISABLE_VAR
 from shardwise.memory import state_bytes
 from tests.harness import WORLD_SIZES, assert_rel_close, rank_slice, run_on_ranks
 from tests.harness.ops import OpCounts
@@ -55,14 +57,23 @@ def _hook(name: str | None):
     return getattr(default_hooks if lib == "torch" else hooks, hook)
 
 
-def _train(ctx, opt_name, steps, micro, clip, hook=None):
+def _train(ctx, opt_name, steps, micro, clip, hook=None, shm=True):
     cls, kwargs = optimizer_kwargs(opt_name)
     reference = make_net()
     ref_opt = cls(param_groups(reference), **kwargs)
     ref_sched = torch.optim.lr_scheduler.LambdaLR(ref_opt, schedule)
     net = make_net(seed=ctx.rank)  # replicas start different: the wrap syncs them
     opt = ZeroRedundancyOptimizer(param_groups(net), optimizer_class=cls, **kwargs)
-    model = ZeroDataParallel(net, opt, bucket_cap_mb=BUCKET_MB)
+    os.environ[DISABLE_VAR] = "0" if shm else "1"
+    try:
+        model = ZeroDataParallel(net, opt, bucket_cap_mb=BUCKET_MB)
+    finally:
+        del os.environ[DISABLE_VAR]
+    # the reduce-scatter goes through shared memory on one host unless turned off
+    assert (model._scatter.shm is not None) == (shm and ctx.world_size > 1)
+    owners = [{model._owner[p] for p in b.params} for b in model.reducer.buckets]
+    if ctx.world_size == 4:  # (at 2 ranks one rank owns every parameter but the largest)
+        assert any(len(o) > 1 for o in owners), "buckets hold several owners' parts"
     if hook is not None:
         model.register_comm_hook(None, _hook(hook))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
@@ -88,6 +99,11 @@ def _train(ctx, opt_name, steps, micro, clip, hook=None):
 @pytest.mark.parametrize("opt_name", ("adamw", "sgd"))
 def test_ten_steps_equal_single_process(world_size, opt_name):
     run_on_ranks(world_size, _train, opt_name, 10, 1, None)
+
+
+@pytest.mark.parametrize("world_size", (2, 4))
+def test_reduce_per_owner_without_shared_memory_equals_single_process(world_size):
+    run_on_ranks(world_size, _train, "adamw", 3, 1, None, None, False)
 
 
 @pytest.mark.parametrize("hook", ("torch.allreduce_hook", "ours.allreduce_hook"))

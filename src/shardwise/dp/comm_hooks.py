@@ -2,7 +2,7 @@
 
 Shared by DDP and ZeRO stage 2 (both fill gradient buckets, grad_buckets.py), each holding one
 :class:`CommHookSlot`. A registered hook replaces the wrapper's own reduction of every bucket
-(DDP: the averaging all-reduce; ZeRO stage 2: the reduce to the bucket's owner, so a hook costs
+(DDP: the averaging all-reduce; ZeRO stage 2: the reduce-scatter to the owners, so a hook costs
 stage 2 an all-reduce's traffic, of which the owner keeps its part). It gets a
 :class:`GradBucket` (torch's ``dist.GradBucket`` interface: ``index()``, ``buffer()``,
 ``gradients()``, ``parameters()``, ``is_last()``, ``set_buffer()``) whose flat buffer holds

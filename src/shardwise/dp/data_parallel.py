@@ -10,10 +10,9 @@
   all-reduce of the local sums of ``|g|^p`` (of the local max for the infinity norm), then every
   rank scales its own part by the same factor, as ``torch.nn.utils.clip_grad_norm_`` would
   scale the whole gradients.
-- ``global_rank``, ``global_ranks``: re-exported from groups.py, where they live.
 - ``resolve_group``: torch's compatibility spellings of "the data-parallel group"
   (``process_group=`` or a 1D ``device_mesh=``; ``None`` is the world).
-- Gradient bucket sizes (``BucketSizes``, ``MIB``) live with the buckets, in grad_buckets.py.
+- Gradient bucket sizes (``BucketSizes``, ``MIB``) live with the buckets, in buckets.py.
 """
 
 from __future__ import annotations
@@ -26,12 +25,10 @@ import torch.distributed as dist
 from torch import nn
 
 from shardwise.distributed.collectives import broadcast_coalesced
-from shardwise.distributed.groups import global_rank, global_ranks
 from shardwise.dp.buckets import MIB
 
-__all__ = ["MIB", "broadcast_buffers", "buffers_to_sync", "clip_by_total_norm", "global_rank",
-           "global_ranks",
-           "resolve_group", "sharded_grad_norm", "sync_module_state"]
+__all__ = ["MIB", "broadcast_buffers", "buffers_to_sync", "clip_by_total_norm", "resolve_group",
+           "sharded_grad_norm", "sync_module_state"]
 
 
 def sync_module_state(module: nn.Module, group: dist.ProcessGroup | None,

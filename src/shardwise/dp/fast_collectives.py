@@ -1,14 +1,15 @@
 """All-gather and reduce-scatter on flat buffers, done the fastest equivalent way per backend.
 
 [Note: fast collectives]
-Sharded data parallelism (ZeRO stage 2, FSDP) lives on two collectives over flat 1D buffers:
-all-gather (every rank's shard into one full buffer) and reduce-scatter (a full buffer from every
-rank, reduced, each rank keeping its own part). On NCCL the plain c10d collectives are the best
-there is. On gloo they are not (figures in docs/data_parallel.md): gloo's
-``all_gather_into_tensor`` is slower than ``world_size`` broadcasts, one from each rank
-into its slice of the output, and its ``reduce_scatter_tensor`` is a clone, a full all-reduce and
-a copy, slower than an all-to-all (each rank receives every other rank's copy of its
-own part, by point-to-point sends and receives) followed by a local sum. The results are the
+FSDP lives on two collectives over flat 1D buffers of equal shards: all-gather (every rank's
+shard into one full buffer) and reduce-scatter (a full buffer from every rank, reduced, each
+rank keeping its own part). On NCCL the plain c10d collectives are the best there is. On gloo
+they are not: gloo's ``all_gather_into_tensor`` is slower than ``world_size`` broadcasts, one
+from each rank into its slice of the output, and its ``reduce_scatter_tensor`` is a clone, a full
+all-reduce and a copy, slower than an all-to-all (each rank receives every other rank's copy of
+its own part, by point-to-point sends and receives) followed by a local sum. (ZeRO stage 2's
+parts are whole parameters of unequal sizes; it has its own reduce-scatter,
+zero/collectives.py.) The results are the
 same: every rank sums the same values, and the local sum adds the ranks' contributions in rank
 order (tests check both against the plain collectives, exactly for all-gather and to rounding for
 reduce-scatter).
@@ -32,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from shardwise._compat import dist_all_gather, dist_reduce_scatter
-from shardwise.dp.data_parallel import global_rank
+from shardwise.distributed.groups import global_rank
 
 Impl = Literal["auto", "fast", "plain"]
 

@@ -7,8 +7,8 @@ parameter. So parameters are grouped into buckets of about ``cap_bytes`` (in rev
 order, the order in which backward usually produces their gradients; buckets.py). A hook that
 runs after a parameter's gradient is accumulated copies it into its bucket's flat buffer; when a
 bucket is complete, a caller-supplied collective is launched on it asynchronously while backward
-goes on. DDP launches an all-reduce (ddp/data_parallel.py), ZeRO stage 2 a reduce to each bucket's
-owner (zero/stage2.py). Buckets are launched strictly in index order, so every rank
+goes on. DDP launches an all-reduce (ddp/paths.py), ZeRO stage 2 a reduce-scatter to the
+parameters' owners (zero/stage2.py). Buckets are launched strictly in index order, so every rank
 issues the same collectives in the same order even when gradients become ready in a different
 order. At the end of backward (an autograd engine callback) the remaining buckets are launched,
 all are waited on, and a caller-supplied ``finish`` consumes each reduced bucket. A parameter
@@ -21,7 +21,7 @@ pass: DDP's averaging by the world size, with no separate division of the bucket
 How gradients are held is one value, :class:`Holding`: by default ``.grad`` keeps its gradient
 and every bucket's buffer lives as long as the bucketer. A sharding wrapper (ZeRO stage 2,
 zero/stage2.py) instead drops ``param.grad`` once copied, gives a bucket its buffer only from its
-first gradient until ``finish``, keeps parameters of different owners apart, and finishes
+first gradient until ``finish``, lays out each bucket by a key (the owning rank), and finishes
 the oldest bucket once more than ``max_in_flight`` are in flight, so reduced buckets are freed
 during backward, not at its end.
 
@@ -60,11 +60,12 @@ class Holding:
     release_grads: bool = False  # drop ``param.grad`` once copied into its bucket
     lazy_buffers: bool = False  # a buffer exists from a bucket's first gradient until finish
     max_in_flight: int | None = None  # finish the oldest launched bucket beyond this many
-    # parameters of different keys never share a bucket (None: any may)
-    bucket_key: Callable[[nn.Parameter], object] | None = None
     # a parameter's place in a bucket's layout: parameters of one bucket are laid out sorted
     # by it (stable), so those of equal key are contiguous; None keeps reverse registration order
     layout_key: Callable[[nn.Parameter], int] | None = None
+    # a lazy bucket's buffer, when it needs one: a tensor of the bucket's numel to adopt (shared
+    # memory its collective reads, say), or None for a private allocation
+    buffer_for: Callable[[Bucket], torch.Tensor | None] | None = None
 
     def __post_init__(self) -> None:
         if self.max_in_flight is not None and self.max_in_flight < 1:
@@ -131,8 +132,7 @@ class GradBucketer:
         self._admitters: list[BucketPolicy] = []
         self._in_backward = False
         self._named = named
-        key = self.holding.bucket_key
-        self._keys = [(p.dtype, p.device, key(p) if key else None) for _, p in named]
+        self._keys = [(p.dtype, p.device) for _, p in named]
         self._plan(sizes)
         self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for _, p in named]
         self._next_launch = 0
@@ -212,7 +212,7 @@ class GradBucketer:
             raise
         if not ready:
             return
-        bucket.allocate()
+        self._allocate(bucket)
         if bucket.ready[i] and self.release_grads:  # the first part was released
             bucket.slot(i).add_(param.grad, alpha=self.scale or 1)
         else:
@@ -240,11 +240,18 @@ class GradBucketer:
         """Copy ``grad`` (None: zeros) into ``param``'s slot, scaled, and mark it ready;
         ``release``: drop ``param.grad`` afterwards when this bucketer releases gradients."""
         bucket, i = self._where[param]
-        bucket.allocate()
+        self._allocate(bucket)
         self._copy_in(bucket, i, grad)
         if release and self.release_grads:
             param.grad = None
         bucket.mark_ready(i)
+
+    def _allocate(self, bucket: Bucket) -> None:
+        if bucket.buffer is None and self.holding.buffer_for is not None:
+            given = self.holding.buffer_for(bucket)
+            if given is not None:
+                bucket.adopt(given)
+        bucket.allocate()
 
     def _copy_in(self, bucket: Bucket, i: int, grad: torch.Tensor | None) -> None:
         """Slot ``i`` of ``bucket`` = ``grad * scale + addend`` in one pass (``scale`` and the

@@ -1,4 +1,4 @@
-"""Averaging all-reduce of gradient buckets through one shared-memory segment (ranks on one host).
+"""Gradient buckets reduced through one shared-memory segment (ranks on one host).
 
 [Note: same-host shared-memory reduction]
 On one host, gloo's all-reduce moves every byte through loopback TCP: a copy into the kernel and
@@ -21,6 +21,10 @@ Each part is summed by one rank only and copied by the others, so every rank end
 bits. Per rank that is one read of the bucket and one write of it, against gloo's socket
 traffic. ``wait()`` returns when every rank has finished reading the bucket, so the next backward
 may overwrite the slots.
+
+A reduce-scatter (``launch_scatter``, ZeRO stage 2's gradients) is the first phase alone, with
+parts the caller chooses (each owner's gradients, of any sizes): rank ``r`` sums part ``r`` of
+every rank's slot into a tensor of its own, outside the segment, and nothing is copied back.
 
 Synchronisation uses three int64 words per rank (posted, reduced, read), each written only by
 its owner with the bucket's sequence number (a fourth holds the rank's process id: a waiter
@@ -60,8 +64,8 @@ import torch
 import torch.distributed as dist
 
 from shardwise.distributed.env import flag_var, int_var
+from shardwise.distributed.groups import global_rank
 from shardwise.distributed.timeouts import default_timeout
-from shardwise.dp.data_parallel import global_rank
 
 DISABLE_VAR = "SHARDWISE_NO_SHM_REDUCE"
 Step = Callable[[torch.Tensor], object]  # element-wise work on a part of the result, in place
@@ -231,13 +235,31 @@ class ShmReducer:
         ``finish(part)`` runs on the worker thread on the part this rank sums, after the sum
         and before the others read it: element-wise work on the result, off the thread that
         launches ([Note: compression on one host] in ddp/compressed.py)."""
+        return self._post(ShmWork(self, index, finish))
+
+    def _post(self, work: ShmWork) -> ShmWork:
         if self._closed:
             raise RuntimeError("shared-memory reducer used after close()")
         self._seq += 1
+        work.seq = self._seq
         self._words[self.rank, _POSTED] = self._seq
-        work = ShmWork(self, index, self._seq, finish)
         self._jobs.put(work)
         return work
+
+    def launch_scatter(self, index: int, part: tuple[int, int],
+                       out: torch.Tensor | None) -> ShmWork:
+        """Post slot ``index`` (filled) and reduce-scatter it in the background: ``out`` (this
+        rank's part, ``part = (start, end)`` in elements; None when it is empty) becomes the sum
+        over ranks of their slots' ``[start:end]``, in rank order. The ranks' parts may differ in
+        size and need not cover the slot. Nothing is written to shared memory but the words:
+        rank r reads every rank's part r and then says it has read ([Note: same-host
+        shared-memory reduction])."""
+        start, end = part
+        if end > start and (out is None or out.numel() != end - start):
+            raise ValueError(f"launch_scatter: out must hold the part's {end - start} elements")
+        work = ShmWork(self, index)
+        work.part, work.out = part, out
+        return self._post(work)
 
     def close(self) -> None:
         """Stop the worker thread and drop the mapping (idempotent)."""
@@ -262,6 +284,9 @@ class ShmReducer:
             work.done.set()
 
     def _reduce(self, work: ShmWork) -> None:
+        if work.part is not None:
+            self._scatter(work)
+            return
         index, seq = work.index, work.seq
         slots, r = self._views[index], self.rank
         self._await(_POSTED, seq, index)
@@ -277,6 +302,18 @@ class ShmReducer:
             if k != r:
                 own[k].copy_(self._parts(slots[k])[k])
         self._words[r, _READ] = seq
+
+    def _scatter(self, work: ShmWork) -> None:
+        index, seq = work.index, work.seq
+        start, end = work.part
+        if end > start:
+            self._await(_POSTED, seq, index)
+            parts = [slot[start:end] for slot in self._views[index]]
+            torch.add(parts[0], parts[1], out=work.out)
+            for part in parts[2:]:
+                work.out.add_(part)
+        self._words[self.rank, _REDUCED] = seq
+        self._words[self.rank, _READ] = seq
 
     def _parts(self, slot: torch.Tensor) -> list[torch.Tensor]:
         base, extra = divmod(slot.numel(), self.world)
@@ -334,9 +371,11 @@ def _alive(pid: int) -> bool:
 class ShmWork:
     """One launched bucket reduction; ``wait()`` returns when every rank has read it."""
 
-    def __init__(self, reducer: ShmReducer, index: int, seq: int, finish: Step | None = None):
-        self.reducer, self.index, self.seq = reducer, index, seq
+    def __init__(self, reducer: ShmReducer, index: int, finish: Step | None = None):
+        self.reducer, self.index, self.seq = reducer, index, 0  # seq: set when posted
         self.finish = finish
+        self.part: tuple[int, int] | None = None  # a reduce-scatter's part (launch_scatter)
+        self.out: torch.Tensor | None = None
         self.done = threading.Event()
         self.error: BaseException | None = None
 

@@ -17,11 +17,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardwise.dp.data_parallel import (
-    clip_by_total_norm,
-    global_ranks,
-    sharded_grad_norm,
-)
+from shardwise.distributed.groups import global_ranks
+from shardwise.dp.data_parallel import clip_by_total_norm, sharded_grad_norm
 from shardwise.fsdp import tp_params
 from shardwise.fsdp.dtensor import local_tensor
 

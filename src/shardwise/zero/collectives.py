@@ -6,10 +6,8 @@
   (gloo runs them on its own threads), each as soon as its owner has stepped it
   (``step_and_broadcast``); with ``parameters_as_bucket_view`` one broadcast per owner's flat
   buffer.
-- Stage 2 delivers each gradient bucket to its owner with ``reduce_to_owner``. Buckets hold the
-  parameters of a single owner (see [Note: stage 2 buckets] in stage2.py), so a per-owner
-  ``dist.reduce`` fits partitions of any shape; on gloo it is also faster than a
-  reduce-scatter (figures in docs/zero.md).
+- Stage 2 reduce-scatters each gradient bucket to its owners with :class:`OwnerScatter`
+  (see [Note: stage 2 buckets] in stage2.py).
 - State-dict consolidation gathers each rank's (small, pickled) local state to one rank.
 """
 
@@ -24,6 +22,9 @@ import torch.distributed as dist
 
 from shardwise.distributed.collectives import flatten, unflatten_into
 from shardwise.distributed.groups import global_rank
+from shardwise.dp.buckets import Bucket, BucketState, Waitable
+from shardwise.dp.fast_collectives import Pending
+from shardwise.dp.shm_reduce import ShmReducer, usable
 
 
 def broadcast_chunks(chunks: Sequence[tuple[int, Sequence[torch.Tensor]]],
@@ -102,12 +103,83 @@ def broadcast_buffers(buffers: Sequence[tuple[int, torch.Tensor]],
         work.wait()
 
 
-def reduce_to_owner(buffer: torch.Tensor, owner: int, group: dist.ProcessGroup,
-                    async_op: bool = True) -> dist.Work | None:
-    """Sum ``buffer`` over the group into rank ``owner``'s copy (others' copies are garbage
-    afterwards). The one place stage 2 says how a bucket reaches its owner."""
-    return dist.reduce(buffer, dst=global_rank(group, owner), op=dist.ReduceOp.SUM,
-                       group=group, async_op=async_op)
+Part = tuple[int, int]  # (start, end) elements of a bucket; start == end: empty
+
+
+class OwnerScatter:
+    """Sums each gradient bucket over ``group`` into its owners' parts: rank r receives the sum
+    of every rank's ``bucket.buffer[parts[r]]`` (a reduce-scatter with parts of any size, some
+    empty). The collective, chosen once for the group:
+
+    - ranks on one host (CPU, [Note: same-host shared-memory reduction] in dp/shm_reduce.py):
+      the bucket is filled in (or, when its slot was still busy, copied into) its slot of a
+      ring of ``in_flight + 1`` shared-memory slots, and each rank sums its own part of every
+      rank's slot (``ShmReducer.launch_scatter``); no socket;
+    - NCCL: ``dist.reduce_scatter`` of the parts;
+    - otherwise (gloo across hosts, or /dev/shm too small): one ``dist.reduce`` per owner with a
+      part in the bucket, to that owner. gloo has a ``reduce_scatter`` that takes parts of
+      unequal sizes, but it is slower than an all-reduce of the whole bucket, while the reduces
+      move only each part to its owner.
+
+    ``in_flight``: at most that many buckets are launched and not yet waited for (the bucketer's
+    bound), so a slot of the ring is free again when its next bucket is launched. Construction
+    is collective (it decides the shared-memory path on every rank together).
+    """
+
+    def __init__(self, group: dist.ProcessGroup, buckets: Sequence[Bucket], in_flight: int):
+        self.group = group
+        self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
+        self.nccl = self.world > 1 and dist.get_backend(group) == "nccl"
+        self.ring, self.shm = in_flight + 1, None
+        dtypes = {b.params[0].dtype for b in buckets}
+        if self.world > 1 and not self.nccl and len(dtypes) == 1:
+            device = buckets[0].params[0].device
+            layouts = [(max(b.numel for b in buckets), dtypes.pop())] * self.ring
+            if usable(group, device, layouts):
+                self.shm = ShmReducer(layouts, group)
+
+    def slot_for(self, bucket: Bucket, buckets: Sequence[Bucket]) -> torch.Tensor | None:
+        """The shared-memory slot ``bucket`` is reduced from, to be filled in place, when it is
+        free now: the bucket ``ring`` places earlier (the slot's previous user in launch order)
+        has been reduced in this pass, or there is none. None otherwise (or without shared
+        memory): the bucket is filled privately and copied into the slot at launch."""
+        if self.shm is None:
+            return None
+        earlier = bucket.index - self.ring
+        if earlier >= 0 and buckets[earlier].state is not BucketState.REDUCED:
+            return None
+        return self.shm.buffer(bucket.index % self.ring)[: bucket.numel]
+
+    def close(self) -> None:
+        if self.shm is not None:
+            self.shm.close()
+
+    def launch(self, bucket: Bucket, parts: Sequence[Part], out: torch.Tensor | None
+               ) -> Waitable | None:
+        """Start the reduction of ``bucket`` (its buffer filled); once waited for, ``out``
+        (this rank's part, None when empty) holds the sum. On one rank nothing happens: the
+        bucket is the sum."""
+        if self.world == 1:
+            return None  # the bucket is the sum
+        if self.shm is not None:
+            slot = bucket.index % self.ring
+            view = self.shm.buffer(slot)[: bucket.numel]
+            if bucket.buffer.data_ptr() != view.data_ptr():  # filled privately: copy it over
+                view.copy_(bucket.buffer)
+            bucket.release()  # the slot holds it now
+            return self.shm.launch_scatter(slot, parts[self.rank], out)
+        buffer = bucket.buffer
+        if self.nccl:
+            empty = buffer[:0]
+            work = dist.reduce_scatter(out if out is not None else empty,
+                                       [buffer[s:e] for s, e in parts], group=self.group,
+                                       async_op=True)
+            return work
+        works = [dist.reduce(buffer[s:e], dst=global_rank(self.group, r), group=self.group,
+                             async_op=True) for r, (s, e) in enumerate(parts) if e > s]
+        start, end = parts[self.rank]
+        land = (lambda: out.copy_(buffer[start:end])) if out is not None else None
+        return Pending(works, land)
 
 
 def gather_to(obj: Any, dst: int, group: dist.ProcessGroup) -> list[Any] | None:

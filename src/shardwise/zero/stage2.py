@@ -11,20 +11,28 @@ the wrapper so that it knows who owns which parameter::
     optimizer.step()
 
 [Note: stage 2 buckets]
-Gradients are bucketed as in DDP (shardwise/dp/grad_buckets.py), but every bucket
-holds parameters of a single owner (the bucket key includes the owning rank). When a bucket is
-full it is reduced to its owner only (``reduce_to_owner``: a per-owner ``dist.reduce``, which
-fits partitions of any shape; see collectives.py for why not a reduce-scatter on gloo). Each
-parameter's ``.grad`` is dropped as soon as it is copied into its bucket, a bucket's buffer exists
-only from its first gradient until it is reduced, and at most two buckets are in flight, so
-during backward a rank holds its owned gradients plus a few buckets, and after backward only
-its owned gradients (views into its reduced buckets): at most 1/N of all gradients plus one
-parameter (see [Note: ZeRO partition]). ``no_sync()`` accumulates full local gradients (no
-collective), as DDP does; the next backward outside it reduces the sums.
+Gradients are bucketed as in DDP (shardwise/dp/grad_buckets.py): the same bucket sizes, filled
+in backward's order. Inside a bucket the parameters are laid out by owning rank, so each owner's
+gradients form one contiguous part of the flat buffer. When a bucket is full it is
+reduce-scattered into those parts (zero/collectives.py, ``OwnerScatter``): each rank receives
+only the sum of its own part, into a buffer of that part's size, and keeps nothing of the others'.
+On one host the reduce-scatter goes through shared memory (each rank sums its own part of every
+rank's copy, no socket); with NCCL it is ``dist.reduce_scatter``; otherwise (gloo across hosts)
+one ``dist.reduce`` per owner of the bucket. The owner divides its part by the world size and
+its ``.grad``s become views into it. Each parameter's ``.grad`` is dropped as soon as it is copied
+into its bucket, a bucket's buffer exists only from its first gradient until it is launched (on
+the shared-memory path, where it is the bucket's slot of a small ring whenever that slot is free,
+so no copy is made) or reduced, and at most two buckets are in flight, so during backward a
+rank holds its owned gradients plus a few buckets, and after backward only its owned gradients:
+at most 1/N of all gradients plus one parameter (see [Note: ZeRO partition]). ``no_sync()``
+accumulates full local gradients (no collective), as DDP does; the next backward outside it
+reduces the sums. A registered communication hook replaces the reduce-scatter (it all-reduces
+the bucket; each owner copies its part out).
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any
@@ -77,8 +85,13 @@ class ZeroDataParallel(nn.Module):
         self.reducer = GradBucketer(
             list(module.named_parameters()), BucketSizes.default(bucket_cap_mb), self._launch,
             self._finish, allow_unused=find_unused_parameters, wrapper="ZeroDataParallel",
-            holding=sharded_holding(self._owner.__getitem__),
+            holding=sharded_holding(self._owner.__getitem__, self._slot_for),
         )
+        buckets = self.reducer.buckets
+        self._parts = [owner_parts(b, self._owner, self.world_size) for b in buckets]
+        self._scatter = zc.OwnerScatter(self.process_group, buckets, BUCKETS_IN_FLIGHT)
+        weakref.finalize(self, self._scatter.close)
+        self._outs: dict[int, torch.Tensor] = {}  # bucket index -> this rank's part, in flight
         self._holds_reduced = False  # owned grads hold a reduced (averaged) sum
         self._reduced: list[tuple[torch.Tensor, list[nn.Parameter]]] = []  # buffer, its params
         self._comm_hooks = CommHookSlot("ZeroDataParallel")
@@ -97,8 +110,9 @@ class ZeroDataParallel(nn.Module):
     def register_comm_hook(self, state: object, hook: CommHook) -> None:
         """Reduce every bucket with ``hook(state, bucket)`` (torch's DDP contract: the hook's
         future holds the bucket averaged over the group, e.g. ``fp16_compress_hook``) instead
-        of the sum-to-owner ``dist.reduce``; the owner keeps its part. A hook all-reduces, so it
-        moves as many bytes as DDP's reduction: worth it for compressing hooks only. Once."""
+        of the reduce-scatter to the owners; each owner copies its part out. A hook
+        all-reduces, so it moves as many bytes as DDP's reduction: worth it for compressing
+        hooks only. Once."""
         self._comm_hooks.register(state, hook)
 
     def owned_parameters(self) -> list[nn.Parameter]:
@@ -122,25 +136,39 @@ class ZeroDataParallel(nn.Module):
     def _device(self) -> torch.device:
         return next(iter(self._owner)).device
 
+    def _slot_for(self, bucket: Bucket) -> torch.Tensor | None:
+        """Where a bucket is filled: its shared-memory slot when free (not with a hook)."""
+        if self._comm_hooks.hook is not None:
+            return None
+        return self._scatter.slot_for(bucket, self.reducer.buckets)
+
     def _launch(self, bucket: Bucket) -> Waitable | None:
         if self._comm_hooks.hook is not None:
             return self._comm_hooks.run(bucket, len(self.reducer.buckets))
-        if self.world_size == 1:
-            return None
-        return zc.reduce_to_owner(bucket.allocate(), self._owner[bucket.params[0]],
-                                  self.process_group)
+        start, end = self._parts[bucket.index][self.rank]
+        out = None
+        if self.world_size > 1 and end > start:
+            out = self._outs[bucket.index] = bucket.buffer.new_empty(end - start)
+        return self._scatter.launch(bucket, self._parts[bucket.index], out)
 
     def _finish(self, bucket: Bucket) -> None:
-        if self._owner[bucket.params[0]] != self.rank:
-            for param in bucket.params:
+        start, end = self._parts[bucket.index][self.rank]
+        mine = [i for i, p in enumerate(bucket.params) if self._owner[p] == self.rank]
+        for param in bucket.params:
+            if self._owner[param] != self.rank:
                 param.grad = None
+        if not mine:
             return
-        buffer = bucket.allocate()
-        if self.world_size > 1 and self._comm_hooks.hook is None:  # a hook averages itself
-            buffer.div_(self.world_size)
-        for i, param in enumerate(bucket.params):
-            param.grad = bucket.slot(i)
-        self._reduced.append((buffer, bucket.params))
+        if self._comm_hooks.hook is not None:  # the hook's future holds the average
+            part = bucket.allocate()[start:end].clone()
+        elif self.world_size == 1:
+            part = bucket.allocate()[start:end]
+        else:
+            part = self._outs.pop(bucket.index).div_(self.world_size)
+        for i in mine:
+            param, offset = bucket.params[i], bucket.offsets[i] - start
+            param.grad = part[offset : offset + param.numel()].view_as(param)
+        self._reduced.append((part, [bucket.params[i] for i in mine]))
         self._holds_reduced = True
 
     def _check_grads_cleared(self) -> None:
@@ -162,12 +190,25 @@ class ZeroDataParallel(nn.Module):
         self._reduced.clear()
 
 
-def sharded_holding(owner_of: Callable[[nn.Parameter], int]) -> Holding:
-    """How stage 2 holds gradients in the core's buckets (see [Note: stage 2 buckets]): one
-    owner per bucket, ``.grad`` dropped once copied, buffers only while in use, at most
-    ``BUCKETS_IN_FLIGHT`` buckets in flight."""
+def sharded_holding(owner_of: Callable[[nn.Parameter], int],
+                    buffer_for: Callable[[Bucket], torch.Tensor | None] | None = None
+                    ) -> Holding:
+    """How stage 2 holds gradients in the core's buckets (see [Note: stage 2 buckets]): laid out
+    by owner, ``.grad`` dropped once copied, buffers only while in use (``buffer_for``: a
+    shared-memory slot when one is free), at most ``BUCKETS_IN_FLIGHT`` buckets in flight."""
     return Holding(release_grads=True, lazy_buffers=True, max_in_flight=BUCKETS_IN_FLIGHT,
-                   bucket_key=owner_of)
+                   layout_key=owner_of, buffer_for=buffer_for)
+
+
+def owner_parts(bucket: Bucket, owner: dict[torch.Tensor, int], world: int) -> list[zc.Part]:
+    """Per rank, the (start, end) elements of ``bucket`` holding its owned gradients (the
+    bucket is laid out by owner; empty ``(0, 0)`` where a rank owns none of it)."""
+    parts: list[zc.Part | None] = [None] * world
+    for i, param in enumerate(bucket.params):
+        rank, start = owner[param], bucket.offsets[i]
+        first = parts[rank]
+        parts[rank] = (start if first is None else first[0], start + param.numel())
+    return [part or (0, 0) for part in parts]
 
 
 def _check_args(module: Any, optimizer: Any) -> None:
