@@ -34,6 +34,7 @@ import sys
 import tempfile
 import threading
 import types
+import weakref
 from collections.abc import Callable
 from multiprocessing import forkserver
 from pathlib import Path
@@ -89,19 +90,24 @@ class Program:
         self._proc, self.args, self._files = proc, args, files
         self.stdout, self.stderr = streams
         self.pid = proc.pid
+        self._code: int | None = None
 
     @property
     def returncode(self) -> int | None:
-        return self._proc.exitcode
+        return self.poll()
 
     def poll(self) -> int | None:
-        return self._proc.exitcode
+        if self._code is None and self._proc.exitcode is not None:
+            self._code = self._proc.exitcode
+            self._proc.close()  # its sentinel's file descriptor, now rather than at collection
+        return self._code
 
     def wait(self, timeout: float | None = None) -> int:
-        self._proc.join(timeout)
-        if self._proc.exitcode is None:
+        if self._code is None:
+            self._proc.join(timeout)
+        if self.poll() is None:
             raise subprocess.TimeoutExpired(self.args, timeout)
-        return self._proc.exitcode
+        return self._code
 
     def communicate(self, timeout: float | None = None) -> tuple[str, str | None]:
         """(stdout, stderr), or (both together, None) where stderr went with stdout."""
@@ -125,7 +131,7 @@ class Program:
         return texts[self.stdout], texts.get(self.stderr)
 
     def send_signal(self, sig: int) -> None:
-        if self._proc.exitcode is None:
+        if self.poll() is None:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(self.pid, sig)
 
@@ -135,7 +141,7 @@ class Program:
 
 _logs: Path | None = None
 _ids = itertools.count()
-_programs: list[Program] = []
+_programs: weakref.WeakSet[Program] = weakref.WeakSet()  # (for _stop_programs)
 
 
 def _log_path(name: str) -> str:
@@ -171,7 +177,7 @@ def start(cmd: list[str], env: dict, cwd: str | Path | None = None, merge_stderr
         readers.append(open(os.dup(pipe[0].fileno()), errors="replace"))  # noqa: SIM115
         pipe[0].close()
     program = Program(proc, cmd, files if not streams else (None, None), tuple(readers))
-    _programs.append(program)
+    _programs.add(program)
     return program
 
 
@@ -215,7 +221,7 @@ def _program_main(cmd: list[str], env: dict, cwd: str, outs: list) -> None:
     pythonpath = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     handlers: list[tuple] = []
     real_register = atexit.register
-    atexit.register = _recording(handlers, real_register)
+    atexit.register = _recording(handlers)
     try:
         _run_as_main(cmd, pythonpath)
     finally:
@@ -227,11 +233,14 @@ def _program_main(cmd: list[str], env: dict, cwd: str, outs: list) -> None:
         sys.stderr.flush()
 
 
-def _recording(handlers: list, real_register: Callable) -> Callable:
+def _recording(handlers: list) -> Callable:
+    """An ``atexit.register`` that records what the program registers, for _program_main to
+    run in reverse order when the program ends (the process ends without the interpreter's
+    own exit, as every multiprocessing process does)."""
+
     def register(fn, *args, **kwargs):
         handlers.append((fn, args, kwargs))
         return fn
-    register.__wrapped__ = real_register
     return register
 
 
@@ -282,7 +291,7 @@ def _call_with_env(fn: Callable[[], Any], env: dict) -> None:
 
 def _stop_programs() -> None:
     """At exit, kill the programs still running (multiprocessing would wait for them)."""
-    for program in _programs:
+    for program in list(_programs):
         program.kill()
         with contextlib.suppress(subprocess.TimeoutExpired, ValueError):
             program.wait(5)

@@ -18,6 +18,12 @@ with open(path + ".tmp", "w") as f:
 os.rename(path + ".tmp", path)
 print(f"pid {rank} {os.getpid()}", flush=True)
 if sys.argv[2] == "fail" and rank == 1:
+    # not before rank 0's child exists: the job must end with both children to sweep, however
+    # slowly rank 0 starts on a loaded machine
+    other = os.path.join(sys.argv[1], "rank_0.pid")
+    deadline = time.monotonic() + 60
+    while not os.path.exists(other) and time.monotonic() < deadline:
+        time.sleep(0.05)
     raise ValueError("rank one broke on purpose")
 if sys.argv[2] in ("fail", "wait"):
     time.sleep(600)
