@@ -78,16 +78,22 @@ from shardwise import ZeroRedundancyOptimizer  # shardwise: was torch.distribute
 from torch.distributed.optim.zero_redundancy_optimizer import _broadcast_object
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.optim import AdamW, SGD
-from torch.testing._internal.common_distributed import (
-    DistributedTestBase,
-    logger,
-    requires_accelerator_dist_backend,
-    requires_ddp_rank,
-    requires_gloo,
-    skip_if_lt_x_gpu,
-    skip_if_no_gpu,
-    skip_if_win32,
-)
+try:  # shardwise: this file is torch 2.13.0's; older torch's testing internals lack names it uses
+    from torch.testing._internal.common_distributed import (
+        DistributedTestBase,
+        logger,
+        requires_accelerator_dist_backend,
+        requires_ddp_rank,
+        requires_gloo,
+        skip_if_lt_x_gpu,
+        skip_if_no_gpu,
+        skip_if_win32,
+    )
+except ImportError as _missing:  # shardwise: tests/zero still runs on that torch
+    import pytest
+
+    pytest.skip(f"torch {torch.__version__}'s testing internals: {_missing}",
+                allow_module_level=True)
 from torch.testing._internal.common_utils import (
     instantiate_parametrized_tests,
     parametrize,
