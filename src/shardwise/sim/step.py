@@ -8,9 +8,10 @@ backward, optimizer step. The first step runs uncounted: it learns the schedule 
 the order of its units' forwards and from then on keeps the last one gathered into backward;
 optimizer state is made lazily). The second step is counted: the bytes this rank sends per
 collective kind, its collectives, and the peak of FSDP's gathered buffers (wrapping's own
-collectives, such as DDP's initial broadcast, are not part of a step). What the rank holds afterwards
-(parameters, gradients, optimizer state) comes from ``shardwise.memory.state_bytes``, the
-library's byte accounting. See [Note: simulated ranks] (fake_group.py).
+collectives, such as DDP's initial broadcast, are not part of a step). What the rank holds
+afterwards (parameters, gradients, optimizer state) comes from
+``shardwise.memory.state_bytes``, the library's byte accounting. See
+[Note: simulated ranks] (fake_group.py).
 """
 
 from __future__ import annotations
