@@ -19,7 +19,7 @@ from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_flatten, tree_map
 
 from shardwise.fsdp.checks import class_name
-from shardwise.fsdp.collectives import register_pre_backward
+from shardwise.fsdp.collectives import register_pre_backward, run_eagerly
 from shardwise.fsdp.flat_param import FlatParamHandle
 from shardwise.fsdp.mixed_precision import MixedPrecision
 from shardwise.fsdp.root import RootState
@@ -84,8 +84,9 @@ class FSDPUnit:
         self.backward_prefetch_units: list[FSDPUnit] | None = None
         for child in children:
             child.parent = self
-        module.register_forward_pre_hook(self._pre_forward, with_kwargs=True)
-        module.register_forward_hook(self._post_forward)
+        # outside any compiled region: see [Note: FSDP under torch.compile]
+        module.register_forward_pre_hook(run_eagerly(self._pre_forward), with_kwargs=True)
+        module.register_forward_hook(run_eagerly(self._post_forward))
         self._hook_leaves()
 
     def _hook_leaves(self) -> None:
