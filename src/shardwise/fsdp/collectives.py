@@ -85,6 +85,26 @@ def then_average_across(first: Pending, out: torch.Tensor,
     return Pending([], finish)
 
 
+# [Note: FSDP under torch.compile]
+# A unit's forward hooks gather and free parameters: collectives waited for through c10d's
+# ``Work`` objects, storage resized in place, module attributes swapped, Python state moved on.
+# None of that belongs in a graph, and dynamo cannot trace a ``Work`` (a pybind object): traced,
+# each hook broke the graph in two. So the hooks are wrapped in ``torch.compiler.disable``, as
+# torch's FSDP2 wraps its own: with ``torch.compile(model)`` or ``block.compile()`` after
+# ``fully_shard``, a unit's hooks run eagerly around its compiled forward and the forward is one
+# graph whose inputs are the gathered parameters. Where a unit is called inside a compiled
+# frame (a root whose forward loops over compiled units), dynamo runs that frame eagerly and
+# compiles each unit's forward, as it does for torch's FSDP2. The backward hooks run in
+# autograd's engine, outside dynamo, and need no wrapping.
+# tests/fsdp/test_compile.py counts the graph breaks and compares the losses with eager.
+
+
+def run_eagerly(hook: Callable[..., Any]) -> Callable[..., Any]:
+    """``hook`` made opaque to torch.compile: it always runs as plain Python
+    (see [Note: FSDP under torch.compile])."""
+    return torch.compiler.disable(hook, recursive=True)
+
+
 def register_pre_backward(outputs: Any, hook: Callable[[], None]) -> None:
     """Call ``hook()`` when the gradient of any tensor in ``outputs`` (any nesting of lists,
     tuples, dicts) that requires grad is computed. The hook should be idempotent per backward."""

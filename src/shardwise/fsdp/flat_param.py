@@ -51,6 +51,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from shardwise._compat import DTensor
 from shardwise.distributed.groups import global_ranks
 from shardwise.dp.fast_collectives import Pending, uses_fast_path
+from shardwise.fsdp.arrivals import GradArrivals
 from shardwise.fsdp.collectives import (
     start_reduce_scatter,
     start_unit_gather,
@@ -145,8 +146,7 @@ class FlatParamHandle:
         self._make_full()
         self.grad_buffer: torch.Tensor | None = None  # 1D, world * shard_numel, compute dtype
         self.direct: DirectGrads | None = None  # see [Note: direct gradient reduction]
-        self._grad_written = [False] * len(self.slots)  # per slot, since grad_buffer was made
-        self._any_grad = False  # a gradient arrived in this backward (the unit counts them)
+        self.arrivals = GradArrivals()  # which gradients are in: [Note: gradient arrival]
         self.state = ShardState.SHARDED
         self.views_set = False
         self._gather: Pending | None = None
@@ -299,41 +299,34 @@ class FlatParamHandle:
         """Move leaf ``index``'s ``.grad`` into this reduction's gradients: held whole for a
         direct reduction ([Note: direct gradient reduction]) when ``sync`` (this backward
         reduces) allows one, else into its chunks of ``grad_buffer`` (allocated by the first
-        one). Which gradients are still to come is the unit's count ([Note: FSDP unit
-        states])."""
+        one). Its arrival is recorded in ``arrivals`` ([Note: gradient arrival])."""
         leaf, slot = self.leaves[index], self.slots[index]
         grad, leaf.grad = local_grad(leaf.grad, self.tp[index]), None
+        accumulate = self.arrivals.record(index, self._requiring_grad())
         if self.direct is None and self.grad_buffer is None and self._direct_allowed(sync, grad):
             self.direct = DirectGrads(self.layout, self.rank, self.global_ranks, self.group,
                                       self.reduce_dtype, self.compute_device)
         if self.direct is not None:
             if slot.numel:
-                self.direct.add(index, grad)
+                self.direct.add(index, grad, accumulate)
         else:
-            self._add_to_buffer(index, grad)
-        self._any_grad = True
+            self._add_to_buffer(index, grad, accumulate)
+
+    def _requiring_grad(self) -> int:
+        return sum(s.requires_grad for s in self.slots)
 
     def _direct_allowed(self, sync: bool, grad: torch.Tensor) -> bool:
         return (sync and self.world > 1 and self.comm_hook is None
                 and uses_fast_path(self.group, grad, "auto"))
 
-    def _add_to_buffer(self, index: int, grad: torch.Tensor) -> None:
+    def _add_to_buffer(self, index: int, grad: torch.Tensor, accumulate: bool) -> None:
         slot = self.slots[index]
         if self.grad_buffer is None:
             self.grad_buffer = torch.empty(self.world * self.layout.shard_numel,
                                            dtype=self.param_dtype, device=self.compute_device)
         if slot.numel:
             copy_into_chunks(self._grad_chunks(self.grad_buffer, slot.layout), grad,
-                             slot.layout, accumulate=self._grad_written[index])
-        self._grad_written[index] = True
-
-    def grads_arrived(self) -> bool:
-        """Whether any gradient has arrived in this backward."""
-        return self._any_grad
-
-    def reset_backward(self) -> None:
-        """A new backward: no gradient has arrived (``grad_buffer`` itself is kept)."""
-        self._any_grad = False
+                             slot.layout, accumulate=accumulate)
 
     def has_gradient(self) -> bool:
         """Whether gradients wait to be reduced (the next ``start_reduction`` issues one)."""
@@ -345,9 +338,10 @@ class FlatParamHandle:
         the replicas. The handle lets go of them."""
         if self.direct is not None:
             direct, self.direct = self.direct, None
-            pending, out, held = direct.start()
+            pending, out, held = direct.start(self.arrivals.waiting)
         else:
             pending, out, held = self._start_buffer_reduction(self._take_full_grad())
+        self.arrivals.taken()
         if self.replicate_group is not None:
             pending = then_average_across(pending, out, self.replicate_group)
         return GradReduction(pending, out, held)
@@ -355,10 +349,9 @@ class FlatParamHandle:
     def _take_full_grad(self) -> torch.Tensor:
         """The flat gradient (1D, rank-major), zero where no gradient arrived."""
         grad, self.grad_buffer = self.grad_buffer, None
-        for slot, written in zip(self.slots, self._grad_written):
-            if not written:
+        for index, slot in enumerate(self.slots):
+            if not self.arrivals.waiting(index):
                 self._grad_chunks(grad, slot.layout).zero_()
-        self._grad_written = [False] * len(self.slots)
         return grad
 
     def unsharded_grad_bytes(self) -> int:

@@ -27,6 +27,8 @@ the flat buffer, which then reduces everything).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 
@@ -44,19 +46,19 @@ class DirectGrads:
         self.reduce_dtype, self.device = reduce_dtype, device
         self.grads: dict[int, torch.Tensor] = {}  # direct parameter index -> whole gradient
         self.packed: torch.Tensor | None = None  # (world, packed_numel), rank-major
-        self._packed_written: set[int] = set()
 
-    def add(self, index: int, grad: torch.Tensor) -> None:
-        """Take (or add, on a second arrival) parameter ``index``'s whole gradient."""
+    def add(self, index: int, grad: torch.Tensor, accumulate: bool) -> None:
+        """Take parameter ``index``'s whole gradient, or add it to the one taken before
+        (``accumulate``: the handle's record, [Note: gradient arrival])."""
         param = self.layout.params[index]
         if param.packed:
-            self._add_packed(index, grad)
-        elif index in self.grads:
+            self._add_packed(index, grad, accumulate)
+        elif accumulate:
             self.grads[index] = self.grads[index] + grad.to(self.reduce_dtype)
         else:
             self.grads[index] = grad.to(self.reduce_dtype)
 
-    def _add_packed(self, index: int, grad: torch.Tensor) -> None:
+    def _add_packed(self, index: int, grad: torch.Tensor, accumulate: bool) -> None:
         layout = self.layout
         if self.packed is None:
             self.packed = torch.empty(self.world, layout.packed_numel, dtype=self.reduce_dtype,
@@ -64,17 +66,18 @@ class DirectGrads:
         param = layout.params[index]
         start = param.shard_offset - layout.packed_offset
         copy_into_chunks(self.packed[:, start : start + param.chunk_numel], grad, param,
-                         accumulate=index in self._packed_written)
-        self._packed_written.add(index)
+                         accumulate=accumulate)
 
     def held_bytes(self) -> int:
         held = sum(g.untyped_storage().nbytes() for g in self.grads.values())
         return held + (0 if self.packed is None else self.packed.untyped_storage().nbytes())
 
-    def start(self) -> tuple[Pending, torch.Tensor, list[torch.Tensor]]:
+    def start(self, arrived: Callable[[int], bool]
+              ) -> tuple[Pending, torch.Tensor, list[torch.Tensor]]:
         """Issue every exchange: ``(pending, out, held)``. ``out`` (1D, ``shard_numel``) holds
         this rank's averaged shard once ``pending`` is waited for; ``held`` must stay alive
-        until then (the tensors being sent)."""
+        until then (the tensors being sent). ``arrived(index)``: whether that parameter's
+        gradient was added (the others are sent as zeros)."""
         layout = self.layout
         out = torch.empty(layout.shard_numel, dtype=self.reduce_dtype, device=self.device)
         works, sums, held = [], [], []
@@ -87,7 +90,7 @@ class DirectGrads:
             own = self._exchange(flat, param, out, works, held)
             if own is not None:
                 sums.append(own)
-        packed_work = self._start_packed(out)
+        packed_work = self._start_packed(out, arrived)
         if packed_work is not None:
             works.append(packed_work)
         self.grads = {}
@@ -122,7 +125,7 @@ class DirectGrads:
             works.append(dist.irecv(buf, self.global_ranks[r], group=self.group))
         return dest, pieces
 
-    def _start_packed(self, out: torch.Tensor):
+    def _start_packed(self, out: torch.Tensor, arrived: Callable[[int], bool]):
         layout = self.layout
         if not layout.packed_numel:
             return None
@@ -130,11 +133,10 @@ class DirectGrads:
             self.packed = torch.zeros(self.world, layout.packed_numel, dtype=self.reduce_dtype,
                                       device=self.device)
         for index, param in layout.packed():
-            if index not in self._packed_written:
+            if not arrived(index):
                 start = param.shard_offset - layout.packed_offset
                 self.packed[:, start : start + param.chunk_numel].zero_()
         packed, self.packed = self.packed, None
-        self._packed_written = set()
         pending = reduce_scatter_flat(out[layout.packed_offset :], packed.view(-1), self.group,
                                       average=True, async_op=True)
         return _KeepAlive(pending, packed)

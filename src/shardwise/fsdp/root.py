@@ -171,14 +171,14 @@ class RootState:
         forward), finish every reduction, reshard every unit, reset per-backward state."""
         for unit in self.units:
             partial = not unit.backward_done or unit.late_grads
-            if partial and unit.handle is not None and unit.handle.grads_arrived():
+            if partial and unit.grads_arrived():
                 unit.reduce_gradient()
         self.finish_reductions()
         for unit in self.units:
             if unit.handle is not None:
                 if unit.reshard_after_backward:
                     unit.handle.reshard()
-                unit.handle.reset_backward()
+                unit.handle.arrivals.new_backward()
             unit.end_backward()
         self.callback_queued = False
 

@@ -19,7 +19,7 @@ from torch.autograd.graph import register_multi_grad_hook
 
 from shardwise._compat import tree_flatten, tree_map
 from shardwise.fsdp.checks import class_name
-from shardwise.fsdp.collectives import register_pre_backward
+from shardwise.fsdp.collectives import register_pre_backward, run_eagerly
 from shardwise.fsdp.flat_param import FlatParamHandle
 from shardwise.fsdp.mixed_precision import MixedPrecision
 from shardwise.fsdp.root import RootState
@@ -76,8 +76,6 @@ class FSDPUnit:
         self.state = TrainingState.IDLE
         self.recomputing = False  # a forward run during backward (activation checkpointing)
         self.late_grads = False  # gradients arrived in POST_BACKWARD, reduced at the end
-        self._arrived: set[int] = set()  # leaves whose gradient arrived in this backward
-        self._expected = 0  # leaves that require grad, read at the first arrival
         self._inputs_pending = 0  # forwards whose inputs' gradients backward has not produced
         self.forward_index = -1  # position of the current call in the forward order
         self.reshard_after_backward = True
@@ -86,8 +84,9 @@ class FSDPUnit:
         self.backward_prefetch_units: list[FSDPUnit] | None = None
         for child in children:
             child.parent = self
-        module.register_forward_pre_hook(self._pre_forward, with_kwargs=True)
-        module.register_forward_hook(self._post_forward)
+        # outside any compiled region: see [Note: FSDP under torch.compile]
+        module.register_forward_pre_hook(run_eagerly(self._pre_forward), with_kwargs=True)
+        module.register_forward_hook(run_eagerly(self._post_forward))
         self._hook_leaves()
 
     def _hook_leaves(self) -> None:
@@ -129,7 +128,6 @@ class FSDPUnit:
         """The backward pass is over (the root's callback): back to IDLE."""
         self.state = TrainingState.IDLE
         self.recomputing = self.late_grads = False
-        self._arrived.clear()
         self._inputs_pending = 0
 
     def needs_gradients(self) -> bool:
@@ -189,7 +187,12 @@ class FSDPUnit:
             self._maybe_post_backward()
 
     def _all_params_arrived(self) -> bool:
-        return bool(self._arrived) and len(self._arrived) == self._expected
+        return self.handle.arrivals.all_now()
+
+    def grads_arrived(self) -> bool:
+        """Whether a gradient of this unit arrived in this backward ([Note: gradient
+        arrival])."""
+        return self.handle is not None and self.handle.arrivals.any_now()
 
     def _maybe_post_backward(self) -> None:
         if self._inputs_pending <= 0:
@@ -253,13 +256,11 @@ class FSDPUnit:
             self.handle.add_param_grad(index, sync=not self.no_sync)
             self.late_grads = True
             return
-        if not self.handle.grads_arrived():
+        if not self.handle.arrivals.any_now():
             # the unit's first gradient in this backward: finish the reduction in flight before
             # this unit's flat gradient is allocated (see [Note: FSDP schedule])
             self.root_state.finish_reductions()
-            self._expected = sum(s.requires_grad for s in self.handle.slots)
         self.handle.add_param_grad(index, sync=not self.no_sync)
-        self._arrived.add(index)
         if self._all_params_arrived():
             self._maybe_post_backward()
 
