@@ -75,13 +75,13 @@ def test_sigterm_writes_a_checkpoint_and_resume_reproduces_the_uninterrupted_los
     job = _cli("--steps", "400", "--checkpoint-dir", str(ck), "--grace-seconds", "60")
     _read_until_step(job, 3)
     job.send_signal(signal.SIGTERM)
-    rest, err = job.communicate(timeout=120)
+    rest, err = job.communicate(timeout=300)
     assert job.returncode == 143, err
     assert "stopped on SIGTERM after step" in err and "checkpoint written" in err
     stopped = int((ck / "latest").read_text().split("_")[1])
     assert 3 <= stopped < 400
     resumed = _cli("--steps", str(stopped + 3), "--checkpoint-dir", str(ck), "--resume")
-    out, err = resumed.communicate(timeout=120)
+    out, err = resumed.communicate(timeout=300)
     assert resumed.returncode == 0, err
     got = _losses(out.splitlines())
     assert sorted(got) == [stopped, stopped + 1, stopped + 2]

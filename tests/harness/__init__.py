@@ -15,9 +15,10 @@ Usage in a test module::
         ...
 
 Compare with ``assert_rel_close(actual, expected, rtol, what)``: tolerance relative to the
-tensor's scale (see compare.py). Workers are spawned once per world size and reused by every
+tensor's scale (see compare.py). Ranks start once per world size and are reused by every
 test; a failing or hung test kills its pool (the next test gets a fresh one) and raises with
-each failing rank's traceback.
+each failing rank's traceback. How processes start, the reset before each test, patching and
+the single-process reference: docs/testing.md.
 """
 
 from __future__ import annotations
