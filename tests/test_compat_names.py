@@ -44,7 +44,9 @@ def _module_of(function):
 ATTRIBUTE_CHECKS = {
     ("DTensor", "_local_tensor"):  # the module that defines DTensor's methods uses it
         lambda: "_local_tensor" in inspect.getsource(_module_of(_compat.DTensor.to_local)),
-    ("DeviceMesh", "_mesh_dim_names"): lambda: "_mesh_dim_names" in inspect.getsource(DeviceMesh),
+    ("DeviceMesh", "_mesh_dim_names"): lambda: ("self._mesh_dim_names" if isinstance(
+        DeviceMesh.mesh_dim_names, property) else "self.mesh_dim_names") in
+        inspect.getsource(_module_of(DeviceMesh.__init__)),
     # optional: torch 2.6.0 lacks it, and tp_params then builds the 2D mesh from the groups
     ("DeviceMesh", "_concatenate"):
         lambda: callable(getattr(DeviceMesh, "_concatenate", None)) or _release() < (2, 7),

@@ -178,7 +178,7 @@ PRIVATE_ATTRIBUTES: list[tuple[str, str, str]] = [
     ("DTensor", "_local_tensor", "FSDP and checkpoints read and swap a DTensor parameter's "
      "local shard in place, without the autograd view to_local() makes"),
     ("DeviceMesh", "_mesh_dim_names", "a mesh built from several groups drops the placeholder "
-     "names from_group requires"),
+     "names from_group requires (2.6.0: the plain attribute mesh_dim_names)"),
     ("DeviceMesh", "_concatenate", "FSDP over TP joins a dp and a tp slice into one 2D mesh "
      "when they come from one mesh (optional: without it, from the groups; 2.6.0 lacks it)"),
     ("ProcessGroup", "_get_sequence_number_for_group", "the launcher's progress records count "
@@ -213,7 +213,10 @@ def sequence_number(group: dist.ProcessGroup) -> int:
 
 def clear_mesh_dim_names(mesh: Any) -> None:
     """Drop the dim names of a mesh (torch's public API cannot unname one)."""
-    mesh._mesh_dim_names = None
+    if isinstance(getattr(type(mesh), "mesh_dim_names", None), property):
+        mesh._mesh_dim_names = None  # a read-only property over _mesh_dim_names (2.13.0)
+    else:
+        mesh.mesh_dim_names = None  # a plain attribute (2.6.0)
 
 
 def torch_fully_shard() -> Callable[..., Any]:
