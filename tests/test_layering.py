@@ -37,8 +37,11 @@ ALLOWED: dict[str, set[str]] = {
     # a tool beside the CLI (`shardwise bench`): runs every mechanism on the demo models
     "bench": {"distributed", "dp", "launch", "models", "data", "memory", "sharded_tensor",
               "rpc", "ddp", "zero", "fsdp", "pipeline", "checkpoint"},
+    # a tool beside the CLI (`shardwise plan --simulate`): dry runs of the mechanisms
+    "sim": {"distributed", "dp", "models", "memory", "sharded_tensor", "ddp", "zero", "fsdp",
+            "checkpoint"},
 }
-MECHANISMS = set(ALLOWED) - {"distributed", "launch", "models", "data", "bench"}
+MECHANISMS = set(ALLOWED) - {"distributed", "launch", "models", "data", "bench", "sim"}
 ENTRY_POINT = "__main__.py"  # `python -m shardwise` is the command: it may import the CLI
 
 

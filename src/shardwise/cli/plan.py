@@ -194,7 +194,8 @@ def _simulate(args: argparse.Namespace, record: dict) -> None:
     if args.strategy == "hsdp" and args.replicas < 2:
         raise ValueError("--strategy hsdp needs --replicas R (at least 2 replica groups)")
     runs = [dry_run_for(r["strategy"], args.nproc, rank=args.rank, replicas=args.replicas,
-                        precision=args.precision) if r["strategy"] in picked else None
+                        precision=args.precision, tp_plan=None if args.hf_config else gpt_plan)
+            if r["strategy"] in picked else None
             for r in record["rows"]]
     figures, cost = simulate_rows(build, runs)
     for row, sim in zip(record["rows"], figures):

@@ -20,17 +20,19 @@ from shardwise.sim.step import DryRun, StepResult, simulate_step
 
 
 def dry_run_for(row: str, world_size: int, *, rank: int = 0, replicas: int = 1,
-                precision: str = "fp32", local_world_size: int | None = None) -> DryRun | None:
+                precision: str = "fp32", local_world_size: int | None = None,
+                tp_plan: Callable | None = None) -> DryRun | None:
     """The dry run of a plan row by its name; None for a layout that is not simulated (a 3D
-    hsdp x tp mesh)."""
+    hsdp x tp mesh, or fsdp x tp without the model's tensor-parallel plan)."""
     common = {"world_size": world_size, "rank": rank, "precision": precision,
               "local_world_size": local_world_size}
     if row in ("ddp", "zero1", "zero2", "fsdp"):
         return DryRun(row, **common)
     if row == "hsdp":
         return DryRun("hsdp", replicas=replicas, **common)
-    if row.startswith("fsdp x tp"):
-        return DryRun("fsdp", tp=int(row.removeprefix("fsdp x tp")), **common)
+    if row.startswith("fsdp x tp") and tp_plan is not None:  # no plan: not simulated
+        return DryRun("fsdp", tp=int(row.removeprefix("fsdp x tp")), tp_plan=tp_plan,
+                      **common)
     return None
 
 

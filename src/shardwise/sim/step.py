@@ -47,6 +47,9 @@ class DryRun:
     precision: str = "fp32"
     local_world_size: int | None = None
     batch: int = 1
+    # fsdp x tp: the model's tensor-parallel plan over a group (the demo GPT's is
+    # cli/strategy_tp.gpt_plan, passed in by `shardwise plan`: nothing here imports the CLI)
+    tp_plan: Callable[[dist.ProcessGroup], tuple[dict, list[str]]] | None = None
 
     def __post_init__(self) -> None:
         if self.strategy not in SIM_STRATEGIES:
@@ -58,6 +61,8 @@ class DryRun:
         for name in ("world_size", "replicas", "tp", "batch"):
             if getattr(self, name) < 1:
                 raise SimulationError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.tp > 1 and self.tp_plan is None:
+            raise SimulationError(f"--tp {self.tp} needs the model's tensor-parallel plan")
         if self.tp > 1 and self.strategy != "fsdp":
             raise SimulationError(f"--tp {self.tp} is simulated with --strategy fsdp (a "
                                   f"(dp, tp) mesh), not with {self.strategy}")
@@ -175,7 +180,7 @@ def _fsdp(model, run, world, meshes) -> _Wrapped:
 
     mesh = meshes["mesh"]
     if run.tp > 1:
-        mesh = _tensor_parallel(model, mesh)
+        mesh = _tensor_parallel(model, mesh, run)
     for block in blocks_of(model):
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
@@ -184,19 +189,13 @@ def _fsdp(model, run, world, meshes) -> _Wrapped:
                     lambda: sum(h.unsharded_bytes() for h in handles))
 
 
-def _tensor_parallel(model: nn.Module, mesh: DeviceMesh) -> DeviceMesh:
-    """The demo GPT made tensor-parallel over ``mesh["tp"]`` by `--strategy tp`'s plan; the
-    mesh to shard over is then ``mesh["dp"]`` (see [Note: FSDP x TP], fsdp/tp_params.py)."""
-    from shardwise.cli.strategy_tp import check_gpt, gpt_plan
-    from shardwise.models import GPT
+def _tensor_parallel(model: nn.Module, mesh: DeviceMesh, run: DryRun) -> DeviceMesh:
+    """The model made tensor-parallel over ``mesh["tp"]`` by ``run.tp_plan``; the mesh to shard
+    over is then ``mesh["dp"]`` (see [Note: FSDP x TP], fsdp/tp_params.py)."""
     from shardwise.sharded_tensor import shard_module
 
-    if not isinstance(model, GPT):
-        raise SimulationError("--tp is simulated for the demo GPT (its tensor-parallel plan); "
-                              "not for a --hf-config model")
     tp_group = mesh["tp"].get_group()
-    check_gpt(model, dist.get_world_size(tp_group))
-    plan, gathered = gpt_plan(tp_group)
+    plan, gathered = run.tp_plan(tp_group)
     shard_module(model, plan, gather_output=gathered, process_group=tp_group)
     return mesh["dp"]
 
