@@ -127,6 +127,17 @@ def _one_step(schedule, tokens: torch.Tensor, rank: int, pp: int) -> None:
         schedule.step()
 
 
+def _timed_step(schedule, opt, tokens: torch.Tensor, rank: int, pp: int,
+                group: dist.ProcessGroup) -> float:
+    """One pipeline step and optimizer step after a barrier; its seconds on this rank."""
+    dist.barrier(group=group)
+    t0 = time.perf_counter()
+    _one_step(schedule, tokens, rank, pp)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return time.perf_counter() - t0
+
+
 def alternating(args, group: dist.ProcessGroup):
     """All four in the same ranks, one step of each in turn, in a rotating order (each on its own
     group, model copy and optimizer): load from elsewhere falls on all of them alike. Reports
@@ -146,13 +157,9 @@ def alternating(args, group: dist.ProcessGroup):
         tokens = _batch(step, cfg, args.batch_size)
         turn = step % len(runs)  # rotate who goes first: no implementation always follows another
         for impl, schedule, opt in runs[turn:] + runs[:turn]:
-            dist.barrier(group=group)
-            t0 = time.perf_counter()
-            _one_step(schedule, tokens, rank, pp)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+            took = _timed_step(schedule, opt, tokens, rank, pp, group)
             if step >= args.warmup:
-                times[impl].append(time.perf_counter() - t0)
+                times[impl].append(took)
     medians = {impl: round(statistics.median(ts) * 1e3, 1) for impl, ts in times.items()}
     gathered: list = [None] * pp
     dist.all_gather_object(gathered, medians, group=group)
@@ -179,14 +186,9 @@ def worker(impl: str, args, group: dist.ProcessGroup):
     opt = torch.optim.AdamW(module.parameters(), lr=1e-3)
     times, own_idle = [], []
     for step in range(args.warmup + args.steps):
-        tokens = _batch(step, cfg, args.batch_size)
-        dist.barrier(group=group)
-        t0 = time.perf_counter()
-        _one_step(schedule, tokens, rank, pp)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        took = _timed_step(schedule, opt, _batch(step, cfg, args.batch_size), rank, pp, group)
         if step >= args.warmup:
-            times.append(time.perf_counter() - t0)
+            times.append(took)
             if impl.startswith("shardwise"):
                 own_idle.append(stage.stats.idle_fraction)
     step_s = statistics.median(times)
