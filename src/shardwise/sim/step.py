@@ -153,8 +153,8 @@ def _tp_meshes_before_fake(mesh: DeviceMesh) -> None:
     from shardwise.fsdp import tp_params
 
     dp, tp = mesh["dp"].get_group(), mesh["tp"].get_group()
-    tp_params._TP_MESHES.setdefault(tp, DeviceMesh.from_group(tp, "cpu"))
-    tp_params._MESHES.setdefault((dp, tp), mesh)
+    tp_params._TP_MESHES.get((tp,), lambda: DeviceMesh.from_group(tp, "cpu"))
+    tp_params._MESHES.get((dp, tp), lambda: mesh)
 
 
 def _ddp(model, run, world, meshes) -> _Wrapped:
