@@ -19,9 +19,9 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-from shardwise.distributed.shm_reduce import DISABLE_VAR
 
 from shardwise.distributed import CommCounter
+from shardwise.dp.shm_reduce import DISABLE_VAR
 from shardwise.memory.accounting import state_bytes
 from shardwise.models import GPT, GPTConfig
 from shardwise.sim import step as sim_step

@@ -52,7 +52,7 @@ def test_zero_papers_table_1_from_the_simulation(capsys):
 
 @pytest.mark.slow
 @pytest.mark.xfail(reason="not met yet: stopped unfinished after 161 s of CPU (docs/scale.md)",
-                   strict=False)
+                   run=False, strict=False)
 def test_8192_rank_fsdp_dry_run_of_a_7b_model_is_cheap(capsys):
     start = time.process_time()
     record = _plan_json(capsys, "--hf-config", "docs/scale/llama2-7b.json", "--nproc", "8192",
