@@ -28,7 +28,8 @@ EXPECTED = {"DTensor", "tree_flatten", "tree_map", "TorchDispatchMode",
             "Variable._execution_engine", "torch._C.Future", "torch._C._nn.linear", "DTensorSpec",
             "TensorMeta", "_StridedShard", "compute_local_shape_and_global_offset",
             "_get_default_store", "_resolve_process_group", "FSDPModule", "fully_shard",
-            "all_gather_single", "reduce_scatter_single"}
+            "all_gather_single", "reduce_scatter_single", "FakeTensorMode", "FakeTensor",
+            "FakeStore"}
 
 
 def _release() -> tuple[int, ...]:
@@ -56,11 +57,12 @@ ATTRIBUTE_CHECKS = {
         lambda: all(hasattr(nn.Linear(1, 1), a)
                     for a in ("_parameters", "_buffers", "_non_persistent_buffers_set")),
     ("OpOverload", "_schema"): lambda: torch.ops.aten.add.Tensor._schema.name == "aten::add",
+    ("UntypedStorage", "_cdata"): lambda: isinstance(torch.empty(1).untyped_storage()._cdata, int),
 }
 
 # Private names reached as attributes (not imports) that only _compat may touch.
 PRIVATE_ATTRS = {"_execution_engine", "_get_default_store", "_get_sequence_number_for_group",
-                 "_concatenate", "_mesh_dim_names"}
+                 "_concatenate", "_mesh_dim_names", "_cdata"}
 # Public names that older torch releases lack (or kept under a private module): through _compat.
 NEWER_PUBLIC = {("torch.distributed.tensor", None), ("torch.distributed.fsdp", "fully_shard"),
                 ("torch.distributed.fsdp", "FSDPModule")}
@@ -138,6 +140,8 @@ _RESOLVED = {
     "_resolve_process_group": _compat.resolve_process_group, "FSDPModule": _compat.TorchFSDPModule,
     "fully_shard": _compat._torch_fully_shard, "all_gather_single": _compat.dist_all_gather,
     "reduce_scatter_single": _compat.dist_reduce_scatter,
+    "FakeTensorMode": _compat.FakeTensorMode, "FakeTensor": _compat.FakeTensor,
+    "FakeStore": _compat.FakeStore,
 }
 
 

@@ -163,6 +163,16 @@ _torch_fully_shard = _name(
     "fully_shard", "benchmarks and compat tests run torch's FSDP2 beside ours",
     "torch.distributed.fsdp:fully_shard", "torch.distributed._composable.fsdp:fully_shard",
     essential=False)
+FakeTensorMode = _name(
+    "FakeTensorMode", "`shardwise plan --simulate` runs the library's own code on tensors that "
+    "have shapes and no bytes", "torch._subclasses.fake_tensor:FakeTensorMode", essential=False)
+FakeTensor = _name(
+    "FakeTensor", "the dry run tells its tensors from real ones (byte accounting, counting)",
+    "torch._subclasses.fake_tensor:FakeTensor", essential=False)
+FakeStore = _name(
+    "FakeStore", "the dry run's process group: torch's fake backend (registered when its "
+    "module is imported), whose collectives complete without moving data",
+    "torch.testing._internal.distributed.fake_pg:FakeStore", essential=False)
 # torch 2.13 added all_gather_single / reduce_scatter_single, deprecating the older names
 dist_all_gather = _name(
     "all_gather_single", "the flat all-gather of ZeRO and FSDP (the older name warns from 2.13)",
@@ -186,6 +196,8 @@ PRIVATE_ATTRIBUTES: list[tuple[str, str, str]] = [
     ("nn.Module", "_parameters / _buffers / _non_persistent_buffers_set", "FSDP swaps "
      "parameters in place and builds state dicts as nn.Module does"),
     ("OpOverload", "_schema", "CommCounter reads a collective's name off the op (its .name)"),
+    ("UntypedStorage", "_cdata", "the byte accounting tells a fake tensor's storages apart "
+     "(they have no data pointer)"),
 ]
 
 
@@ -204,6 +216,11 @@ def concatenate_meshes(meshes: list[Any]) -> Any:
     from torch.distributed.device_mesh import DeviceMesh
 
     return DeviceMesh._concatenate(meshes)
+
+
+def storage_id(storage: torch.UntypedStorage) -> int:
+    """An identity of ``storage`` that a fake tensor's storage has too (it has no data pointer)."""
+    return int(storage._cdata)
 
 
 def sequence_number(group: dist.ProcessGroup) -> int:

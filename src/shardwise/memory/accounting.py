@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from shardwise._compat import storage_id
+
 
 @dataclass(frozen=True)
 class StateBytes:
@@ -73,7 +75,7 @@ def _storage_key(t: torch.Tensor, storage: torch.UntypedStorage) -> int:
     """What identifies ``t``'s storage: its data pointer; a fake tensor (a dry run's, see
     [Note: simulated ranks] in shardwise/sim/fake_group.py) has none, so its storage object."""
     if hasattr(t, "fake_mode"):
-        return storage._cdata
+        return storage_id(storage)
     return storage.data_ptr()
 
 

@@ -23,7 +23,8 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+from shardwise._compat import FakeStore, FakeTensor, FakeTensorMode
 
 __all__ = ["FakeTensor", "SimulationError", "fake_tensors", "fake_world", "is_plain_or_fake"]
 
@@ -45,9 +46,7 @@ def fake_world(world_size: int, rank: int = 0) -> Iterator[dist.ProcessGroup]:
     if dist.is_initialized():
         raise SimulationError("a process group is already initialized in this process; the "
                               "dry run needs a process of its own")
-    # importing the module registers the "fake" backend with torch.distributed
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
+    # _compat imported torch's fake_pg module, which registers the "fake" backend
     dist.init_process_group("fake", rank=rank, world_size=world_size, store=FakeStore(),
                             timeout=timedelta(seconds=60))
     try:
