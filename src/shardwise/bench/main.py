@@ -39,18 +39,18 @@ def main(argv: Sequence[str]) -> int:
         print(f"shardwise bench: error: unknown benchmark {name!r}; known: "
               f"{', '.join(BENCHES)}", file=sys.stderr)
         return 2
-    if _device_flag(rest) == "cuda" and "--worker" not in rest:
+    if _flag(rest, "--device") == "cuda" and "--worker" not in rest:
         problem = _cuda_problem(name)
         if problem:
             print(problem, file=sys.stderr)
             return 2
-    out = _out_flag(rest)
+    out = _flag(rest, "--out")
     problem = writable_problem(out) if out and "--worker" not in rest else None
     if problem:
         print(f"shardwise bench: error: --out {problem}", file=sys.stderr)
         return 2
     module = importlib.import_module(BENCHES[name])
-    meta = run_meta(_device_flag(rest) or "cpu") if "--worker" not in rest else {}
+    meta = run_meta(_flag(rest, "--device") or "cpu") if "--worker" not in rest else {}
     if hasattr(module, "BENCH"):
         from shardwise.bench.sidebyside import run
 
@@ -81,15 +81,6 @@ def command_line(name: str, argv: list[str]) -> str:
     return " ".join(["shardwise bench", name, *kept])
 
 
-def _device_flag(argv: list[str]) -> str | None:
-    for i, arg in enumerate(argv):
-        if arg == "--device" and i + 1 < len(argv):
-            return argv[i + 1]
-        if arg.startswith("--device="):
-            return arg.split("=", 1)[1]
-    return None
-
-
 def _cuda_problem(name: str) -> str | None:
     """Why ``NAME --device cuda`` cannot run here (one line), or None."""
     import torch
@@ -113,11 +104,12 @@ def writable_problem(directory: str | Path) -> str | None:
     return None
 
 
-def _out_flag(argv: list[str]) -> str | None:
+def _flag(argv: list[str], name: str) -> str | None:
+    """The value of ``name`` (``--out DIR`` or ``--out=DIR``) in ``argv``, or None."""
     for i, arg in enumerate(argv):
-        if arg == "--out" and i + 1 < len(argv):
+        if arg == name and i + 1 < len(argv):
             return argv[i + 1]
-        if arg.startswith("--out="):
+        if arg.startswith(name + "="):
             return arg.split("=", 1)[1]
     return None
 
