@@ -68,16 +68,24 @@ def available_devices() -> list[torch.device]:
     return [torch.device("cpu")] + [torch.device("cuda", i) for i in range(count)]
 
 
+def _first_missing(devices: list[torch.device]) -> tuple[torch.device, str] | None:
+    """The first of ``devices`` this process lacks, with the devices it has (for the error)."""
+    present = set(available_devices())
+    for dev in devices:
+        if dev not in present:
+            return dev, ", ".join(str(d) for d in sorted(present, key=str))
+    return None
+
+
 def local_devices(devices: list[torch.device] | None,
                   device_maps: dict[str, DeviceMap]) -> list[torch.device]:
     """This agent's devices: the ``devices`` option, else cpu and every device a map names."""
-    present = set(available_devices())
     chosen = list(devices) if devices is not None else sorted(
         {torch.device("cpu")} | {k for m in device_maps.values() for k in m}, key=str)
-    for dev in chosen:
-        if dev not in present:
-            raise DeviceMapError(f"device {dev} does not exist on this worker (it has "
-                                 f"{', '.join(str(d) for d in sorted(present, key=str))})")
+    missing = _first_missing(chosen)
+    if missing:
+        raise DeviceMapError(f"device {missing[0]} does not exist on this worker (it has "
+                             f"{missing[1]})")
     if torch.device("cpu") not in chosen:
         chosen.append(torch.device("cpu"))
     return chosen
@@ -90,10 +98,10 @@ def inferred_devices(records: list[dict]) -> dict[str, list[torch.device]]:
     every device a peer's map sends to it, so ``{"w1": {"cuda:0": "cuda:1"}}`` on w0 alone is
     enough for w1 to receive on cuda:1."""
     out = {r["name"]: [as_device(d) for d in r["devices"]] for r in records}
+    named = {r["name"] for r in records if r["explicit"]}
     for r in records:
-        for peer, device_map in r.get("maps", {}).items():
-            if peer not in out or any(p["name"] == peer and p.get("explicit")
-                                      for p in records):
+        for peer, device_map in r["maps"].items():
+            if peer not in out or peer in named:
                 continue
             for dst in device_map.values():
                 if as_device(dst) not in out[peer]:
@@ -103,12 +111,10 @@ def inferred_devices(records: list[dict]) -> dict[str, list[torch.device]]:
 
 def check_present(devices: list[torch.device], name: str) -> None:
     """Raise DeviceMapError if a device that peers' maps target on this worker is missing."""
-    present = set(available_devices())
-    for dev in devices:
-        if dev not in present:
-            raise DeviceMapError(f"a peer's device map sends tensors to {dev} on worker {name!r}, "
-                                 f"which does not have it (it has "
-                                 f"{', '.join(str(d) for d in sorted(present, key=str))})")
+    missing = _first_missing(devices)
+    if missing:
+        raise DeviceMapError(f"a peer's device map sends tensors to {missing[0]} on worker "
+                             f"{name!r}, which does not have it (it has {missing[1]})")
 
 
 def validate_device_maps(device_maps: dict[str, DeviceMap], mine: list[torch.device],
