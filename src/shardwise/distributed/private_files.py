@@ -15,9 +15,10 @@ import os
 import socket
 import stat
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
-from shardwise.distributed.env import str_var
+from shardwise.distributed.env import RPC_SECRET_FILE_VAR, RPC_SECRET_VAR, str_var
 
 _OPEN_FLAGS = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)  # (a FIFO never blocks)
 
@@ -38,6 +39,18 @@ def read_private_file(path: str | Path, what: str, error: type[Exception]) -> by
     if not data:
         raise error(f"{what} {path} is empty")
     return data
+
+
+def user_secret(lookup: Callable[[str], str | None], error: type[Exception]) -> bytes | None:
+    """The secret the user set: ``$SHARDWISE_RPC_SECRET``, else the contents of the private
+    file named by ``$SHARDWISE_RPC_SECRET_FILE``; None when neither is set. ``lookup`` reads a
+    variable (this process's, or the environment a launcher gives its ranks): RPC's rendezvous
+    and the launcher share this one rule. ``error`` is raised for a file not to be trusted."""
+    value = lookup(RPC_SECRET_VAR)
+    if value:
+        return value.encode()
+    path = lookup(RPC_SECRET_FILE_VAR)
+    return read_private_file(path, f"${RPC_SECRET_FILE_VAR} file", error) if path else None
 
 
 def check_private_file(info: os.stat_result, what: str, error: type[Exception]) -> None:

@@ -30,8 +30,8 @@ import secrets
 from collections.abc import Mapping
 from pathlib import Path
 
-from shardwise.distributed.env import RPC_SECRET_FILE_VAR, RPC_SECRET_VAR, str_var
-from shardwise.distributed.private_files import private_dir, read_private_file
+from shardwise.distributed.env import RPC_SECRET_VAR, str_var
+from shardwise.distributed.private_files import private_dir, read_private_file, user_secret
 
 LAUNCH_SECRET_VAR = "SHARDWISE_LAUNCH_SECRET"
 
@@ -43,12 +43,7 @@ class SecretFileError(RuntimeError):
 def from_environment(environ: Mapping[str, str]) -> bytes | None:
     """The secret the user set for the job (``$SHARDWISE_RPC_SECRET`` or its file, in
     ``environ``: the environment the launcher gives its ranks), or None."""
-    value = environ.get(RPC_SECRET_VAR)
-    if value:
-        return value.encode()
-    path = environ.get(RPC_SECRET_FILE_VAR)
-    return read_private_file(path, f"${RPC_SECRET_FILE_VAR} file", SecretFileError) \
-        if path else None
+    return user_secret(environ.get, SecretFileError)
 
 
 def of_rank() -> bytes | None:

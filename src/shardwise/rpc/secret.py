@@ -36,7 +36,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from shardwise.distributed.env import RPC_SECRET_FILE_VAR, RPC_SECRET_VAR, str_var
-from shardwise.distributed.private_files import host_identity, read_private_file
+from shardwise.distributed.private_files import host_identity, user_secret
 from shardwise.distributed.private_files import private_dir as private_dir_of
 from shardwise.rpc.rendezvous import RendezvousError
 
@@ -53,12 +53,7 @@ class SecretFileError(SecretError):
 
 def from_environment() -> bytes | None:
     """The secret the launcher or the user set, or None."""
-    value = str_var(RPC_SECRET_VAR)
-    if value:
-        return value.encode()
-    path = str_var(RPC_SECRET_FILE_VAR)
-    return read_private_file(path, f"${RPC_SECRET_FILE_VAR} file", SecretFileError) \
-        if path else None
+    return user_secret(str_var, SecretFileError)
 
 
 def private_dir() -> Path:
