@@ -5,10 +5,16 @@ ranks that built different models (another config, a branch on the rank) would o
 silently wrong, or abort deep inside a collective. ``check_same_model`` compares a compact
 signature (each parameter's and buffer's name, shape, dtype and requires_grad, in order).
 
-Collectives: one all-gather of an 8-byte hash per rank. Only when the hashes differ (every rank
-sees that at once, so all take the same path) two more all-gathers carry each rank's signature
-as JSON bytes, so that the error can name the first difference and the ranks that differ. Peers'
-bytes are parsed as JSON, never unpickled.
+Collectives: two all-reduces of one 8-byte number, launched together: the largest hash of any
+rank and the largest negated hash (the smallest hash), so the cost does not grow with the
+group's size. When the two differ, every rank sees that at once, so all take the same path:
+one all-gather of each rank's hash names the ranks that differ, and two more carry each rank's
+signature as JSON bytes, so that the error can name the first difference. Peers' bytes are
+parsed as JSON, never unpickled.
+
+Each number travels in a tensor of its own: in a dry run (shardwise.sim) a one-element tensor
+keeps its value through a collective of the fake process group, which moves no data, so every
+rank agrees with itself there.
 """
 
 from __future__ import annotations
@@ -55,22 +61,36 @@ def check_same_parameters(params: list[torch.Tensor], group: dist.ProcessGroup |
 
 def _check_signature(signature: list[list], group: dist.ProcessGroup | None, what: str) -> None:
     encoded = json.dumps(signature, separators=(",", ":")).encode()
-    digest = int.from_bytes(hashlib.sha256(encoded).digest()[:8], "little", signed=True)
-    mine = torch.tensor([digest], dtype=torch.int64, device=collective_device(group))
-    world = dist.get_world_size(group)
-    digests = [torch.zeros_like(mine) for _ in range(world)]
+    # 62 bits, so that the negated hash fits an int64 too
+    digest = int.from_bytes(hashlib.sha256(encoded).digest()[:8], "little") >> 2
+    if _extremes_agree(digest, group):
+        return
+    device = collective_device(group)
+    mine = torch.tensor([digest], dtype=torch.int64, device=device)
+    digests = [torch.zeros_like(mine) for _ in range(dist.get_world_size(group))]
     dist.all_gather(digests, mine, group=group)
     values = [int(d.item()) for d in digests]
-    if len(set(values)) == 1:
-        return
     signatures = [json.loads(b) for b in all_gather_bytes(encoded, group)]
     ranks = global_ranks(group)
-    differ = [ranks[i] for i in range(world) if values[i] != values[0]]
-    first = next(i for i in range(world) if values[i] != values[0])
+    differ = [ranks[i] for i, v in enumerate(values) if v != values[0]]
+    first = next(i for i, v in enumerate(values) if v != values[0])
     raise ModelMismatchError(
         f"{what}: the ranks hold different models; rank(s) {differ} differ from rank "
         f"{ranks[0]}: {first_difference(signatures[0], signatures[first], ranks[0], ranks[first])}"
     )
+
+
+def _extremes_agree(value: int, group: dist.ProcessGroup | None) -> bool:
+    """Whether every rank of ``group`` passed the same ``value``: the largest and the smallest
+    of them are equal. Collective: two all-reduces (max) of one int64, issued together."""
+    device = collective_device(group)
+    high = torch.tensor([value], dtype=torch.int64, device=device)
+    neg_low = torch.tensor([-value], dtype=torch.int64, device=device)
+    works = [dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group, async_op=True)
+             for t in (high, neg_low)]
+    for work in works:
+        work.wait()
+    return int(high.item()) == -int(neg_low.item())
 
 
 def first_difference(a: list[list], b: list[list], rank_a: int, rank_b: int) -> str:
