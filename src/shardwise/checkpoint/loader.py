@@ -111,10 +111,16 @@ def reads_of(key: str, entry: dict, value: Any) -> Iterator[tuple[boxes.LocalChu
     """The read plan of one destination tensor: for each box it holds, every stored chunk of
     ``entry`` (the metadata's) that overlaps it, with the blocks to read. No I/O."""
     for chunk in boxes.local_chunks(key, value):
-        for rec in entry["chunks"]:
-            _, blocks = blocks_to_read(rec, chunk.box)
-            if blocks:
-                yield chunk, rec, blocks
+        for rec, blocks in reads_for_box(entry, chunk.box):
+            yield chunk, rec, blocks
+
+
+def reads_for_box(entry: dict, box: boxes.Box) -> Iterator[tuple[dict, range]]:
+    """Every stored chunk of ``entry`` that overlaps ``box``, with the blocks to read."""
+    for rec in entry["chunks"]:
+        _, blocks = blocks_to_read(rec, box)
+        if blocks:
+            yield rec, blocks
 
 
 def _set_value(leaf: Leaf, saved: Any) -> None:
