@@ -27,7 +27,8 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "shardwise"
 EXPECTED = {"DTensor", "tree_flatten", "tree_map", "TorchDispatchMode",
             "Variable._execution_engine", "torch._C.Future", "torch._C._nn.linear", "DTensorSpec",
             "TensorMeta", "_StridedShard", "compute_local_shape_and_global_offset",
-            "_get_default_store", "_resolve_process_group", "FSDPModule", "fully_shard",
+            "_compute_local_shape_and_global_offset", "_get_default_store",
+            "_resolve_process_group", "FSDPModule", "fully_shard",
             "all_gather_single", "reduce_scatter_single", "FakeTensorMode", "FakeTensor",
             "FakeStore"}
 
@@ -136,6 +137,7 @@ _RESOLVED = {
     "torch._C._nn.linear": _compat.nn_linear, "DTensorSpec": _compat.DTensorSpec,
     "TensorMeta": _compat.TensorMeta, "_StridedShard": _compat.StridedShard,
     "compute_local_shape_and_global_offset": _compat.compute_local_shape_and_global_offset,
+    "_compute_local_shape_and_global_offset": _compat.local_box_at,
     "_get_default_store": _compat._default_store,
     "_resolve_process_group": _compat.resolve_process_group, "FSDPModule": _compat.TorchFSDPModule,
     "fully_shard": _compat._torch_fully_shard, "all_gather_single": _compat.dist_all_gather,

@@ -147,6 +147,10 @@ compute_local_shape_and_global_offset = _name(
     "compute_local_shape_and_global_offset", "a DTensor's local box (shape and offset in the "
     "global tensor) for checkpoints, computed as torch's DCP does",
     f"{_DTENSOR_MODULE}._utils:compute_local_shape_and_global_offset", essential=False)
+local_box_at = _name(
+    "_compute_local_shape_and_global_offset", "the box a DTensor's local tensor has on a given "
+    "mesh coordinate: the checkpoint's save plan, and its dry run for every rank of a world",
+    f"{_DTENSOR_MODULE}._utils:_compute_local_shape_and_global_offset", essential=False)
 _default_store = _name(
     "_get_default_store", "RPC's rendezvous reuses the default process group's TCPStore "
     "(one MASTER_PORT for init_process_group and init_rpc, as torch)",

@@ -17,7 +17,13 @@ from typing import Any
 
 import torch
 
-from shardwise._compat import DTensor, Replicate, Shard, compute_local_shape_and_global_offset
+from shardwise._compat import (
+    DTensor,
+    Replicate,
+    Shard,
+    compute_local_shape_and_global_offset,
+    local_box_at,
+)
 from shardwise._compat import StridedShard as _StridedShard
 from shardwise.sharded_tensor import ShardedTensor
 from shardwise.sharded_tensor.metadata import Box, tiling_fault
@@ -56,13 +62,26 @@ def _dtensor_chunk(key: str, value: DTensor) -> LocalChunk:
             raise ValueError(f"{key}: DTensor placement {p} is not supported by the checkpoint "
                              "(only Shard, _StridedShard and Replicate; redistribute a Partial "
                              "first)")
-    shape, offsets = compute_local_shape_and_global_offset(value.shape, value.device_mesh,
-                                                           value.placements)
+    coordinate = value.device_mesh.get_coordinate()
+    if coordinate is None:  # not in the mesh: torch's answer for that case
+        shape, offsets = compute_local_shape_and_global_offset(value.shape, value.device_mesh,
+                                                               value.placements)
+    else:
+        offsets, shape = dtensor_box(value.shape, value.device_mesh.shape, coordinate,
+                                     value.placements)
     local = value._local_tensor
     if tuple(local.shape) != tuple(shape):
         raise ValueError(f"{key}: the DTensor's local tensor has shape {tuple(local.shape)}, "
                          f"its placements give {tuple(shape)}")
     return LocalChunk(tuple(int(o) for o in offsets), local)
+
+
+def dtensor_box(shape, mesh_shape, coordinate, placements) -> Box:
+    """The box (offsets, sizes) that a DTensor of global ``shape`` and ``placements`` holds at
+    ``coordinate`` of a mesh of ``mesh_shape``: this rank's, or any rank's (a dry run)."""
+    sizes, offsets = local_box_at(tuple(shape), tuple(mesh_shape), list(coordinate),
+                                  placements)
+    return tuple(int(o) for o in offsets), tuple(int(s) for s in sizes)
 
 
 def numel(sizes: Sequence[int]) -> int:

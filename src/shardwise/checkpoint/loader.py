@@ -12,6 +12,7 @@ No collective, except one JSON all-gather of the requested keys when ``strict=Tr
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +23,7 @@ from shardwise.checkpoint import boxes, exchange, stateful
 from shardwise.checkpoint.errors import CheckpointError
 from shardwise.checkpoint.flatten import Leaf, flatten, is_tensor_like
 from shardwise.checkpoint.format import checkpoint_dir
-from shardwise.checkpoint.reader import BlockReader
+from shardwise.checkpoint.reader import BlockReader, blocks_to_read
 from shardwise.checkpoint.saver import wait_previous
 from shardwise.checkpoint.validate import read_metadata
 
@@ -101,9 +102,25 @@ def _few(names: list[str]) -> str:
 
 
 def _load_tensor(reader: BlockReader, key: str, entry: dict, value: Any) -> None:
+    for chunk, rec, _ in reads_of(key, entry, value):
+        reader.copy_overlap(key, entry["dtype"], rec, chunk.box, chunk.tensor)
+
+
+def reads_of(key: str, entry: dict, value: Any) -> Iterator[tuple[boxes.LocalChunk, dict,
+                                                                   range]]:
+    """The read plan of one destination tensor: for each box it holds, every stored chunk of
+    ``entry`` (the metadata's) that overlaps it, with the blocks to read. No I/O."""
     for chunk in boxes.local_chunks(key, value):
-        for rec in entry["chunks"]:
-            reader.copy_overlap(key, entry["dtype"], rec, chunk.box, chunk.tensor)
+        for rec, blocks in reads_for_box(entry, chunk.box):
+            yield chunk, rec, blocks
+
+
+def reads_for_box(entry: dict, box: boxes.Box) -> Iterator[tuple[dict, range]]:
+    """Every stored chunk of ``entry`` that overlaps ``box``, with the blocks to read."""
+    for rec in entry["chunks"]:
+        _, blocks = blocks_to_read(rec, box)
+        if blocks:
+            yield rec, blocks
 
 
 def _set_value(leaf: Leaf, saved: Any) -> None:

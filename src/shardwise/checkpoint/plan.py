@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import uuid
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,11 +41,41 @@ class SavePlan:
     paths: dict[str, list]  # every key's path in the nested state dict (flatten.step)
 
 
+@dataclass
+class Assignment:
+    """The coordinator's part of a save plan, which every rank computes alike from every
+    rank's description: each tensor's global shape and dtype, the writer of each distinct
+    chunk (``writers[name][box key]``: the lowest rank holding it), the non-tensor values and
+    the paths (the lowest rank's), and the save's token (rank 0's)."""
+
+    tensors: dict[str, dict[str, Any]]
+    writers: dict[str, dict[tuple, int]]
+    values: dict[str, Any]
+    paths: dict[str, list]
+    token: str
+
+
 def make_plan(flat: dict[str, Leaf], group: dist.ProcessGroup | None,
               error: str | None = None) -> SavePlan:
     """Collective: one JSON all-gather over ``group``. ``error``: this rank already failed
     (e.g. making the directory); it is raised on every rank, so that no rank waits alone."""
     rank, world = exchange.rank_and_world(group)
+    chunks, mine = describe(flat, error)
+    everyone = exchange.all_gather_json(mine, group)
+    failed = [(r, p["error"]) for r, p in enumerate(everyone) if p["error"]]
+    if failed:
+        raise CheckpointError("save failed before writing: " + "; ".join(
+            f"rank {r}: {e}" for r, e in failed))
+    done = assign(everyone)
+    return SavePlan(rank, world, done.token, items_of(chunks, done.writers, rank),
+                    done.tensors, done.values, done.paths)
+
+
+def describe(flat: dict[str, Leaf], error: str | None = None
+             ) -> tuple[dict[str, list[boxes.LocalChunk]], dict[str, Any]]:
+    """This rank's chunks and its description (what it all-gathers): every tensor's global
+    shape, dtype and the boxes it holds, its non-tensor values, every key's path, a random
+    token and its error (None, or why it failed). No collective."""
     chunks: dict[str, list[boxes.LocalChunk]] = {}
     mine: dict[str, Any] = {"tensors": {}, "values": {}, "token": uuid.uuid4().hex,
                             "error": error, "paths": {k: list(v.path) for k, v in flat.items()}}
@@ -52,21 +83,15 @@ def make_plan(flat: dict[str, Leaf], group: dist.ProcessGroup | None,
         _describe(flat, chunks, mine)
     except (TypeError, ValueError) as err:
         mine["error"] = mine["error"] or f"{type(err).__name__}: {err}"
-    everyone = exchange.all_gather_json(mine, group)
-    failed = [(r, p["error"]) for r, p in enumerate(everyone) if p["error"]]
-    if failed:
-        raise CheckpointError("save failed before writing: " + "; ".join(
-            f"rank {r}: {e}" for r, e in failed))
-    tensors, writers = _assign(everyone)
-    values: dict[str, Any] = {}
-    paths: dict[str, list] = {}
-    for plan in reversed(everyone):  # the lowest rank's value wins
-        values.update(plan["values"])
-        paths.update(plan["paths"])
-    items = [WriteItem(key, c) for key, cs in chunks.items() for c in cs
-             if writers[key][_box_key(c.box)] == rank]
-    paths = {k: paths[k] for k in sorted({*tensors, *values})}
-    return SavePlan(rank, world, everyone[0]["token"], items, tensors, values, paths)
+    return chunks, mine
+
+
+def items_of(chunks: dict[str, list[boxes.LocalChunk]], writers: dict[str, dict[tuple, int]],
+             rank: int) -> list[WriteItem]:
+    """The chunks ``rank`` writes (those it is the lowest holder of), in its state dict's
+    order: the order of its data file."""
+    return [WriteItem(key, c) for key, cs in chunks.items() for c in cs
+            if writers[key][_box_key(c.box)] == rank]
 
 
 def _describe(flat: dict[str, Leaf], chunks: dict, mine: dict) -> None:
@@ -80,22 +105,36 @@ def _describe(flat: dict[str, Leaf], chunks: dict, mine: dict) -> None:
             mine["values"][key] = _json_value(key, leaf.value)
 
 
-def _assign(everyone: list[dict]) -> tuple[dict, dict]:
+def assign(everyone: Iterable[dict]) -> Assignment:
+    """Every rank's description (in rank order; a list, or an iterable read once) -> the
+    assignment. One pass over the descriptions, then one tiling check per tensor: linear in
+    the number of chunks. ValueError when ranks disagree on a tensor's shape or dtype, or
+    their chunks do not tile it."""
     tensors: dict[str, dict[str, Any]] = {}
     writers: dict[str, dict[tuple, int]] = {}
+    values: dict[str, Any] = {}
+    paths: dict[str, list] = {}
+    token = None
     for r, plan in enumerate(everyone):
+        token = plan["token"] if token is None else token
         for key, t in plan["tensors"].items():
             known = tensors.setdefault(key, {"shape": t["shape"], "dtype": t["dtype"]})
             if (known["shape"], known["dtype"]) != (t["shape"], t["dtype"]):
                 raise ValueError(f"{key}: ranks disagree on its global shape/dtype: "
                                  f"{known['shape']} {known['dtype']} vs rank {r}'s "
                                  f"{t['shape']} {t['dtype']}")
+            held = writers.setdefault(key, {})
             for b in t["boxes"]:
-                writers.setdefault(key, {}).setdefault(_box_key(b), r)
+                held.setdefault(_box_key(b), r)
+        for key, value in plan["values"].items():  # the lowest rank's value wins
+            values.setdefault(key, value)
+        for key, path in plan["paths"].items():
+            paths.setdefault(key, path)
     for key, t in tensors.items():
         found = [(tuple(o), tuple(s)) for o, s in writers[key]]
         boxes.check_cover(key, t["shape"], found)
-    return tensors, writers
+    paths = {k: paths[k] for k in sorted({*tensors, *values})}
+    return Assignment(tensors, writers, values, paths, token or "")
 
 
 def _box_json(box: boxes.Box) -> list[list[int]]:

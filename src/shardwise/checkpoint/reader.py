@@ -37,6 +37,29 @@ def open_data_file(path: Path):
     return f
 
 
+def blocks_to_read(rec: dict, want: boxes.Box) -> tuple[boxes.Box | None, range]:
+    """The overlap of the stored chunk ``rec`` and the requested box ``want``, and the blocks
+    of ``rec`` that hold it (an empty range: nothing of ``rec`` is needed). Pure: the load's
+    read plan, which ``copy_overlap`` follows and a dry run counts."""
+    have = (tuple(rec["offsets"]), tuple(rec["sizes"]))
+    if not have[1]:  # 0-dim: one element, one block
+        return ((), ()), (range(1) if not want[1] else range(0))
+    inter = intersect(have, want)
+    if inter is None:
+        return None, range(0)
+    lo = inter[0][0] - have[0][0]
+    hi = lo + inter[1][0]
+    k = rec["block_rows"]
+    return inter, range(lo // k, (hi - 1) // k + 1)
+
+
+def block_bytes(rec: dict, itemsize: int, b: int) -> int:
+    """Bytes of block ``b`` of the stored chunk ``rec`` (what reading it costs)."""
+    n_rows, row_numel = boxes.rows_and_row_numel(rec["sizes"])
+    k = rec["block_rows"]
+    return min(k, n_rows - b * k) * row_numel * itemsize
+
+
 class BlockReader:
     """Open files of one checkpoint and one read buffer, reused across chunks."""
 
@@ -65,8 +88,8 @@ class BlockReader:
         """Copy the overlap of the stored chunk ``rec`` and the box ``want`` into ``dest`` (the
         tensor holding exactly ``want``)."""
         have = (tuple(rec["offsets"]), tuple(rec["sizes"]))
-        inter = intersect(have, want) if have[1] else None
-        if inter is None and (have[1] or want[1]):
+        inter, blocks = blocks_to_read(rec, want)
+        if not blocks:
             return
         if not have[1]:  # 0-dim: one element
             dest.copy_(self._block(name, dtype, rec, 0).reshape(()))
@@ -74,7 +97,7 @@ class BlockReader:
         lo = inter[0][0] - have[0][0]
         hi = lo + inter[1][0]
         k = rec["block_rows"]
-        for b in range(lo // k, (hi - 1) // k + 1):
+        for b in blocks:
             rows = self._block(name, dtype, rec, b)
             r0, r1 = max(lo, b * k), min(hi, b * k + rows.shape[0])
             src = [slice(r0 - b * k, r1 - b * k)]

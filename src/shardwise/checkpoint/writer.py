@@ -41,20 +41,37 @@ def write_file(path: Path, items: list[WriteItem], fault: Any = None) -> list[di
     return records
 
 
+def block_starts(sizes, itemsize: int) -> range:
+    """The first row of each checksummed block of a chunk of ``sizes`` (none when it is
+    empty): one CRC-32 each in its record."""
+    rows, row_numel = boxes.rows_and_row_numel(sizes)
+    return range(0, rows if rows * row_numel else 0, block_rows(sizes, itemsize))
+
+
+def chunk_record(name: str, file_name: str, start: int, offsets, sizes, itemsize: int,
+                 crcs: list[int]) -> dict[str, Any]:
+    """The metadata's record of one chunk written at byte ``start`` of ``file_name``."""
+    return {"name": name, "file": file_name, "byte_offset": start,
+            "nbytes": boxes.numel(sizes) * itemsize, "offsets": list(offsets),
+            "sizes": list(sizes), "block_rows": block_rows(sizes, itemsize), "crc32": crcs}
+
+
 def _write_chunk(f, item: WriteItem, file_name: str) -> dict[str, Any]:
     t = item.chunk.tensor.detach()
     sizes = tuple(t.shape)
     k = block_rows(sizes, t.element_size())
-    rows, _ = boxes.rows_and_row_numel(sizes)
     flat = t.reshape(1) if t.dim() == 0 else t
     start, crcs = f.tell(), []
-    for r in range(0, rows if t.numel() else 0, k):
+    for r in block_starts(sizes, t.element_size()):
         block = flat[r : r + k].contiguous()
         if block.device.type != "cpu":
             block = block.cpu()
         data = block.reshape(-1).view(torch.uint8).numpy()
         crcs.append(zlib.crc32(data))
         f.write(data)
-    return {"name": item.name, "file": file_name, "byte_offset": start,
-            "nbytes": f.tell() - start, "offsets": list(item.chunk.offsets),
-            "sizes": list(sizes), "block_rows": k, "crc32": crcs}
+    record = chunk_record(item.name, file_name, start, item.chunk.offsets, sizes,
+                          t.element_size(), crcs)
+    if record["nbytes"] != f.tell() - start:
+        raise OSError(f"{file_name}: wrote {f.tell() - start} bytes of {item.name}, expected "
+                      f"{record['nbytes']}")
+    return record

@@ -96,7 +96,8 @@ def simulate_step(build: Callable[[], nn.Module], run: DryRun,
                   after: Callable[[_Wrapped], dict] | None = None) -> StepResult:
     """Set up the fake world, wrap the model built by ``build`` (meta device) with ``run``'s
     strategy and run a first training step, then a second one, counted; ``after`` (optional) runs on
-    the wrapped model inside the fake world (the checkpoint planner) and its dict is kept."""
+    the wrapped model inside the fake world, after the fake mode (the checkpoint planner: torch
+    computes a DTensor's box with small real tensors), and its dict is kept."""
     with fake_world(run.world_size, run.rank) as world:
         meshes = _meshes(run, world)  # real tensors: made before the fake mode starts
         model = build().to(DTYPES[run.precision])  # on the meta device
@@ -110,7 +111,7 @@ def simulate_step(build: Callable[[], nn.Module], run: DryRun,
             with counter:
                 _step(wrapped, ids)
             state = state_bytes(wrapped.params, wrapped.optimizer)
-            extra = after(wrapped) if after is not None else {}
+        extra = after(wrapped) if after is not None else {}  # outside the mode: see its doc
     return StepResult(state, counter.peak_gathered, counter.sent_by_kind(), counter.calls(),
                       counter, extra)
 
