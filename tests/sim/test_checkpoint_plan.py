@@ -188,3 +188,19 @@ def test_fsdp_saved_at_64_and_loaded_at_8_reads_exactly_the_rank_s_share():
 def test_a_load_rank_outside_the_target_world_is_a_one_line_error():
     with pytest.raises(SimulationError, match="--rank 9 is outside the --reshard-to world of 8"):
         Reshard(8, 9)
+
+
+def test_plan_json_rows_gain_the_checkpoint_plan(capsys, tmp_path):
+    from shardwise.cli.main import main
+
+    assert main(["plan", "--simulate", "--json", "--hf-config", str(llama_file(tmp_path)),
+                 "--nproc", "8", "--strategy", "fsdp", "--reshard-to", "16", "--rank", "3"]) == 0
+    record = json.loads(capsys.readouterr().out)
+    rows = {r["strategy"]: r for r in record["rows"]}
+    plan = rows["fsdp"]["checkpoint"]
+    assert set(plan) == {"save", "load", "cpu_seconds"}
+    assert plan["save"]["files"] == 8 and plan["save"]["rank"]["rank"] == 3
+    assert plan["load"]["world_size"] == 16 and plan["load"]["rank"] == 3
+    assert plan["save"]["metadata_bytes"] > 0 and plan["load"]["bytes_read"] > 0
+    assert rows["ddp"]["checkpoint"] is None  # not simulated: --strategy fsdp
+    assert "checkpoint" not in rows["fsdp"]["simulated"]

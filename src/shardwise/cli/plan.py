@@ -116,6 +116,9 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     add("--rank", type=int_arg(0, 2**24), default=0, help="--simulate: the rank to play")
     add("--strategy", default=None, choices=("ddp", "zero1", "zero2", "fsdp", "hsdp"),
         help="--simulate: dry-run this strategy's rows only (default: every row)")
+    add("--reshard-to", type=WORLD, default=None, metavar="M",
+        help="--simulate: also plan a checkpoint saved at --nproc ranks and loaded at M ranks "
+             "(metadata size, chunks, files; the reads of --rank at M); no data written")
     return parser
 
 
@@ -165,6 +168,8 @@ def plan_record(args: argparse.Namespace) -> dict:
     }
     if getattr(args, "simulate", False):
         _simulate(args, record)
+    elif getattr(args, "reshard_to", None) is not None:
+        raise ValueError("--reshard-to plans a checkpoint in the dry run: it needs --simulate")
     return record
 
 
@@ -197,8 +202,15 @@ def _simulate(args: argparse.Namespace, record: dict) -> None:
                         precision=args.precision, tp_plan=None if args.hf_config else gpt_plan)
             if r["strategy"] in picked else None
             for r in record["rows"]]
-    figures, cost = simulate_rows(build, runs)
+    reshard = None
+    if args.reshard_to is not None:
+        from shardwise.sim.checkpoint_plan import Reshard
+
+        reshard = Reshard(args.reshard_to, args.rank)
+    figures, cost = simulate_rows(build, runs, reshard=reshard)
     for row, sim in zip(record["rows"], figures):
+        if reshard is not None:  # the checkpoint plan is the row's own object
+            row["checkpoint"] = sim.pop("checkpoint") if sim is not None else None
         row["simulated"] = sim
     record["simulated_rank"] = args.rank
     record["simulation"] = cost

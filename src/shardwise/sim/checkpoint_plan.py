@@ -270,5 +270,30 @@ def simulate_checkpoint(build: Callable[[], nn.Module], run: Any,
     return lambda wrapped: {"checkpoint": plan_checkpoint(wrapped, run, target, reshard)}
 
 
-__all__ = ["CRC_BOUND", "Reshard", "checkpoint_state", "plan_checkpoint", "simulate_checkpoint",
-           "target_boxes"]
+def format_checkpoint(plan: dict) -> list[str]:
+    """The table's lines for one row's checkpoint plan."""
+    save, load = plan["save"], plan["load"]
+    mine = save["rank"]
+    lines = [f"    checkpoint saved at {save['world_size']} ranks: metadata "
+             f"{_size(save['metadata_bytes'])} (at most), {save['chunks']:,} chunks of "
+             f"{save['tensors']:,} tensors in {save['files']:,} files, "
+             f"{_size(save['data_bytes'])} of data; rank {mine['rank']} holds "
+             f"{mine['chunks_held']:,} chunks, writes {mine['chunks_written']:,} "
+             f"({_size(mine['bytes_written'])})"]
+    if load is not None:
+        lines.append(f"    loaded at {load['world_size']} ranks: rank {load['rank']} reads "
+                     f"{load['chunks_read']:,} chunks ({load['blocks_read']:,} blocks, "
+                     f"{_size(load['bytes_read'])}); planned in {plan['cpu_seconds']:.2f} s "
+                     "of CPU")
+    return lines
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.3g} {unit}"
+    return f"{n} B"
+
+
+__all__ = ["CRC_BOUND", "Reshard", "checkpoint_state", "format_checkpoint", "plan_checkpoint",
+           "simulate_checkpoint", "target_boxes"]

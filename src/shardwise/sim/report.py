@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 
 from torch import nn
 
 from shardwise.memory.peak import peak_memory_bytes
+from shardwise.sim.checkpoint_plan import Reshard, format_checkpoint, simulate_checkpoint
 from shardwise.sim.fake_group import SimulationError
 from shardwise.sim.step import DryRun, StepResult, simulate_step
 
@@ -43,15 +45,25 @@ def simulated(result: StepResult) -> dict:
             "sent_bytes": dict(result.sent_bytes), "collectives": result.collectives}
 
 
-def simulate_rows(build: Callable[[], nn.Module], runs: Sequence[DryRun | None]
-                  ) -> tuple[list[dict | None], dict]:
+def simulate_rows(build: Callable[[], nn.Module], runs: Sequence[DryRun | None],
+                  reshard: Reshard | None = None) -> tuple[list[dict | None], dict]:
     """Run each dry run in turn (one fake world at a time); returns the ``"simulated"`` objects
     (None where a row is not simulated) and the ``"simulation"`` record: seconds and the
-    process's peak resident memory."""
+    process's peak resident memory. With ``reshard``, each simulated object also holds
+    ``"checkpoint"``: the checkpoint plan of sim/checkpoint_plan.py, saved at the row's world
+    and loaded at ``reshard``'s."""
     start = time.perf_counter()
+    for run in runs:  # every load's layout is checked (DryRun) before any dry run starts
+        if run is not None and reshard is not None:
+            replace(run, world_size=reshard.world_size, rank=reshard.rank)
     out = []
     for run in runs:
-        out.append(None if run is None else simulated(simulate_step(build, run)))
+        if run is None:
+            out.append(None)
+            continue
+        after = None if reshard is None else simulate_checkpoint(build, run, reshard)
+        result = simulate_step(build, run, after=after)
+        out.append({**simulated(result), **result.extra})
     return out, {"seconds": round(time.perf_counter() - start, 3),
                  "peak_rss_bytes": peak_memory_bytes()}
 
@@ -72,6 +84,8 @@ def format_simulated(record: dict, scale: float, units: str) -> list[str]:
                      f"optimizer {s['optimizer'] / scale:.3g}), peak gathered "
                      f"{s['peak_gathered'] / scale:.3g}; sent: {sent}; "
                      f"{s['collectives']} collectives")
+        if row.get("checkpoint"):
+            lines += format_checkpoint(row["checkpoint"])
     return lines
 
 
