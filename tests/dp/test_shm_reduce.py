@@ -81,6 +81,7 @@ def _scatter_sums_each_part(ctx):
     try:
         for step in range(4):  # two slots used alternately: each reused twice
             slot = step % 2
+            reducer.wait_slot(slot)  # every rank has read what the slot held
             reducer.buffer(slot).copy_(_data(ctx.rank, numel, torch.float64, step))
             start, end = bounds[ctx.rank]
             out = torch.empty(end - start, dtype=torch.float64) if end > start else None
@@ -93,6 +94,7 @@ def _scatter_sums_each_part(ctx):
             assert torch.equal(reducer.buffer(slot), _data(ctx.rank, numel, torch.float64,
                                                            step)), "the slot is left as posted"
         # an all-reduce after reduce-scatters on the same reducer still lines up
+        reducer.wait_slot(0)
         reducer.buffer(0).fill_(ctx.rank + 1)
         reducer.launch(0).wait()
         assert torch.equal(reducer.buffer(0), torch.full((numel,), float(
@@ -104,6 +106,36 @@ def _scatter_sums_each_part(ctx):
 @pytest.mark.parametrize("world_size", (2, 4))
 def test_shm_reduce_scatter_sums_each_ranks_part(world_size):
     run_on_ranks(world_size, _scatter_sums_each_part)
+
+
+def _slot_busy_until_every_rank_read(ctx):
+    reducer = ShmReducer([(8, torch.float32)], ctx.group)
+    try:
+        assert reducer.slot_free(0), "a slot never posted is free"
+        reducer.buffer(0).fill_(ctx.rank + 1)
+        if ctx.rank == 0:  # owns nothing: its wait returns without anyone having read the slot
+            reducer.launch_scatter(0, (0, 0), None).wait()
+            busy = not reducer.slot_free(0)
+            dist.barrier(group=ctx.group)  # now rank 1 posts and sums its part
+            dist.barrier(group=ctx.group)
+            reducer.wait_slot(0)
+            return busy, reducer.slot_free(0), None
+        dist.barrier(group=ctx.group)
+        out = torch.empty(8)
+        reducer.launch_scatter(0, (0, 8), out).wait()
+        dist.barrier(group=ctx.group)
+        return None, reducer.slot_free(0), out
+    finally:
+        reducer.close()
+
+
+def test_shm_reduce_scatter_slot_busy_until_every_rank_has_read_it():
+    # wait() of a reduce-scatter returns once this rank's part is summed; the slot may be
+    # refilled only when every rank has read it (slot_free / wait_slot)
+    (busy, free0, _), (_, free1, out) = run_on_ranks(2, _slot_busy_until_every_rank_read)
+    assert busy, "rank 0's slot was free before rank 1 had read it"
+    assert free0 and free1
+    assert torch.equal(out, torch.full((8,), 3.0))
 
 
 def _peer_never_posts(ctx):

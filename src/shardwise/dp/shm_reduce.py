@@ -25,6 +25,10 @@ may overwrite the slots.
 A reduce-scatter (``launch_scatter``, ZeRO stage 2's gradients) is the first phase alone, with
 parts the caller chooses (each owner's gradients, of any sizes): rank ``r`` sums part ``r`` of
 every rank's slot into a tensor of its own, outside the segment, and nothing is copied back.
+Its ``wait()`` returns as soon as this rank's sum is done, without waiting for the others to
+finish reading: the slot is free for its next bucket only once every rank has read it
+(``slot_free`` tells without blocking, ``wait_slot`` blocks), which its user checks before
+writing into it again, so no rank waits for a peer's sum in the middle of backward.
 
 Synchronisation uses three int64 words per rank (posted, reduced, read), each written only by
 its owner with the bucket's sequence number (a fourth holds the rank's process id: a waiter
@@ -219,6 +223,7 @@ class ShmReducer:
         self._words[self.rank, _PID] = os.getpid()
         dist.barrier(group=group)  # every rank's process id is in place
         self._seq = int(self._words[self.rank, _POSTED])  # 0 in a fresh segment
+        self._slot_seq = [0] * len(layouts)  # per slot, the sequence number last posted in it
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._closed = False
         self._worker = threading.Thread(target=self._run, name="shardwise-shm-reduce",
@@ -241,7 +246,7 @@ class ShmReducer:
         if self._closed:
             raise RuntimeError("shared-memory reducer used after close()")
         self._seq += 1
-        work.seq = self._seq
+        work.seq = self._slot_seq[work.index] = self._seq
         self._words[self.rank, _POSTED] = self._seq
         self._jobs.put(work)
         return work
@@ -253,13 +258,23 @@ class ShmReducer:
         over ranks of their slots' ``[start:end]``, in rank order. The ranks' parts may differ in
         size and need not cover the slot. Nothing is written to shared memory but the words:
         rank r reads every rank's part r and then says it has read ([Note: same-host
-        shared-memory reduction])."""
+        shared-memory reduction]). ``wait()`` returns once ``out`` holds the sum; the slot may
+        be written again after :meth:`wait_slot` (or while :meth:`slot_free`)."""
         start, end = part
         if end > start and (out is None or out.numel() != end - start):
             raise ValueError(f"launch_scatter: out must hold the part's {end - start} elements")
         work = ShmWork(self, index)
         work.part, work.out = part, out
         return self._post(work)
+
+    def slot_free(self, index: int) -> bool:
+        """Whether every rank has finished reading what was last posted in slot ``index``
+        (this rank may write into it again); does not block."""
+        return int(self._words[:, _READ].min()) >= self._slot_seq[index]
+
+    def wait_slot(self, index: int) -> None:
+        """Until every rank has finished reading what was last posted in slot ``index``."""
+        self._await(_READ, self._slot_seq[index], index)
 
     def close(self) -> None:
         """Stop the worker thread and drop the mapping (idempotent)."""
@@ -369,7 +384,8 @@ def _alive(pid: int) -> bool:
 
 
 class ShmWork:
-    """One launched bucket reduction; ``wait()`` returns when every rank has read it."""
+    """One launched bucket reduction; ``wait()`` returns when every rank has read it (an
+    all-reduce), or when this rank's part is summed (a reduce-scatter: see ``launch_scatter``)."""
 
     def __init__(self, reducer: ShmReducer, index: int, finish: Step | None = None):
         self.reducer, self.index, self.seq = reducer, index, 0  # seq: set when posted
@@ -383,5 +399,6 @@ class ShmWork:
         self.done.wait()
         if self.error is not None:
             raise self.error
-        self.reducer.wait_read(self)
+        if self.part is None:
+            self.reducer.wait_read(self)
         return True

@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from shardwise.distributed.collectives import flatten, unflatten_into
 from shardwise.distributed.groups import global_rank
-from shardwise.dp.buckets import Bucket, BucketState, Waitable
+from shardwise.dp.buckets import Bucket, Waitable
 from shardwise.dp.fast_collectives import Pending
 from shardwise.dp.shm_reduce import ShmReducer, usable
 
@@ -112,25 +112,25 @@ class OwnerScatter:
     empty). The collective, chosen once for the group:
 
     - ranks on one host (CPU, [Note: same-host shared-memory reduction] in dp/shm_reduce.py):
-      the bucket is filled in (or, when its slot was still busy, copied into) its slot of a
-      ring of ``in_flight + 1`` shared-memory slots, and each rank sums its own part of every
-      rank's slot (``ShmReducer.launch_scatter``); no socket;
+      the bucket is filled in (or, when its slot was still being read, copied into) its slot of
+      a ring of ``ring`` shared-memory slots, and each rank sums its own part of every rank's
+      slot (``ShmReducer.launch_scatter``); no socket. A launched bucket costs no memory of its
+      own there (its buffer is the slot, its result the owner's gradients), so the buckets in
+      flight need no bound (``bounds_in_flight`` is False);
     - NCCL: ``dist.reduce_scatter`` of the parts;
     - otherwise (gloo across hosts, or /dev/shm too small): one ``dist.reduce`` per owner with a
       part in the bucket, to that owner. gloo has a ``reduce_scatter`` that takes parts of
       unequal sizes, but it is slower than an all-reduce of the whole bucket, while the reduces
       move only each part to its owner.
 
-    ``in_flight``: at most that many buckets are launched and not yet waited for (the bucketer's
-    bound), so a slot of the ring is free again when its next bucket is launched. Construction
-    is collective (it decides the shared-memory path on every rank together).
+    Construction is collective (it decides the shared-memory path on every rank together).
     """
 
-    def __init__(self, group: dist.ProcessGroup, buckets: Sequence[Bucket], in_flight: int):
+    def __init__(self, group: dist.ProcessGroup, buckets: Sequence[Bucket], ring: int = 3):
         self.group = group
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
         self.nccl = self.world > 1 and dist.get_backend(group) == "nccl"
-        self.ring, self.shm = in_flight + 1, None
+        self.ring, self.shm = ring, None
         dtypes = {b.params[0].dtype for b in buckets}
         if self.world > 1 and not self.nccl and len(dtypes) == 1:
             device = buckets[0].params[0].device
@@ -138,17 +138,22 @@ class OwnerScatter:
             if usable(group, device, layouts):
                 self.shm = ShmReducer(layouts, group)
 
-    def slot_for(self, bucket: Bucket, buckets: Sequence[Bucket]) -> torch.Tensor | None:
+    @property
+    def bounds_in_flight(self) -> bool:
+        """Whether launched buckets hold memory of their own until finished (not on the
+        shared-memory path), so that their number in flight should be bounded."""
+        return self.shm is None
+
+    def slot_for(self, bucket: Bucket) -> torch.Tensor | None:
         """The shared-memory slot ``bucket`` is reduced from, to be filled in place, when it is
-        free now: the bucket ``ring`` places earlier (the slot's previous user in launch order)
-        has been reduced in this pass, or there is none. None otherwise (or without shared
-        memory): the bucket is filled privately and copied into the slot at launch."""
+        free now: every rank has read what was last posted in it. None otherwise (or without
+        shared memory): the bucket is filled privately and copied into the slot at launch."""
         if self.shm is None:
             return None
-        earlier = bucket.index - self.ring
-        if earlier >= 0 and buckets[earlier].state is not BucketState.REDUCED:
+        slot = bucket.index % self.ring
+        if not self.shm.slot_free(slot):
             return None
-        return self.shm.buffer(bucket.index % self.ring)[: bucket.numel]
+        return self.shm.buffer(slot)[: bucket.numel]
 
     def close(self) -> None:
         if self.shm is not None:
@@ -165,6 +170,7 @@ class OwnerScatter:
             slot = bucket.index % self.ring
             view = self.shm.buffer(slot)[: bucket.numel]
             if bucket.buffer.data_ptr() != view.data_ptr():  # filled privately: copy it over
+                self.shm.wait_slot(slot)  # once every rank has read the slot's last bucket
                 view.copy_(bucket.buffer)
             bucket.release()  # the slot holds it now
             return self.shm.launch_scatter(slot, parts[self.rank], out)

@@ -89,9 +89,12 @@ class ZeroDataParallel(nn.Module):
         )
         buckets = self.reducer.buckets
         self._parts = [owner_parts(b, self._owner, self.world_size) for b in buckets]
-        self._scatter = zc.OwnerScatter(self.process_group, buckets, BUCKETS_IN_FLIGHT)
+        self._scatter = zc.OwnerScatter(self.process_group, buckets, BUCKETS_IN_FLIGHT + 1)
         weakref.finalize(self, self._scatter.close)
-        self._outs: dict[int, torch.Tensor] = {}  # bucket index -> this rank's part, in flight
+        # bucket index -> this rank's part of it: the owned gradients, made on first use and
+        # reused by every step (their .grads are views of it)
+        self._outs: dict[int, torch.Tensor] = {}
+        self._set_reduction(hooked=False)
         self._holds_reduced = False  # owned grads hold a reduced (averaged) sum
         self._reduced: list[tuple[torch.Tensor, list[nn.Parameter]]] = []  # buffer, its params
         self._comm_hooks = CommHookSlot("ZeroDataParallel")
@@ -114,6 +117,19 @@ class ZeroDataParallel(nn.Module):
         all-reduces, so it moves as many bytes as DDP's reduction: worth it for compressing
         hooks only. Once."""
         self._comm_hooks.register(state, hook)
+        self._set_reduction(hooked=True)
+
+    def _set_reduction(self, hooked: bool) -> None:
+        """How gradients enter the buckets, per [Note: stage 2 buckets]: scaled by 1/world
+        on their way in (the reduce-scatter's sum is then the average; a hook divides itself),
+        and the buckets in flight bounded unless the reduce-scatter runs through shared memory
+        (whose in-flight buckets hold no memory of their own)."""
+        if self.reducer.in_backward:
+            raise RuntimeError("ZeroDataParallel: a communication hook must be registered "
+                               "outside backward")
+        self.reducer.scale = 1 / self.world_size if self.world_size > 1 and not hooked else None
+        bounded = hooked or self._scatter.bounds_in_flight
+        self.reducer.max_in_flight = BUCKETS_IN_FLIGHT if bounded else None
 
     def owned_parameters(self) -> list[nn.Parameter]:
         """The trainable parameters whose gradients this rank keeps."""
@@ -140,16 +156,26 @@ class ZeroDataParallel(nn.Module):
         """Where a bucket is filled: its shared-memory slot when free (not with a hook)."""
         if self._comm_hooks.hook is not None:
             return None
-        return self._scatter.slot_for(bucket, self.reducer.buckets)
+        return self._scatter.slot_for(bucket)
 
     def _launch(self, bucket: Bucket) -> Waitable | None:
         if self._comm_hooks.hook is not None:
             return self._comm_hooks.run(bucket, len(self.reducer.buckets))
-        start, end = self._parts[bucket.index][self.rank]
-        out = None
-        if self.world_size > 1 and end > start:
-            out = self._outs[bucket.index] = bucket.buffer.new_empty(end - start)
+        out = self._part_of(bucket) if self.world_size > 1 else None
         return self._scatter.launch(bucket, self._parts[bucket.index], out)
+
+    def _part_of(self, bucket: Bucket) -> torch.Tensor | None:
+        """This rank's part of ``bucket`` (None when it owns none of it): one buffer per
+        bucket, allocated at its first reduction and reused by every later one."""
+        start, end = self._parts[bucket.index][self.rank]
+        if end <= start:
+            return None
+        part = self._outs.get(bucket.index)
+        if part is None:
+            first = bucket.params[0]
+            part = self._outs[bucket.index] = torch.empty(end - start, dtype=first.dtype,
+                                                          device=first.device)
+        return part
 
     def _finish(self, bucket: Bucket) -> None:
         start, end = self._parts[bucket.index][self.rank]
@@ -160,11 +186,11 @@ class ZeroDataParallel(nn.Module):
         if not mine:
             return
         if self._comm_hooks.hook is not None:  # the hook's future holds the average
-            part = bucket.allocate()[start:end].clone()
+            part = self._part_of(bucket).copy_(bucket.allocate()[start:end])
         elif self.world_size == 1:
             part = bucket.allocate()[start:end]
-        else:
-            part = self._outs.pop(bucket.index).div_(self.world_size)
+        else:  # the sum of gradients scaled by 1/world on their way in: the average
+            part = self._outs[bucket.index]
         for i in mine:
             param, offset = bucket.params[i], bucket.offsets[i] - start
             param.grad = part[offset : offset + param.numel()].view_as(param)
