@@ -1,12 +1,16 @@
 """Memory: sharded state between steps, and the unsharded bytes (parameters and gradients) alive
 during forward and backward."""
 
+import os
+
 import pytest
 import torch
 
 from shardwise import fully_shard
+from shardwise.fsdp import unit as unit_module
 from shardwise.fsdp import units_of, unsharded_bytes, unsharded_grad_bytes
 from shardwise.memory import state_bytes
+from shardwise.memory.heap import release_free_heap
 from shardwise.models import GPT, GPTConfig, lm_loss
 from tests.harness import WORLD_SIZES, run_on_ranks
 
@@ -96,3 +100,49 @@ def test_unsharded_bytes_during_forward_stay_within_the_prefetch_limit(world_siz
     # backward, and one block's; a block's reduction is finished before the next block's first
     # gradient arrives, so two blocks' flat gradients are never alive together
     assert grad_block <= peaks["grads"] <= grad_root + grad_block, peaks
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.skipif(not release_free_heap(), reason="the C library has no malloc_trim")
+def test_release_free_heap_returns_freed_heap_pages_to_the_os():
+    # 64 KiB blocks are under glibc's smallest mmap threshold: they come from the heap. Freeing
+    # every other one leaves free blocks between live ones, which glibc keeps resident
+    blocks = [torch.ones(16 * 1024) for _ in range(512)]  # 32 MiB
+    freed = blocks[::2]
+    del blocks[::2]
+    release_free_heap()
+    before = _rss()
+    freed.clear()
+    kept = _rss()
+    release_free_heap()
+    after = _rss()
+    assert after <= kept - 8 * 2**20, (before, kept, after)  # most of 16 MiB left the RSS
+    assert all(float(b[0]) == 1.0 for b in blocks)  # the live blocks are untouched
+
+
+def _heap_releases(ctx):
+    torch.manual_seed(0)
+    model = _shard(GPT(CFG))
+    calls = []
+    original = unit_module.release_free_heap
+    unit_module.release_free_heap = lambda: calls.append(1) or True
+    try:
+        x = torch.randint(0, CFG.vocab_size, (2, CFG.seq_len + 1))
+        counts = []
+        for _ in range(2):
+            lm_loss(model(x[:, :-1]), x[:, 1:]).backward()
+            counts.append(len(calls))
+    finally:
+        unit_module.release_free_heap = original
+    return counts, len(units_of(model))
+
+
+def test_each_unit_releases_free_heap_once_when_its_backward_starts():
+    counts, n_units = run_on_ranks(2, _heap_releases)[0]
+    # one release per unit and backward ([Note: allocator slack]): before its parameters are
+    # gathered and its gradients made, not per gradient or per hook call
+    assert counts == [n_units, 2 * n_units]

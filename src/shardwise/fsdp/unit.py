@@ -23,6 +23,7 @@ from shardwise.fsdp.collectives import register_pre_backward, run_eagerly
 from shardwise.fsdp.flat_param import FlatParamHandle
 from shardwise.fsdp.mixed_precision import MixedPrecision
 from shardwise.fsdp.root import RootState
+from shardwise.memory.heap import release_free_heap
 
 UNIT_ATTR = "_shardwise_fsdp_unit"
 
@@ -236,6 +237,8 @@ class FSDPUnit:
         self.state = TrainingState.PRE_BACKWARD
         if self.handle is not None:
             handle = self.handle
+            if handle.compute_device.type == "cpu":
+                release_free_heap()  # before the gathers: [Note: allocator slack] (memory/heap.py)
             handle.start_unshard()
             if self.backward_prefetch_units is None:
                 self.root_state.prefetch_for_backward(self)
