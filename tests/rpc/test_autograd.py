@@ -155,3 +155,19 @@ def test_a_release_racing_with_another_returns_only_once_the_graph_is_freed():
     finally:
         go_on.set()
         first.join(30)
+
+
+def test_the_backward_pass_reaches_every_leaf_once_however_torch_wraps_graph_nodes():
+    """Every parameter of a deep graph, and a leaf reached along two paths once (torch 2.12
+    makes a node's Python object afresh on each access; a freed one's id is reused)."""
+    from shardwise.rpc.autograd.engine import collect_leaves
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 3))
+    shared = torch.ones(3, requires_grad=True)
+    out = model(torch.randn(5, 6)) * shared
+    loss = out.sum() + (shared * 2).sum()
+    leaves = collect_leaves([loss])
+    want = [*model.parameters(), shared]
+    assert len(leaves) == len(want)
+    assert all(any(leaf is w for leaf in leaves) for w in want)

@@ -31,7 +31,9 @@ from shardwise.rpc.messages import Kind
 def collect_leaves(roots: list[torch.Tensor]) -> list[torch.Tensor]:
     """Every leaf tensor requiring grad reachable from ``roots`` through their graphs."""
     leaves: dict[int, torch.Tensor] = {}
-    seen: set[int] = set()
+    # holds each node visited: a node's Python object can be made afresh on each access
+    # (torch 2.12 does), and a freed one's id reused by the next, which would read as seen
+    seen: dict[int, object] = {}
     stack = []
     for r in roots:
         if r.grad_fn is None:
@@ -43,7 +45,7 @@ def collect_leaves(roots: list[torch.Tensor]) -> list[torch.Tensor]:
         fn = stack.pop()
         if id(fn) in seen:
             continue
-        seen.add(id(fn))
+        seen[id(fn)] = fn
         var = getattr(fn, "variable", None)  # AccumulateGrad nodes hold their leaf
         if var is not None:
             leaves[id(var)] = var
