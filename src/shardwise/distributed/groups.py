@@ -3,6 +3,8 @@ device its collectives run on. No collective is issued here."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.distributed as dist
 
@@ -15,6 +17,19 @@ def global_rank(group: dist.ProcessGroup | None, rank: int) -> int:
 def global_ranks(group: dist.ProcessGroup | None) -> list[int]:
     """The world rank of every rank of ``group``, in group-rank order."""
     return [global_rank(group, r) for r in range(dist.get_world_size(group))]
+
+
+def rank_table(group: dist.ProcessGroup | None) -> Sequence[int]:
+    """``global_ranks(group)`` held compactly: a ``range`` when the ranks are evenly spaced
+    (the world, and every group of a mesh dimension), so that a structure keeping it per unit
+    costs the same at any world size; a list otherwise. Read once from c10d's table of the
+    group (``get_global_rank`` per rank would scan that table once per rank)."""
+    if group is None or group is dist.group.WORLD:
+        return range(dist.get_world_size())
+    ranks = dist.get_process_group_ranks(group)
+    step = ranks[1] - ranks[0] if len(ranks) > 1 else 1
+    evenly = step > 0 and all(r == ranks[0] + i * step for i, r in enumerate(ranks))
+    return range(ranks[0], ranks[0] + len(ranks) * step, step) if evenly else ranks
 
 
 def backend_device(backend: str) -> torch.device:

@@ -16,7 +16,7 @@ pass has finished.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -28,7 +28,7 @@ from shardwise.fsdp.layout import UnitLayout, chunks_of, copy_from_chunks
 
 
 def start_unit_gather(full: torch.Tensor, shard: torch.Tensor, layout: UnitLayout, rank: int,
-                      global_ranks: list[int], group: dist.ProcessGroup) -> Pending:
+                      global_ranks: Sequence[int], group: dist.ProcessGroup) -> Pending:
     """Issue the gather of every rank's ``shard`` (1D, ``layout.shard_numel``) into ``full``
     (1D, ``layout.total``: the parameters whole, back to back). Collective over ``group``:
     every rank issues the same broadcasts in the same order. The returned ``Pending`` copies

@@ -49,7 +49,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from shardwise._compat import DTensor
-from shardwise.distributed.groups import global_ranks
+from shardwise.distributed.groups import rank_table
 from shardwise.dp.fast_collectives import Pending, uses_fast_path
 from shardwise.fsdp.arrivals import GradArrivals
 from shardwise.fsdp.collectives import (
@@ -129,7 +129,7 @@ class FlatParamHandle:
         # this rank's shard, across which reduced gradients are averaged
         self.group, self.mesh, self.replicate_group = group, mesh, replicate_group
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
-        self.global_ranks = global_ranks(group)
+        self.global_ranks = rank_table(group)  # a range on a mesh: O(1) per unit
         self.param_dtype, self.reduce_dtype = param_dtype, reduce_dtype
         self.offload = offload  # shards (and their gradients) stay in CPU memory
         self.compute_device = compute_device

@@ -27,7 +27,7 @@ the flat buffer, which then reduces everything).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -39,7 +39,7 @@ from shardwise.fsdp.layout import UnitLayout, chunks_of, copy_into_chunks
 class DirectGrads:
     """The gradients of one unit's reduction in direct mode, until it is issued."""
 
-    def __init__(self, layout: UnitLayout, rank: int, global_ranks: list[int],
+    def __init__(self, layout: UnitLayout, rank: int, global_ranks: Sequence[int],
                  group: dist.ProcessGroup, reduce_dtype: torch.dtype, device: torch.device):
         self.layout, self.rank, self.world = layout, rank, len(global_ranks)
         self.global_ranks, self.group = global_ranks, group

@@ -21,6 +21,7 @@ holds more than ``total / world_size + largest parameter`` trainable bytes.
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Sequence
 
 # partition[rank][group] -> indices (within the group, ascending) of the parameters rank owns
@@ -49,14 +50,17 @@ def partition_params(group_sizes: Sequence[Sequence[int | Weight]], world_size: 
     if len(load) != world_size:
         raise ValueError(f"loads has {len(load)} entries for world size {world_size}")
     result: Partition = [[[] for _ in group_sizes] for _ in range(world_size)]
+    # the ranks by (load, rank): the least loaded, lowest rank first, in O(log N) per parameter
+    heap = [(w, rank) for rank, w in enumerate(load)]
+    heapq.heapify(heap)
     for g, group in enumerate(group_sizes):
         sizes = [weight(x) for x in group]
         for i in sorted(range(len(sizes)), key=lambda k: (-sizes[k][0], -sizes[k][1], k)):
             if min(sizes[i]) < 0:
                 raise ValueError(f"parameter {i} of group {g} has negative size {sizes[i]}")
-            rank = min(range(world_size), key=lambda r: (load[r], r))
+            w, rank = heap[0]
             result[rank][g].append(i)
-            load[rank] = _add(load[rank], sizes[i])
+            heapq.heapreplace(heap, (_add(w, sizes[i]), rank))
     for per_rank in result:
         for indices in per_rank:
             indices.sort()
