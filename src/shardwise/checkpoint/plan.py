@@ -118,8 +118,10 @@ def assign(everyone: Iterable[dict]) -> Assignment:
     for r, plan in enumerate(everyone):
         token = plan["token"] if token is None else token
         for key, t in plan["tensors"].items():
-            known = tensors.setdefault(key, {"shape": t["shape"], "dtype": t["dtype"]})
-            if (known["shape"], known["dtype"]) != (t["shape"], t["dtype"]):
+            known = tensors.get(key)
+            if known is None:
+                known = tensors[key] = {"shape": t["shape"], "dtype": t["dtype"]}
+            elif (known["shape"], known["dtype"]) != (t["shape"], t["dtype"]):
                 raise ValueError(f"{key}: ranks disagree on its global shape/dtype: "
                                  f"{known['shape']} {known['dtype']} vs rank {r}'s "
                                  f"{t['shape']} {t['dtype']}")

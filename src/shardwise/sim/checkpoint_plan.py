@@ -21,7 +21,9 @@ real rank holds too.
 
 The metadata is not built (at 8,192 ranks it holds millions of chunk records): its size is
 that of ``build_metadata``'s output with every chunk list empty, plus each record's JSON and
-its list separator, records made by ``chunk_record`` in each rank's file order. CRC-32 values
+its list separator, records made by ``chunk_record`` in each rank's file order. One record per
+chunk shape is serialized (``json.dumps``); the others differ from it only in their integers
+(byte offset, box offsets) and file name, whose lengths are added. CRC-32 values
 are unknown without data; each is counted at 10 digits (2^32 - 1), so ``metadata_bytes`` is
 an upper bound, above the real file by the digits its CRCs lack (tests/sim compare the two with
 the CRCs of a real save rewritten as 2^32 - 1: equal). The digest and the token have fixed
@@ -228,20 +230,24 @@ def _save_figures(done: Any, world: int, target: dict | None) -> tuple[dict, dic
     plan = SavePlan(0, world, done.token, [], done.tensors, done.values, done.paths)
     skeleton = build_metadata(plan, [{"file": rank_file(r), "size": 0, "chunks": []}
                                      for r in range(world)])
+    name_extra = [len(rank_file(r)) - len(rank_file(0)) for r in range(world)]
+    templates: dict[tuple, tuple[int, int, int]] = {}
     chunk_bytes, n_chunks = 0, 0
     reads = {"chunks_read": 0, "blocks_read": 0, "bytes_read": 0}
     for key, t in done.tensors.items():
         itemsize = dtype_from(t["dtype"]).itemsize
         records = []
         for (offsets, sizes), r in done.writers[key].items():
-            rec = chunk_record(key, rank_file(r), offset[r], offsets, sizes, itemsize,
-                               [CRC_BOUND] * len(block_starts(sizes, itemsize)))
-            offset[r] += rec["nbytes"]
-            del rec["name"]  # build_metadata keeps every field but the name
-            records.append(rec)
-            chunk_bytes += len(json.dumps(rec, allow_nan=True)) + 2  # ", " between records
+            length, nbytes, k = templates.get((sizes, itemsize)) or _template(
+                templates, key, sizes, itemsize)
+            # the record's JSON differs from its template's only in these ints and the name
+            chunk_bytes += (length + 2 + len(str(offset[r])) - 1 + name_extra[r]
+                            + sum(len(str(o)) - 1 for o in offsets))  # ", " between records
+            offset[r] += nbytes
+            if target is not None:
+                records.append({"offsets": offsets, "sizes": sizes, "block_rows": k})
         chunk_bytes -= 2
-        n_chunks += len(records)
+        n_chunks += len(done.writers[key])
         if target is not None and key in target:
             _count_reads(reads, {"chunks": records}, target[key][1], itemsize)
     skeleton["files"] = {rank_file(r): offset[r] for r in range(world)}
@@ -249,6 +255,17 @@ def _save_figures(done: Any, world: int, target: dict | None) -> tuple[dict, dic
     save = {"world_size": world, "metadata_bytes": size, "chunks": n_chunks,
             "tensors": len(done.tensors), "files": world, "data_bytes": sum(offset)}
     return save, reads
+
+
+def _template(templates: dict, key: str, sizes: tuple, itemsize: int) -> tuple[int, int, int]:
+    """A chunk of ``sizes`` at offset 0 of rank 0's file, as ``chunk_record`` makes it and
+    ``build_metadata`` stores it (no name): its JSON length, its bytes, its block rows."""
+    rec = chunk_record(key, rank_file(0), 0, (0,) * len(sizes), sizes, itemsize,
+                       [CRC_BOUND] * len(block_starts(sizes, itemsize)))
+    del rec["name"]
+    templates[sizes, itemsize] = found = (len(json.dumps(rec, allow_nan=True)), rec["nbytes"],
+                                          rec["block_rows"])
+    return found
 
 
 def _count_reads(reads: dict, entry: dict, wanted: list, itemsize: int) -> None:
