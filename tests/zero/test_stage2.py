@@ -143,6 +143,39 @@ def test_no_sync_accumulation_with_clipping(world_size):
     run_on_ranks(world_size, _train, "adamw", 4, 3, 0.05)
 
 
+def _reused_parts(ctx, zero_grad_to_none: bool):
+    reference = make_net()
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    net = make_net()
+    opt = ZeroRedundancyOptimizer(net.parameters(), torch.optim.AdamW, lr=1e-2)
+    model = ZeroDataParallel(net, opt, bucket_cap_mb=BUCKET_MB)
+    pointers, held = [], []
+    for step in range(3):
+        x, y = global_batch(step)
+        _backward(model, x, y, ctx, 1)
+        loss_fn(reference(x[0]), y[0]).backward()
+        _check_grads(net, reference, model, step)
+        grads = {name: p.grad for name, p in net.named_parameters() if p.grad is not None}
+        held.append(grads)  # kept alive: a fresh allocation could not land at the same address
+        pointers.append({name: g.data_ptr() for name, g in grads.items()})
+        opt.step()
+        opt.zero_grad(set_to_none=zero_grad_to_none)
+        ref_opt.step()
+        ref_opt.zero_grad()
+        assert_params_equal(net, reference, f"step {step}")
+    return pointers
+
+
+@pytest.mark.parametrize("to_none", (True, False))
+@pytest.mark.parametrize("world_size", (2, 4))
+def test_owned_gradients_reuse_one_buffer_per_bucket_across_steps(world_size, to_none):
+    # each bucket's owned part is allocated once: the gradients of steps 2 and 3 live at the
+    # addresses of step 1's, and training still equals the single process
+    for pointers in run_on_ranks(world_size, _reused_parts, to_none):
+        assert pointers[0], "this rank owns gradients"
+        assert pointers[0] == pointers[1] == pointers[2]
+
+
 def _inf_norm(ctx):
     reference = make_net()
     net = make_net()

@@ -12,22 +12,27 @@ the wrapper so that it knows who owns which parameter::
 
 [Note: stage 2 buckets]
 Gradients are bucketed as in DDP (shardwise/dp/grad_buckets.py): the same bucket sizes, filled
-in backward's order. Inside a bucket the parameters are laid out by owning rank, so each owner's
-gradients form one contiguous part of the flat buffer. When a bucket is full it is
-reduce-scattered into those parts (zero/collectives.py, ``OwnerScatter``): each rank receives
-only the sum of its own part, into a buffer of that part's size, and keeps nothing of the others'.
-On one host the reduce-scatter goes through shared memory (each rank sums its own part of every
-rank's copy, no socket); with NCCL it is ``dist.reduce_scatter``; otherwise (gloo across hosts)
-one ``dist.reduce`` per owner of the bucket. The owner divides its part by the world size and
-its ``.grad``s become views into it. Each parameter's ``.grad`` is dropped as soon as it is copied
-into its bucket, a bucket's buffer exists only from its first gradient until it is launched (on
-the shared-memory path, where it is the bucket's slot of a small ring whenever that slot is free,
-so no copy is made) or reduced, and at most two buckets are in flight, so during backward a
-rank holds its owned gradients plus a few buckets, and after backward only its owned gradients:
-at most 1/N of all gradients plus one parameter (see [Note: ZeRO partition]). ``no_sync()``
-accumulates full local gradients (no collective), as DDP does; the next backward outside it
-reduces the sums. A registered communication hook replaces the reduce-scatter (it all-reduces
-the bucket; each owner copies its part out).
+in backward's order, each gradient scaled by 1/world size on its way in (so a sum is the
+average). Inside a bucket the parameters are laid out by owning rank, so each owner's gradients
+form one contiguous part of the flat buffer. When a bucket is full it is reduce-scattered into
+those parts (zero/collectives.py, ``OwnerScatter``): each rank receives only the sum of its own
+part, into that bucket's part buffer (allocated at the first step, reused by every step), and
+keeps nothing of the others'. On one host the reduce-scatter goes through shared memory (each
+rank sums its own part of every rank's copy straight into its part buffer, no socket); with NCCL
+it is ``dist.reduce_scatter``; otherwise (gloo across hosts) one ``dist.reduce`` per owner of
+the bucket. The owner's ``.grad``s become views into its part buffer. Each parameter's ``.grad``
+is dropped as soon as it is copied into its bucket; a bucket's buffer exists only from its first
+gradient until it is launched (on the shared-memory path, where it is the bucket's slot of a
+ring of three whenever every rank has read that slot's previous bucket, so no copy is made) or
+reduced. On the shared-memory path a launched bucket holds no memory of its own and waiting for
+it waits for this rank's sum only, so the buckets in flight are not bounded and backward never
+stops for a reduction; on the other paths (private bucket buffers) at most two are in flight.
+So during backward a rank holds its owned gradients plus a few buckets, and after backward only
+its owned gradients: at most 1/N of all gradients plus one parameter (see [Note: ZeRO
+partition]). ``no_sync()`` accumulates full local gradients (no collective), as DDP does; the
+next backward outside it reduces the sums. A registered communication hook replaces the
+reduce-scatter (it all-reduces the bucket, which is then not pre-scaled; each owner copies its
+part out).
 """
 
 from __future__ import annotations
@@ -221,7 +226,8 @@ def sharded_holding(owner_of: Callable[[nn.Parameter], int],
                     ) -> Holding:
     """How stage 2 holds gradients in the core's buckets (see [Note: stage 2 buckets]): laid out
     by owner, ``.grad`` dropped once copied, buffers only while in use (``buffer_for``: a
-    shared-memory slot when one is free), at most ``BUCKETS_IN_FLIGHT`` buckets in flight."""
+    shared-memory slot when one is free), at most ``BUCKETS_IN_FLIGHT`` buckets in flight
+    (ZeroDataParallel lifts that bound on the shared-memory path)."""
     return Holding(release_grads=True, lazy_buffers=True, max_in_flight=BUCKETS_IN_FLIGHT,
                    layout_key=owner_of, buffer_for=buffer_for)
 
