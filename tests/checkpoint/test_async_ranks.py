@@ -71,3 +71,20 @@ def test_load_into_other_shapes_lists_them(tmp_path):
     text = str(err.value)
     assert "model.blocks.0.mlp.fc1.weight: checkpoint (64, 16), requested (128, 32)" in text
     assert "unexpected keys" in text and "'model.blocks.1.attn.qkv.weight'" in text
+
+
+def test_a_save_directory_committed_while_a_rank_lists_it_is_no_failure(tmp_path, monkeypatch):
+    """Rank 0's commit renames ``<id>.tmp`` away; a rank listing it for failure records at that
+    moment finds it gone (between pathlib's is-a-directory check and its scan)."""
+    from pathlib import Path
+
+    from shardwise.checkpoint import commit
+
+    tmp = tmp_path / "ck.tmp"
+    tmp.mkdir()
+
+    def renamed_away(self, pattern):
+        raise FileNotFoundError(2, "No such file or directory", str(self))
+
+    monkeypatch.setattr(Path, "glob", renamed_away)
+    commit.check_failures(tmp, plan=None)  # returns: nothing was recorded

@@ -67,8 +67,13 @@ def write_failure(tmp: Path, plan: SavePlan, error: BaseException) -> None:
 
 
 def check_failures(tmp: Path, plan: SavePlan) -> None:
-    """Raise if any rank recorded a failure of this save (see ``write_failure``)."""
-    for path in sorted(tmp.glob(".failed_*.json")):
+    """Raise if any rank recorded a failure of this save (see ``write_failure``). ``tmp`` may
+    be renamed away by rank 0's commit while this lists it: then no failure was recorded."""
+    try:
+        recorded = sorted(tmp.glob(".failed_*.json"))
+    except FileNotFoundError:
+        return
+    for path in recorded:
         try:
             failed = json.loads(path.read_text())
         except (OSError, ValueError):
