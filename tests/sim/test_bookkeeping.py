@@ -15,13 +15,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shardwise.models import GPTConfig
 from shardwise.sim.bookkeeping import bookkeeping_size
 from shardwise.sim.fake_group import fake_tensors
 from shardwise.sim.models import demo_gpt
 from shardwise.sim.step import DryRun, simulate_step
-
-TINY = GPTConfig(n_layer=2, d_model=64, n_head=4, vocab_size=128, seq_len=16)
+from tests.sim.configs import TINY
 
 
 def _bookkeeping(strategy: str, world: int, extra=None):

@@ -21,7 +21,7 @@ from shardwise.memory.layouts import MeshLayout, estimate_mesh_state_bytes
 from shardwise.sim.fake_group import SimulationError, fake_world
 from shardwise.sim.models import demo_gpt, hf_model
 from shardwise.sim.step import DryRun, simulate_step
-from tests.sim.configs import DEMO, llama_file
+from tests.sim.configs import DEMO, TINY, llama_file
 
 
 def _model(kind, tmp_path):
@@ -129,3 +129,19 @@ def test_a_meta_model_from_a_config_has_the_planner_s_parameter_count(tmp_path):
     model = hf_model(path)
     assert sum(p.numel() for p in model.parameters()) == load_hf_config(path).n_params
     assert all(p.device.type == "meta" for p in model.parameters())
+
+
+@pytest.mark.parametrize("strategy", ["fsdp", *(pytest.param(s, marks=pytest.mark.slow)
+                                                 for s in ("ddp", "zero1", "zero2", "hsdp"))])
+def test_the_dry_run_s_work_does_not_grow_with_the_world_size(strategy):
+    """The operators a dry run dispatches on fake tensors (wrapping and two steps) at 8,192
+    ranks are at most those at 64 ranks, give or take 10% (padding adds a few copies): no part of
+    the library's code makes a tensor, or issues a collective, per rank of the group."""
+    def run(world):
+        return simulate_step(lambda: demo_gpt(TINY), DryRun(strategy, world, replicas=8 if
+                                                             strategy == "hsdp" else 1))
+
+    small, large = run(64), run(8192)
+    assert small.operators > 0 and large.operators <= 1.1 * small.operators, (
+        small.operators, large.operators)
+    assert large.collectives == small.collectives

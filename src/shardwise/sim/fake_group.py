@@ -26,7 +26,8 @@ import torch.distributed as dist
 
 from shardwise._compat import FakeStore, FakeTensor, FakeTensorMode
 
-__all__ = ["FakeTensor", "SimulationError", "fake_tensors", "fake_world", "is_plain_or_fake"]
+__all__ = ["CountingFakeTensorMode", "FakeTensor", "SimulationError", "fake_tensors", "fake_world",
+           "is_plain_or_fake"]
 
 
 class SimulationError(ValueError):
@@ -55,10 +56,21 @@ def fake_world(world_size: int, rank: int = 0) -> Iterator[dist.ProcessGroup]:
         dist.destroy_process_group()
 
 
-def fake_tensors() -> FakeTensorMode:
+class CountingFakeTensorMode(FakeTensorMode):
+    """``FakeTensorMode`` that counts the operators dispatched to it (``operators``): the work
+    of a dry run, which does not depend on the world size when the code's is O(1) per rank."""
+
+    operators = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.operators += 1
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+def fake_tensors() -> CountingFakeTensorMode:
     """A mode in which every tensor made is fake (shape, dtype, storage; no bytes); real tensors
     made before it (the device mesh's rank table) may be read inside it."""
-    return FakeTensorMode(allow_non_fake_inputs=True)
+    return CountingFakeTensorMode(allow_non_fake_inputs=True)
 
 
 def is_plain_or_fake(cls: type) -> bool:

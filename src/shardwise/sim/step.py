@@ -82,6 +82,8 @@ class StepResult:
     collectives: int
     counter: SimCounter = field(repr=False)
     extra: dict = field(default_factory=dict)
+    # operators dispatched on fake tensors while wrapping and stepping: the dry run's work
+    operators: int = 0
 
 
 @dataclass
@@ -101,7 +103,7 @@ def simulate_step(build: Callable[[], nn.Module], run: DryRun,
     with fake_world(run.world_size, run.rank) as world:
         meshes = _meshes(run, world)  # real tensors: made before the fake mode starts
         model = build().to(DTYPES[run.precision])  # on the meta device
-        with fake_tensors():
+        with fake_tensors() as mode:
             model.to_empty(device="cpu")
             wrapped = WRAPPERS[run.strategy](model, run, world, meshes)
             ids = torch.zeros((run.batch, min(sequence_length(model), 16)), dtype=torch.long)
@@ -113,7 +115,7 @@ def simulate_step(build: Callable[[], nn.Module], run: DryRun,
             state = state_bytes(wrapped.params, wrapped.optimizer)
         extra = after(wrapped) if after is not None else {}  # outside the mode: see its doc
     return StepResult(state, counter.peak_gathered, counter.sent_by_kind(), counter.calls(),
-                      counter, extra)
+                      counter, extra, mode.operators)
 
 
 def _step(w: _Wrapped, ids: torch.Tensor) -> None:
