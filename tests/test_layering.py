@@ -18,7 +18,7 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "shardwise"
 # What each subpackage of src/shardwise may import from the others (its own files aside).
 # Bottom to top: distributed; the launcher (launch) and the data-parallel core (dp) beside
 # the leaf mechanisms; zero (over ddp: DDP + ZeRO stage 1); fsdp (may use sharded tensors for 2D
-# layouts); pipeline (stages over rpc, replicated with ddp or sharded with fsdp); checkpoint
+# layouts, and memory's heap release); pipeline (stages over rpc, replicated with ddp or sharded with fsdp); checkpoint
 # (saves and reshards every strategy's state).
 ALLOWED: dict[str, set[str]] = {
     "distributed": set(),
@@ -31,7 +31,8 @@ ALLOWED: dict[str, set[str]] = {
     "rpc": {"distributed", "dp"},
     "ddp": {"distributed", "dp"},
     "zero": {"distributed", "dp", "ddp"},
-    "fsdp": {"distributed", "dp", "sharded_tensor"},
+    # fsdp returns the C heap's free pages to the OS at each unit's backward (memory/heap.py)
+    "fsdp": {"distributed", "dp", "memory", "sharded_tensor"},
     "pipeline": {"distributed", "rpc", "ddp", "fsdp"},
     "checkpoint": {"distributed", "ddp", "zero", "fsdp", "sharded_tensor"},
     # a tool beside the CLI (`shardwise bench`): runs every mechanism on the demo models
