@@ -18,8 +18,8 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "shardwise"
 # What each subpackage of src/shardwise may import from the others (its own files aside).
 # Bottom to top: distributed; the launcher (launch) and the data-parallel core (dp) beside
 # the leaf mechanisms; zero (over ddp: DDP + ZeRO stage 1); fsdp (may use sharded tensors for 2D
-# layouts, and memory's heap release); pipeline (stages over rpc, replicated with ddp or sharded with fsdp); checkpoint
-# (saves and reshards every strategy's state).
+# layouts, and memory's heap release); pipeline (stages over rpc, replicated with ddp or
+# sharded with fsdp); checkpoint (saves and reshards every strategy's state).
 ALLOWED: dict[str, set[str]] = {
     "distributed": set(),
     "launch": {"distributed"},
