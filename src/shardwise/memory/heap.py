@@ -22,23 +22,20 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 from collections.abc import Callable
 
-_trim: Callable[[int], int] | None = None
-_looked_up = False
 
-
+@functools.cache
 def _malloc_trim() -> Callable[[int], int] | None:
-    global _trim, _looked_up
-    if not _looked_up:
-        _looked_up = True
-        try:
-            libc = ctypes.CDLL(ctypes.util.find_library("c") or None)
-            _trim = libc.malloc_trim
-            _trim.argtypes, _trim.restype = [ctypes.c_size_t], ctypes.c_int
-        except (OSError, AttributeError):  # no C library found, or not glibc
-            _trim = None
-    return _trim
+    """The C library's ``malloc_trim``, looked up once; None where there is none."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or None)
+        trim = libc.malloc_trim
+    except (OSError, AttributeError):  # no C library found, or not glibc
+        return None
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    return trim
 
 
 def release_free_heap() -> bool:
