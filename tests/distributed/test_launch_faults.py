@@ -54,7 +54,8 @@ def test_a_raising_rank_1_is_blamed_every_time():
 
 
 def test_a_rank_that_sleeps_before_a_collective_is_named():
-    code, _, err = _launch(2, "sleep_before_collective.py", timeout=SHORT)
+    code, _, err = _launch(2, "sleep_before_collective.py", str(SHORT), timeout=SHORT,
+                           rank_timeout=LONG)
     report = _report(err)
     assert code == 1
     assert report.startswith("shardwise: rank(s) 1 never reached the collective that rank 0 "
