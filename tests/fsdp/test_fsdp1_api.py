@@ -325,6 +325,11 @@ def _reduce_scatter_single(output, grad, group=None):
     output.copy_(total.view(dist.get_world_size(group), -1)[dist.get_rank(group)])
 
 
+# the flat reduce-scatter torch's reduce_scatter_hook calls: renamed in torch 2.13
+_TORCH_HOOK_CALLS = ("reduce_scatter_single" if hasattr(dist, "reduce_scatter_single")
+                     else "reduce_scatter_tensor")
+
+
 def _comm_hook(ctx, which):
     from torch.distributed.algorithms._comm_hooks import default_hooks
 
@@ -334,7 +339,8 @@ def _comm_hook(ctx, which):
     else:  # torch's own hook: averages with pre/post division factors
         state, hook, factor = default_hooks.DefaultState(ctx.group), None, 1.0
         hook = default_hooks.reduce_scatter_hook
-        dist.reduce_scatter_single, saved = _reduce_scatter_single, dist.reduce_scatter_single
+        saved = getattr(dist, _TORCH_HOOK_CALLS)
+        setattr(dist, _TORCH_HOOK_CALLS, _reduce_scatter_single)
     try:
         model.register_comm_hook(state, hook)
         with pytest.raises(RuntimeError, match="already registered"):
@@ -342,7 +348,7 @@ def _comm_hook(ctx, which):
         _step(model, reference, ctx, 0)
     finally:
         if which != "scaled_sum":
-            dist.reduce_scatter_single = saved
+            setattr(dist, _TORCH_HOOK_CALLS, saved)
     if which == "scaled_sum":
         assert state.calls == 3  # one per unit: two blocks and the root
     with FSDP.summon_full_params(model, with_grads=True):

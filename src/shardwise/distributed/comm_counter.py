@@ -25,11 +25,25 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from shardwise._compat import TorchDispatchMode, resolve_process_group
+from shardwise._compat import FakeTensor, TorchDispatchMode, resolve_process_group
 from shardwise.distributed.comm_patterns import KINDS, CommStats, traffic
 from shardwise.distributed.topology import local_world_size_from_env, node_of
 
-__all__ = ["CommCounter", "CommStats"]
+__all__ = ["CommCounter", "CommStats", "lowers_itself"]
+
+
+def lowers_itself(cls: type) -> bool:
+    """A dispatch type that is a tensor subclass with its own dispatch (DTensor), which the
+    counter lets lower itself (its collectives come back as operators on plain tensors).
+
+    A ``FakeTensor`` is not one: it carries no data and issues nothing, and its operators must
+    run inside the counter. torch's DTensor propagates shardings by running operators on fake
+    tensors with ``FakeTensorMode`` active; a mode that answered ``NotImplemented`` there would
+    leave the operator with no handler (FakeTensor itself declines when its mode is active).
+    """
+    if cls is torch.Tensor:
+        return False
+    return not (isinstance(FakeTensor, type) and issubclass(cls, FakeTensor))
 
 
 class CommCounter(TorchDispatchMode):
@@ -57,10 +71,8 @@ class CommCounter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if any(t is not torch.Tensor for t in types):
-            # a tensor subclass with its own dispatch (DTensor) lowers itself first; the
-            # collectives it issues come back through this mode
-            return NotImplemented
+        if any(lowers_itself(t) for t in types):
+            return NotImplemented  # DTensor lowers itself; its collectives come back here
         out = func(*args, **kwargs)
         reader = _READERS.get(getattr(func, "_schema", None) and func._schema.name)
         if reader is not None:

@@ -1,19 +1,17 @@
 """Counting a dry run's collectives and its peak of gathered FSDP units.
 
-``CommCounter`` skips operators whose arguments are tensor subclasses (they lower themselves
-and come back as plain tensors), but in a dry run every tensor is a ``FakeTensor`` (see
-[Note: simulated ranks] in fake_group.py), so ``SimCounter`` reads those too, with the same
-readers and the same logical patterns ([Note: counting communication], comm_patterns.py).
-It also samples, at every operator, the bytes of FSDP's gathered (unsharded) flat buffers, so
-the peak of gathered units during forward and backward is the largest sum it saw.
+In a dry run every tensor is a ``FakeTensor`` (see [Note: simulated ranks] in fake_group.py);
+``CommCounter`` reads collectives on fake tensors as on plain ones, with the same readers and
+the same logical patterns ([Note: counting communication], comm_patterns.py). ``SimCounter``
+adds one thing: it samples, at every operator, the bytes of FSDP's gathered (unsharded) flat
+buffers, so the peak of gathered units during forward and backward is the largest sum it saw.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from shardwise.distributed.comm_counter import _READERS, CommCounter
-from shardwise.sim.fake_group import is_plain_or_fake
+from shardwise.distributed.comm_counter import CommCounter
 
 
 class SimCounter(CommCounter):
@@ -27,15 +25,8 @@ class SimCounter(CommCounter):
         self.peak_gathered = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if not all(is_plain_or_fake(t) for t in types):
-            return NotImplemented  # DTensor lowers itself; its collectives come back here
-        out = func(*args, **kwargs)
-        reader = _READERS.get(getattr(func, "_schema", None) and func._schema.name)
-        if reader is not None:
-            kind, group, sizes = reader(*args, **kwargs)
-            self._record(kind, group, sizes)
-        if self._gathered is not None:
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        if out is not NotImplemented and self._gathered is not None:
             self.peak_gathered = max(self.peak_gathered, self._gathered())
         return out
 

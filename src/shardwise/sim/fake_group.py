@@ -21,13 +21,12 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import timedelta
 
-import torch
 import torch.distributed as dist
 
 from shardwise._compat import FakeStore, FakeTensor, FakeTensorMode
 
-__all__ = ["CountingFakeTensorMode", "FakeTensor", "SimulationError", "fake_tensors", "fake_world",
-           "is_plain_or_fake"]
+__all__ = ["CountingFakeTensorMode", "FakeTensor", "SimulationError", "fake_tensors",
+           "fake_world"]
 
 
 class SimulationError(ValueError):
@@ -71,9 +70,3 @@ def fake_tensors() -> CountingFakeTensorMode:
     """A mode in which every tensor made is fake (shape, dtype, storage; no bytes); real tensors
     made before it (the device mesh's rank table) may be read inside it."""
     return CountingFakeTensorMode(allow_non_fake_inputs=True)
-
-
-def is_plain_or_fake(cls: type) -> bool:
-    """A dispatch type that is a plain tensor or a fake one (not a subclass that lowers itself,
-    such as DTensor)."""
-    return cls is torch.Tensor or issubclass(cls, FakeTensor)
