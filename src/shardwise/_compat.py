@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 # The torch releases whose default test suite passes (docs/compat.md): (floor, ceiling).
-TESTED = ("2.13.0", "2.14.1")
+TESTED = ("2.11.0", "2.14.1")
 
 
 class TorchCompatError(ImportError):
