@@ -150,6 +150,8 @@ class FSDPUnit:
         state = RootState(units, max_inflight_gathers=2 if self.forward_prefetch else 1)
         for unit in units:
             unit.root_state = state
+            if unit.handle is not None:
+                unit.handle.storage_pool = state.storage_pool
 
     def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if self.root_state is None:
