@@ -1,7 +1,8 @@
-"""The unshard buffer pool ([Note: unshard buffer pool], fsdp/buffer_pool.py): after the first
-step every gather reuses memory a unit gave back, and the pool never holds more than the most
-that was gathered at once. (That results do not change: the equivalence tests of
-test_fsdp_training.py run with the pool.)"""
+"""The unshard buffer pool ([Note: unshard buffer pool], fsdp/buffer_pool.py): each step
+allocates only as much unsharded memory as is gathered at once, every other gather reuses
+memory a unit gave back, and the pool is empty after backward (nothing is held through the
+optimizer step). (That results do not change: the equivalence tests of test_fsdp_training.py
+run with the pool.)"""
 
 import pytest
 import torch
@@ -15,10 +16,6 @@ from tests.harness import run_on_ranks
 CFG = GPTConfig(vocab_size=64, seq_len=16, n_layer=4, n_head=2, d_model=32)
 
 
-def _pooled_pointers(pool: StoragePool) -> set[int]:
-    return {s.data_ptr() for free in pool._free.values() for s in free}
-
-
 def _steps(ctx, forward_prefetch):
     torch.manual_seed(0)
     model = GPT(CFG)
@@ -27,41 +24,53 @@ def _steps(ctx, forward_prefetch):
     fully_shard(model, forward_prefetch=forward_prefetch)
     units = units_of(model)
     x = torch.randint(0, CFG.vocab_size, (2, CFG.seq_len + 1))
-    lm_loss(model(x[:, :-1]), x[:, 1:]).backward()  # the first step fills the pool
+    lm_loss(model(x[:, :-1]), x[:, 1:]).backward()  # the first step records the order
     pool = units[0].root_state.storage_pool
-    after_first = pool.pooled_bytes()
-    pooled = _pooled_pointers(pool)
-    peak, fresh = [0], []
+    phase, peak = ["forward"], [0]
+    takes = {"forward": [], "backward": []}  # per unshard: whether the pool had a buffer
+    take = pool.take
+
+    def counting_take(storage, nbytes):
+        got = take(storage, nbytes)
+        takes[phase[0]].append((got, nbytes))
+        return got
+
+    pool.take = counting_take
 
     def record(*_):
-        held = unsharded_bytes(model) + pool.pooled_bytes()
-        peak[0] = max(peak[0], held)
-        for unit in units:  # every buffer gathered now is one the pool held before the step
-            storage = unit.handle.full_data.untyped_storage()
-            if storage.nbytes() and storage.data_ptr() not in pooled:
-                fresh.append(storage.data_ptr())
+        peak[0] = max(peak[0], unsharded_bytes(model) + pool.pooled_bytes())
 
     for m in model.modules():
         m.register_forward_pre_hook(record)
         m.register_forward_hook(record)
         m.register_full_backward_pre_hook(lambda *a: record())
         m.register_full_backward_hook(lambda *a: record())
+    after = []
     for _ in range(2):
-        lm_loss(model(x[:, :-1]), x[:, 1:]).backward()
+        phase[0] = "forward"
+        loss = lm_loss(model(x[:, :-1]), x[:, 1:])
+        phase[0] = "backward"
+        loss.backward()
+        after.append(pool.pooled_bytes())
     root, block = (u.handle.layout.total * 4 for u in units[:2])
-    return after_first, pool.pooled_bytes(), peak[0], fresh, root, block
+    return takes, after, peak[0], root, block
 
 
 @pytest.mark.parametrize("world_size", (1, 2))
 @pytest.mark.parametrize("forward_prefetch", (False, True))
-def test_gathers_after_the_first_step_reuse_pooled_buffers(world_size, forward_prefetch):
-    for after_first, after, peak, fresh, root, block in run_on_ranks(world_size, _steps,
-                                                                      forward_prefetch):
-        assert fresh == []  # no gather allocated: each took a buffer from the pool
-        assert after == after_first > 0  # the pool does not grow from step to step
+def test_gathers_reuse_pooled_buffers(world_size, forward_prefetch):
+    for takes, after, peak, root, block in run_on_ranks(world_size, _steps, forward_prefetch):
+        # per step only as much is allocated as is gathered at once (the root and two blocks:
+        # the running one and the next); every other gather, in forward and in backward, takes
+        # the memory a unit gave back
+        for phase in ("forward", "backward"):
+            assert any(got for got, _ in takes[phase]), takes
+        fresh = sum(n for phase in takes.values() for got, n in phase if not got)
+        assert fresh <= 2 * (root + 2 * block), takes  # two steps
+        assert after == [0, 0]  # nothing pooled through the optimizer step
         # gathered plus pooled memory stays within what forward and backward gather at once:
         # the root and two blocks (the running one and the next)
-        assert after <= peak <= root + 2 * block, (after, peak, root, block)
+        assert peak <= root + 2 * block, (peak, root, block)
 
 
 def test_pool_moves_memory_without_copying_and_only_between_equal_sizes():

@@ -5,9 +5,9 @@ A unit's ``full_data`` keeps one storage for its life ([Note: flat parameters]):
 tensors point at it. Unsharding gives that storage memory, resharding takes it away. With
 ``resize_`` on the CPU that is one ``malloc`` and one ``free`` of the whole unit per gather: a
 unit's buffer (tens of MB) is above glibc's largest mmap threshold, so every gather maps fresh
-pages and faults each of them in (a zero-filled page per 4 KiB, about as much CPU as copying the
-buffer three times), and every reshard unmaps them. On the FSDP benchmark GPT that was a third
-of a GB of fresh pages per rank and step, in forward and again in backward.
+pages and faults each of them in (a zero-filled page per 4 KiB: about as much CPU as copying
+the buffer three to four times), and every reshard unmaps them. On the FSDP benchmark GPT that
+was a third of a GB of fresh pages per rank and step, in forward and again in backward.
 
 The pool instead keeps the memory a unit gives back at reshard (``give``: its storage's data
 pointer is swapped into an empty holder storage) and hands it to the next unit of the same size
@@ -15,8 +15,10 @@ that unshards (``take``: swapped back into that unit's empty storage), so the pa
 resident and are written without faults. No value changes: every gather overwrites all of the
 buffer. The pool never holds more buffers of a size than were unsharded at once (a buffer joins
 it only when a unit reshards, and leaves when a unit unshards), so it adds nothing to the peak
-of gathered memory; between steps it holds what the most-gathered moment held (docs/fsdp.md).
-One pool per root unit (root.py), so the trees of different models share nothing.
+of gathered memory. The root empties it at the end of backward (root.py), so nothing is held
+through the optimizer step: per step, only the first gathers of forward (the root and the units
+gathered together with it) and one prefetch in backward allocate; every other gather reuses.
+One pool per root unit, so the trees of different models share nothing.
 
 Only for CPU storages, and only where torch has ``UntypedStorage._swap_data_ptr_``; elsewhere
 (and on CUDA, whose caching allocator already reuses blocks) ``resize_`` does the work.

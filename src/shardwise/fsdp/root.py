@@ -183,6 +183,7 @@ class RootState:
                     unit.handle.reshard()
                 unit.handle.arrivals.new_backward()
             unit.end_backward()
+        self.storage_pool.clear()  # [Note: unshard buffer pool]: not held past backward
         self.callback_queued = False
 
     # ---- measurement --------------------------------------------------------------------
