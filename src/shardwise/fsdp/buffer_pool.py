@@ -15,9 +15,13 @@ that unshards (``take``: swapped back into that unit's empty storage), so the pa
 resident and are written without faults. No value changes: every gather overwrites all of the
 buffer. The pool never holds more buffers of a size than were unsharded at once (a buffer joins
 it only when a unit reshards, and leaves when a unit unshards), so it adds nothing to the peak
-of gathered memory. The root empties it at the end of backward (root.py), so nothing is held
-through the optimizer step: per step, only the first gathers of forward (the root and the units
-gathered together with it) and one prefetch in backward allocate; every other gather reuses.
+of gathered memory; and it holds a buffer only from a unit's reshard to the gathers that follow
+at once (the next unit's pre-forward in forward, the prefetch issued by the same post-backward
+in backward). What no gather took then is freed: the pool is emptied after each pre-forward's
+gathers and each post-backward's prefetch, at the end of the root's forward and at the end of
+backward (unit.py, root.py), so no pooled buffer is held while a unit computes, nor through the
+optimizer step or between steps. Per step, the first gathers of forward (the root and the units
+gathered with it) and the first prefetch of backward allocate; every other gather reuses.
 One pool per root unit, so the trees of different models share nothing.
 
 Only for CPU storages, and only where torch has ``UntypedStorage._swap_data_ptr_``; elsewhere

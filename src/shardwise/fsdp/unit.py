@@ -166,6 +166,7 @@ class FSDPUnit:
             self.state = TrainingState.FORWARD
             self._watch_inputs(args, kwargs)
             self.root_state.unshard_for_forward(self, self.forward_prefetch_units)
+            self.root_state.storage_pool.clear()  # what no gather took: [Note: unshard ...]
             if self.handle is not None:
                 self.handle.use_unsharded_views()
         mp = self.mixed_precision
@@ -222,6 +223,8 @@ class FSDPUnit:
                              or self.root_state.runs_last(self))
             if not keep:
                 self.handle.reshard()
+        if self.is_root:  # forward is over: [Note: unshard buffer pool]
+            self.root_state.storage_pool.clear()
         register_pre_backward(output, self._pre_backward)
         return self._cast_output(output)
 
@@ -276,6 +279,7 @@ class FSDPUnit:
             self.handle.reshard()  # parameters first: free their buffer before reductions'
         if self.backward_prefetch_units is None:
             self.root_state.prefetch_for_backward(self)
+        self.root_state.storage_pool.clear()  # what no prefetch took: [Note: unshard buffer pool]
         self.reduce_gradient()
 
     def reduce_gradient(self) -> None:
