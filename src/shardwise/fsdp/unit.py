@@ -166,7 +166,7 @@ class FSDPUnit:
             self.state = TrainingState.FORWARD
             self._watch_inputs(args, kwargs)
             self.root_state.unshard_for_forward(self, self.forward_prefetch_units)
-            self.root_state.storage_pool.clear()  # what no gather took: [Note: unshard ...]
+            self.root_state.storage_pool.clear()  # untaken: [Note: unshard buffer pool]
             if self.handle is not None:
                 self.handle.use_unsharded_views()
         mp = self.mixed_precision
