@@ -52,6 +52,7 @@ from shardwise._compat import DTensor
 from shardwise.distributed.groups import rank_table
 from shardwise.dp.fast_collectives import Pending, uses_fast_path
 from shardwise.fsdp.arrivals import GradArrivals
+from shardwise.fsdp.buffer_pool import StoragePool
 from shardwise.fsdp.collectives import (
     start_reduce_scatter,
     start_unit_gather,
@@ -150,6 +151,8 @@ class FlatParamHandle:
         self.state = ShardState.SHARDED
         self.views_set = False
         self._gather: Pending | None = None
+        # memory for full_data, shared by the units of one root ([Note: unshard buffer pool])
+        self.storage_pool: StoragePool | None = None
         # (state, hook): FSDP1's register_comm_hook; hook(state, full_grad, out) replaces the
         # reduce-scatter and must leave this rank's reduced shard in `out`
         self.comm_hook: tuple[Any, Callable[..., None]] | None = None
@@ -192,7 +195,7 @@ class FlatParamHandle:
             if tp is not None and tp.as_dtensor:  # torch's TP reads its DTensor again
                 leaf = DTensor(leaf, tp.spec(self.param_dtype), requires_grad=True)
             self.leaves.append(leaf.requires_grad_())
-        self._free_full()
+        storage.resize_(0)  # no memory until the first unshard (not into the pool)
 
     @property
     def requires_grad(self) -> bool:
@@ -233,8 +236,7 @@ class FlatParamHandle:
         """Allocate the full buffer and issue the gather into it (SHARDED -> GATHERING)."""
         if self.state is not ShardState.SHARDED:
             return
-        self.full_data.untyped_storage().resize_(self.layout.total
-                                                 * self.full_data.element_size())
+        self._alloc_full()
         self._gather = self._start_gather(self.full_data, self._gather_source())
         self.state = ShardState.GATHERING
 
@@ -282,8 +284,16 @@ class FlatParamHandle:
         self._free_full()
         self.state = ShardState.SHARDED
 
+    def _alloc_full(self) -> None:
+        storage = self.full_data.untyped_storage()
+        nbytes = self.layout.total * self.full_data.element_size()
+        if self.storage_pool is None or not self.storage_pool.take(storage, nbytes):
+            storage.resize_(nbytes)
+
     def _free_full(self) -> None:
-        self.full_data.untyped_storage().resize_(0)
+        storage = self.full_data.untyped_storage()
+        if self.storage_pool is None or not self.storage_pool.give(storage):
+            storage.resize_(0)
 
     def unsharded_bytes(self) -> int:
         """Bytes of the full buffer's storage right now (0 while sharded)."""

@@ -41,6 +41,7 @@ from __future__ import annotations
 from collections import deque
 from typing import TYPE_CHECKING
 
+from shardwise.fsdp.buffer_pool import StoragePool
 from shardwise.fsdp.collectives import queue_end_of_backward
 from shardwise.fsdp.flat_param import GradReduction, ShardState
 
@@ -62,6 +63,8 @@ class RootState:
         self.reductions: deque[tuple[FSDPUnit, GradReduction]] = deque()
         self.callback_queued = False
         self._order_cache: tuple | None = None  # ((id, len) of forward_order, order, positions)
+        # unsharded buffers passed from unit to unit: [Note: unshard buffer pool]
+        self.storage_pool = StoragePool()
 
     # ---- forward ------------------------------------------------------------------------
     def start_forward(self) -> None:
@@ -180,6 +183,7 @@ class RootState:
                     unit.handle.reshard()
                 unit.handle.arrivals.new_backward()
             unit.end_backward()
+        self.storage_pool.clear()  # [Note: unshard buffer pool]: not held past backward
         self.callback_queued = False
 
     # ---- measurement --------------------------------------------------------------------

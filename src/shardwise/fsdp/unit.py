@@ -150,6 +150,8 @@ class FSDPUnit:
         state = RootState(units, max_inflight_gathers=2 if self.forward_prefetch else 1)
         for unit in units:
             unit.root_state = state
+            if unit.handle is not None:
+                unit.handle.storage_pool = state.storage_pool
 
     def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if self.root_state is None:
@@ -164,6 +166,7 @@ class FSDPUnit:
             self.state = TrainingState.FORWARD
             self._watch_inputs(args, kwargs)
             self.root_state.unshard_for_forward(self, self.forward_prefetch_units)
+            self.root_state.storage_pool.clear()  # untaken: [Note: unshard buffer pool]
             if self.handle is not None:
                 self.handle.use_unsharded_views()
         mp = self.mixed_precision
@@ -220,6 +223,8 @@ class FSDPUnit:
                              or self.root_state.runs_last(self))
             if not keep:
                 self.handle.reshard()
+        if self.is_root:  # forward is over: [Note: unshard buffer pool]
+            self.root_state.storage_pool.clear()
         register_pre_backward(output, self._pre_backward)
         return self._cast_output(output)
 
@@ -274,6 +279,7 @@ class FSDPUnit:
             self.handle.reshard()  # parameters first: free their buffer before reductions'
         if self.backward_prefetch_units is None:
             self.root_state.prefetch_for_backward(self)
+        self.root_state.storage_pool.clear()  # what no prefetch took: [Note: unshard buffer pool]
         self.reduce_gradient()
 
     def reduce_gradient(self) -> None:
