@@ -52,6 +52,9 @@ ATTRIBUTE_CHECKS = {
     # optional: torch 2.6.0 lacks it, and tp_params then builds the 2D mesh from the groups
     ("DeviceMesh", "_concatenate"):
         lambda: callable(getattr(DeviceMesh, "_concatenate", None)) or _release() < (2, 7),
+    # optional: torch 2.11.0 lacks it, and FSDP's buffer pool then lets each gather allocate
+    ("UntypedStorage", "_swap_data_ptr_"):
+        lambda: hasattr(torch.UntypedStorage, "_swap_data_ptr_") or _release() < (2, 13),
     ("ProcessGroup", "_get_sequence_number_for_group"):
         lambda: hasattr(dist.ProcessGroup, "_get_sequence_number_for_group"),
     ("nn.Module", "_parameters / _buffers / _non_persistent_buffers_set"):

@@ -202,6 +202,9 @@ PRIVATE_ATTRIBUTES: list[tuple[str, str, str]] = [
     ("OpOverload", "_schema", "CommCounter reads a collective's name off the op (its .name)"),
     ("UntypedStorage", "_cdata", "the byte accounting tells a fake tensor's storages apart "
      "(they have no data pointer)"),
+    ("UntypedStorage", "_swap_data_ptr_", "FSDP's unshard buffer pool hands a unit's gathered "
+     "memory to the next unit without freeing it (optional: without it, each gather allocates; "
+     "2.11.0 lacks it)"),
 ]
 
 

@@ -13,6 +13,10 @@ from shardwise.fsdp.buffer_pool import StoragePool
 from shardwise.models import GPT, GPTConfig, lm_loss
 from tests.harness import run_on_ranks
 
+pytestmark = pytest.mark.skipif(
+    not hasattr(torch.UntypedStorage, "_swap_data_ptr_"),
+    reason="this torch has no UntypedStorage._swap_data_ptr_: FSDP gathers allocate (no pool)")
+
 CFG = GPTConfig(vocab_size=64, seq_len=16, n_layer=4, n_head=2, d_model=32)
 
 
