@@ -222,7 +222,7 @@ class FSDPUnit:
         self.state = TrainingState.IDLE
         grad = torch.is_grad_enabled()
         if grad and self.release_rows and _runs_reentrant_checkpoint(args, output):
-            self.release_rows = True
+            self.release_rows = False
         if self.handle is not None:
             keep = grad and (self.is_root or not self.reshard_after_forward
                              or self.root_state.runs_last(self))
