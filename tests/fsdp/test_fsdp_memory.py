@@ -2,6 +2,7 @@
 during forward and backward."""
 
 import os
+import sys
 
 import pytest
 import torch
@@ -141,8 +142,60 @@ def _heap_releases(ctx):
     return counts, len(units_of(model))
 
 
-def test_each_unit_releases_free_heap_once_when_its_backward_starts():
+def test_free_heap_is_released_once_per_forward_and_once_per_unit_backward():
     counts, n_units = run_on_ranks(2, _heap_releases)[0]
-    # one release per unit and backward ([Note: allocator slack]): before its parameters are
-    # gathered and its gradients made, not per gradient or per hook call
-    assert counts == [n_units, 2 * n_units]
+    # one release when the root's forward starts (the optimizer's freed pages) and one per unit
+    # and backward ([Note: allocator slack]): before its parameters are gathered and its
+    # gradients made, not per gradient or per hook call
+    assert counts == [n_units + 1, 2 * (n_units + 1)]
+
+
+WIDE = 512  # a 512 x 512 weight has chunks of 131072 elements at world size 2: sent directly
+
+
+def _wide_unit_backward(ctx):
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(WIDE, WIDE) for _ in range(4)]
+    model = torch.nn.Sequential(torch.nn.Sequential(*layers), torch.nn.Linear(WIDE, 2))
+    fully_shard(model[0])
+    fully_shard(model)
+    handle = units_of(model[0])[0].handle
+    weights = [i for i, s in enumerate(handle.slots) if s.shape == (WIDE, WIDE)]
+    seen = {"held": 0, "rows_at_second": None}
+    arrived = []
+
+    def after_grad(index, leaf):  # runs after the unit's own hook on the same leaf
+        seen["held"] = max(seen["held"], handle.unsharded_grad_bytes())
+        arrived.append(index)
+        if len(arrived) == 2:  # two more weights to come: the unit's backward goes on
+            first = handle.slots[arrived[0]]
+            rows = handle.full_data[first.offset : first.offset + first.numel]
+            inner = rows[4096 : -4096]  # whole pages: the ends may share a page with another
+            assert handle.unsharded_bytes() > 0  # the unit's parameters are still gathered
+            seen["rows_at_second"] = (float(inner.abs().max()), float(first.local.abs().max()))
+
+    for i in weights:
+        handle.leaves[i].register_post_accumulate_grad_hook(lambda leaf, i=i: after_grad(i, leaf))
+    x = torch.randn(3, WIDE, generator=torch.Generator().manual_seed(ctx.rank))
+    for _ in range(2):
+        arrived.clear()
+        model(x).square().mean().backward()
+    return seen, WIDE * WIDE * 4, WIDE * 4 * len(handle.slots)
+
+
+def test_a_unit_holds_one_large_gradient_in_flight_not_all_of_its_gradients():
+    for seen, weight, small in run_on_ranks(2, _wide_unit_backward):
+        # each weight gradient is sent as it arrives and the one before it let go then
+        # ([Note: direct gradient reduction]): at most two weights' gradients (and the small
+        # parameters' packed buffer) at once, never the four
+        assert 0 < seen["held"] <= 2 * weight + 2 * small, (seen, weight)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise is Linux's")
+def test_a_parameters_gathered_rows_are_released_once_its_gradient_is_in():
+    for seen, _, _ in run_on_ranks(2, _wide_unit_backward):
+        released, shard = seen["rows_at_second"]
+        # before the unit's backward ends, the rows of the weight whose gradient came first no
+        # longer hold its values: their pages went back to the OS ([Note: releasing a dead
+        # parameter's rows]) and read as zeros; the weight itself is nonzero
+        assert shard > 0 and released == 0.0, seen

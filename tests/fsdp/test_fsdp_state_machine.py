@@ -94,17 +94,18 @@ class InAndOut(torch.nn.Module):
         return torch.tanh(self.outer(x) + self.inner(checked))
 
 
-def _twice_model(reentrant: bool, inner_first: bool):
+def _twice_model(reentrant: bool, inner_first: bool, width: int = 8):
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(6, 8), InAndOut(8, reentrant, inner_first),
-                               InAndOut(8, reentrant, not inner_first), torch.nn.Linear(8, 3))
+    return torch.nn.Sequential(torch.nn.Linear(6, width), InAndOut(width, reentrant, inner_first),
+                               InAndOut(width, reentrant, not inner_first),
+                               torch.nn.Linear(width, 3))
 
 
-def _train_twice(ctx, reentrant: bool, reshard_after_backward: bool):
+def _train_twice(ctx, reentrant: bool, reshard_after_backward: bool, width: int = 8):
     """SGD (sensitive to a lost or doubled contribution, unlike Adam) on the units above against
     the plain model; gradient shards compared through the parameters after each step."""
-    reference = _twice_model(reentrant, True)
-    model = _twice_model(reentrant, True)
+    reference = _twice_model(reentrant, True, width)
+    model = _twice_model(reentrant, True, width)
     for unit in (model[1], model[2]):
         fully_shard(unit)
     fully_shard(model).set_reshard_after_backward(reshard_after_backward)
@@ -143,3 +144,11 @@ def test_gradient_arriving_twice_in_a_unit_is_summed(world_size, reentrant,
     parameters are still gathered for the recompute and the two contributions are reduced
     together; the result equals the plain model's, with or without resharding after backward."""
     run_on_ranks(world_size, _train_twice, reentrant, reshard_after_backward)
+
+
+def test_reentrant_checkpoint_inside_a_unit_keeps_large_parameters_rows_for_its_recompute():
+    """As above with 512 x 512 layers (sent directly at world size 2, their rows released once
+    their gradients are in where that is safe): the layer used outside the checkpoint gets its
+    gradient before the checkpoint recomputes with it, so its rows must not have been released
+    ([Note: releasing a dead parameter's rows]); the result equals the plain model's."""
+    run_on_ranks(2, _train_twice, True, True, 512)

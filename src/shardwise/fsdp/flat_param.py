@@ -32,7 +32,9 @@ rows sit in them is [Note: FSDP layout], layout.py):
   gradient in flight, never the per-parameter gradients and their concatenation together. The
   last expected gradient marks the end of the unit's backward. Where the direct reduction
   applies (gloo, see [Note: direct gradient reduction]) the large parameters' gradients are
-  held as they are instead and only the packed ones take a (smaller) rank-major buffer.
+  sent as they arrive instead and only the packed ones take a (smaller) rank-major buffer; and
+  a large parameter's rows of ``full_data`` are given back to the OS once its gradient is in
+  ([Note: releasing a dead parameter's rows], unit.py).
 """
 
 from __future__ import annotations
@@ -67,6 +69,7 @@ from shardwise.fsdp.dtensor import (
 from shardwise.fsdp.grad_exchange import DirectGrads
 from shardwise.fsdp.layout import ParamLayout, UnitLayout, copy_into_chunks, plan_layout
 from shardwise.fsdp.tp_params import TPLayout, local_grad
+from shardwise.memory.heap import release_pages
 
 
 class ShardState(Enum):
@@ -294,10 +297,22 @@ class FlatParamHandle:
         storage = self.full_data.untyped_storage()
         if self.storage_pool is None or not self.storage_pool.give(storage):
             storage.resize_(0)
+        self.released_bytes = 0  # of the full buffer's pages, by release_param_rows
 
     def unsharded_bytes(self) -> int:
         """Bytes of the full buffer's storage right now (0 while sharded)."""
         return self.full_data.untyped_storage().nbytes()
+
+    def release_param_rows(self, index: int) -> int:
+        """Give the pages under direct parameter ``index``'s unsharded rows back to the OS
+        ([Note: releasing a dead parameter's rows], unit.py); the bytes released (0 for a
+        packed parameter, or where pages cannot be released)."""
+        slot = self.slots[index]
+        if slot.layout.packed or self.state is not ShardState.UNSHARDED:
+            return 0
+        released = release_pages(self.full_data[slot.offset : slot.offset + slot.numel])
+        self.released_bytes += released
+        return released
 
     # ---- gradients ----------------------------------------------------------------------
     def _grad_chunks(self, grad: torch.Tensor, layout: ParamLayout) -> torch.Tensor:

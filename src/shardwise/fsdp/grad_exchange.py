@@ -5,20 +5,26 @@ The reduce-scatter of [Note: flat parameters] first copies every gradient into a
 buffer: one pass over the whole model's gradients per step, on the compute thread, before a byte
 moves. On gloo our reduce-scatter is point-to-point anyway ([Note: fast collectives]), and the
 rows of a parameter that rank r owns are contiguous in its gradient (``Shard(0)``, see
-[Note: FSDP layout]). So the large ("direct") parameters skip the buffer. Their gradients are
-held as autograd made them until the unit's last one is in; then, parameter by parameter in
-layout order, each rank sends every other rank r the rows r owns, straight out of the gradient,
-and receives the other ranks' copies of its own rows: the lowest other rank's into the reduced
-shard itself, any further ones into a workspace. Waiting adds this rank's own rows and the
-further copies (the same order as ``reduce_scatter_flat``) and divides by the world size. The
+[Note: FSDP layout]). So the large ("direct") parameters skip the buffer, and each is sent as
+soon as autograd has made its gradient: each rank sends every other rank r the rows r owns,
+straight out of the gradient, and receives the other ranks' copies of its own rows: the lowest
+other rank's into the unit's reduced shard itself (allocated at the unit's first gradient), any
+further ones into a workspace. When the next direct gradient of the unit arrives, the exchanges
+before it are waited for: this rank's own rows and the further copies are added into the
+reduced shard (the same order as ``reduce_scatter_flat``) and the gradient is let go. So a unit
+holds its reduced shard plus one or two gradients in flight, not all of its gradients until its
+backward ends. Dividing by the world size waits for the unit's reduction to be finished. The
 small ("packed") parameters still go through a rank-major buffer, only as large as the packed
-region, and one ``reduce_scatter_flat``, as the gather packs them too.
+region, and one ``reduce_scatter_flat`` issued when the unit's gradients are complete, as the
+gather packs them too.
 
-Every rank issues the same messages in the same order, as for any collective: one exchange per
-direct parameter and reduction (a gradient that never arrived on this rank is sent as zeros),
-issued when the unit's gradients are complete, in the order units complete, which the buffered
-path relies on already. The held gradients take the place of the flat buffer, which was as
-large, and are let go when the sends have completed.
+Every rank issues the same messages: one exchange per direct parameter and reduction (a
+gradient that never arrived on this rank is sent as zeros when the unit's reduction is issued),
+each tagged with the parameter's index in the unit, so that a gradient arriving on some ranks
+only (data-dependent control flow) still meets its zeros on the others. Units' reductions are
+issued in the same order on every rank, which the buffered path relies on already. A gradient
+that arrives twice in one reduction (used inside and outside a reentrant checkpoint) is sent
+twice, its second copies received into a workspace and added: the same sum, in another order.
 
 Taken only where it is exact and simple: gloo on CPU, more than one rank, no communication hook,
 gradient sync on, and no gradient left over from a backward without sync (those accumulate in
@@ -35,28 +41,62 @@ import torch.distributed as dist
 from shardwise.dp.fast_collectives import Pending, reduce_scatter_flat
 from shardwise.fsdp.layout import UnitLayout, chunks_of, copy_into_chunks
 
+_TAG_BASE = 1 << 20  # point-to-point tags of direct exchanges: this plus the parameter's index
+
+
+class _Exchange:
+    """One direct parameter's sends and receives in flight, and what waiting adds to its rows of
+    the reduced shard."""
+
+    def __init__(self, works: list, dest: torch.Tensor | None, pieces: list[torch.Tensor]):
+        self.works, self.dest, self.pieces = works, dest, pieces
+
+    def held_bytes(self) -> int:
+        return sum(t.untyped_storage().nbytes() for t in self.pieces)
+
+    def finish(self) -> None:
+        """Wait for the messages, then add this rank's rows and any further copies into
+        ``dest`` (the lowest other rank's copy was received straight into it)."""
+        for work in self.works:
+            work.wait()
+        if self.dest is not None:
+            for piece in self.pieces:
+                self.dest.add_(piece)
+        self.works, self.pieces = [], []
+
 
 class DirectGrads:
-    """The gradients of one unit's reduction in direct mode, until it is issued."""
+    """One unit's reduction in direct mode, from its first gradient until it is issued."""
 
     def __init__(self, layout: UnitLayout, rank: int, global_ranks: Sequence[int],
                  group: dist.ProcessGroup, reduce_dtype: torch.dtype, device: torch.device):
         self.layout, self.rank, self.world = layout, rank, len(global_ranks)
         self.global_ranks, self.group = global_ranks, group
         self.reduce_dtype, self.device = reduce_dtype, device
-        self.grads: dict[int, torch.Tensor] = {}  # direct parameter index -> whole gradient
+        # the reduced shard (1D, shard_numel): the direct parameters' rows are received into it
+        self.out = torch.empty(layout.shard_numel, dtype=reduce_dtype, device=device)
+        self.inflight: list[_Exchange] = []  # issued, not yet waited for (oldest first)
+        self.sent: set[int] = set()  # direct parameters whose exchange was issued
         self.packed: torch.Tensor | None = None  # (world, packed_numel), rank-major
 
     def add(self, index: int, grad: torch.Tensor, accumulate: bool) -> None:
-        """Take parameter ``index``'s whole gradient, or add it to the one taken before
-        (``accumulate``: the handle's record, [Note: gradient arrival])."""
+        """Take parameter ``index``'s gradient: a direct one is sent at once and every older
+        exchange of the unit is waited for (so one gradient is in flight, see the Note); a
+        packed one is copied, or added (``accumulate``), into the packed buffer."""
         param = self.layout.params[index]
         if param.packed:
             self._add_packed(index, grad, accumulate)
-        elif accumulate:
-            self.grads[index] = self.grads[index] + grad.to(self.reduce_dtype)
-        else:
-            self.grads[index] = grad.to(self.reduce_dtype)
+            return
+        flat = grad.to(self.reduce_dtype).reshape(-1)
+        if index in self.sent:  # arrived again (a reentrant checkpoint): its rows add up
+            self._finish_inflight()
+        self.inflight.append(self._exchange(flat, index, param, into_dest=index not in self.sent))
+        self.sent.add(index)
+        self._finish_inflight(keep=1)
+
+    def _finish_inflight(self, keep: int = 0) -> None:
+        while len(self.inflight) > keep:
+            self.inflight.pop(0).finish()
 
     def _add_packed(self, index: int, grad: torch.Tensor, accumulate: bool) -> None:
         layout = self.layout
@@ -69,61 +109,61 @@ class DirectGrads:
                          accumulate=accumulate)
 
     def held_bytes(self) -> int:
-        held = sum(g.untyped_storage().nbytes() for g in self.grads.values())
+        """Bytes of gradients and workspaces in flight, plus the packed buffer (the reduced
+        shard, which becomes the sharded gradient, is not counted)."""
+        held = sum(e.held_bytes() for e in self.inflight)
         return held + (0 if self.packed is None else self.packed.untyped_storage().nbytes())
 
     def start(self, arrived: Callable[[int], bool]
               ) -> tuple[Pending, torch.Tensor, list[torch.Tensor]]:
-        """Issue every exchange: ``(pending, out, held)``. ``out`` (1D, ``shard_numel``) holds
-        this rank's averaged shard once ``pending`` is waited for; ``held`` must stay alive
-        until then (the tensors being sent). ``arrived(index)``: whether that parameter's
-        gradient was added (the others are sent as zeros)."""
+        """Issue what is left: zeros for each direct parameter whose gradient never arrived
+        here, and the packed reduce-scatter. ``(pending, out, held)``: ``out`` (1D,
+        ``shard_numel``) holds this rank's averaged shard once ``pending`` is waited for;
+        ``held`` must stay alive until then. ``arrived(index)``: whether that parameter's
+        gradient was added (packed ones that did not are sent as zeros)."""
         layout = self.layout
-        out = torch.empty(layout.shard_numel, dtype=self.reduce_dtype, device=self.device)
-        works, sums, held = [], [], []
         for index, param in layout.direct():
-            grad = self.grads.get(index)
-            if grad is None:  # never arrived here: this rank contributes zeros
-                grad = torch.zeros(param.shape, dtype=self.reduce_dtype, device=self.device)
-            flat = grad.reshape(-1)
-            held.append(flat)
-            own = self._exchange(flat, param, out, works, held)
-            if own is not None:
-                sums.append(own)
+            if index not in self.sent:  # never arrived here: this rank contributes zeros
+                zeros = torch.zeros(param.numel, dtype=self.reduce_dtype, device=self.device)
+                self.inflight.append(self._exchange(zeros, index, param, into_dest=True))
+        inflight, self.inflight, self.sent = self.inflight, [], set()
+        out, world, direct_end = self.out, self.world, layout.packed_offset
+        works = []
         packed_work = self._start_packed(out, arrived)
         if packed_work is not None:
             works.append(packed_work)
-        self.grads = {}
-        world, direct_end = self.world, layout.packed_offset
 
         def finish() -> None:
-            for dest, pieces in sums:
-                for piece in pieces:
-                    dest.add_(piece)
+            for exchange in inflight:
+                exchange.finish()
             out[:direct_end].div_(world)
 
+        held = [t for e in inflight for t in e.pieces]
         return Pending(works, finish), out, held
 
-    def _exchange(self, flat: torch.Tensor, param, out: torch.Tensor, works: list,
-                  held: list) -> tuple[torch.Tensor, list[torch.Tensor]] | None:
-        """Post one parameter's sends and receives; ``(dest, pieces to add)`` for its rows."""
+    def _exchange(self, flat: torch.Tensor, index: int, param, into_dest: bool) -> _Exchange:
+        """Post one parameter's sends and receives, tagged with its index so that ranks whose
+        gradients arrive in different orders still pair them up. ``into_dest``: the first
+        exchange of this parameter in the reduction receives the lowest other rank's rows
+        straight into its rows of ``out``; a later one receives into a workspace."""
+        tag = _TAG_BASE + index
+        works = []
         chunks = dict(chunks_of(flat, param))
         for r, rows in chunks.items():
             if r != self.rank:
-                works.append(dist.isend(rows, self.global_ranks[r], group=self.group))
+                works.append(dist.isend(rows, self.global_ranks[r], group=self.group, tag=tag))
         own = chunks.get(self.rank)
-        if own is None:
-            return None
-        dest = out[param.shard_offset : param.shard_offset + own.numel()]
+        if own is None:  # this rank owns none of its rows: only the sends, kept alive
+            return _Exchange(works, None, [flat])
+        dest = self.out[param.shard_offset : param.shard_offset + own.numel()]
         others = [r for r in range(self.world) if r != self.rank]
         pieces = [own]
         for k, r in enumerate(others):
-            buf = dest if k == 0 else torch.empty_like(own)
-            if k:
-                held.append(buf)
+            buf = dest if k == 0 and into_dest else torch.empty_like(own)
+            if buf is not dest:
                 pieces.append(buf)
-            works.append(dist.irecv(buf, self.global_ranks[r], group=self.group))
-        return dest, pieces
+            works.append(dist.irecv(buf, self.global_ranks[r], group=self.group, tag=tag))
+        return _Exchange(works, dest, pieces)
 
     def _start_packed(self, out: torch.Tensor, arrived: Callable[[int], bool]):
         layout = self.layout

@@ -80,6 +80,10 @@ class FSDPUnit:
         self._inputs_pending = 0  # forwards whose inputs' gradients backward has not produced
         self.forward_index = -1  # position of the current call in the forward order
         self.reshard_after_backward = True
+        # whether a parameter's rows may be released when its gradient arrives: [Note:
+        # releasing a dead parameter's rows]; off once the unit's forward ran a reentrant
+        # checkpoint inside it
+        self.release_rows = True
         # set_modules_to_{forward,backward}_prefetch: None follows the recorded order
         self.forward_prefetch_units: list[FSDPUnit] | None = None
         self.backward_prefetch_units: list[FSDPUnit] | None = None
@@ -160,6 +164,8 @@ class FSDPUnit:
             self._pre_recompute()
         else:
             if self.is_root:
+                if self.handle is not None and self.handle.compute_device.type == "cpu":
+                    release_free_heap()  # the optimizer's freed pages: [Note: allocator slack]
                 self.root_state.start_forward()
                 for unit in self.root_state.units:
                     unit._inputs_pending = 0
@@ -218,6 +224,8 @@ class FSDPUnit:
             return self._cast_output(output)
         self.state = TrainingState.IDLE
         grad = torch.is_grad_enabled()
+        if grad and self.release_rows and _runs_reentrant_checkpoint(args, output):
+            self.release_rows = False
         if self.handle is not None:
             keep = grad and (self.is_root or not self.reshard_after_forward
                              or self.root_state.runs_last(self))
@@ -269,6 +277,8 @@ class FSDPUnit:
             # this unit's flat gradient is allocated (see [Note: FSDP schedule])
             self.root_state.finish_reductions()
         self.handle.add_param_grad(index, sync=not self.no_sync)
+        if self.release_rows and self.reshard_after_backward and not self.recomputing:
+            self.handle.release_param_rows(index)  # [Note: releasing a dead parameter's rows]
         if self._all_params_arrived():
             self._maybe_post_backward()
 
@@ -289,6 +299,41 @@ class FSDPUnit:
         if self.handle.has_gradient():
             self.root_state.make_room_for_reduction()
             self.root_state.add_reduction(self, self.handle.start_reduction())
+
+
+# [Note: releasing a dead parameter's rows]
+# A parameter's post-accumulate-grad hook runs once autograd has run every node of the backward
+# graph that uses the parameter (they all feed its AccumulateGrad), so nothing in this backward
+# reads its unsharded rows again, although the unit's other parameters are still in use. So the
+# pages under a large ("direct") parameter's rows of the unit's unsharded buffer are given back
+# to the OS then (``madvise(MADV_DONTNEED)``, memory/heap.py), not when the unit's backward
+# ends: at the backward peak the unit's parameters that are done stop costing memory while the
+# next unit's gather arrives. The buffer itself is freed when the unit reshards, as before, and
+# the next gather writes every row of a new one, so the released (now zero) pages are never
+# read. Not done where the rows may still be read: the unit keeps its parameters after backward
+# (``reshard_after_backward=False``), a forward is being recomputed, or the unit's forward ran a
+# reentrant checkpoint inside it (its recompute happens in backward, outside this graph's
+# dependencies, and may use a parameter whose gradient from outside the checkpoint arrived
+# already); and only on Linux and the CPU. tests/fsdp/test_fsdp_memory.py.
+
+
+def _runs_reentrant_checkpoint(args: Any, output: Any) -> bool:
+    """Whether the autograd graph between a unit's inputs and ``output`` holds a reentrant
+    checkpoint's node (its recompute runs forward again during backward)."""
+    leaves, _ = tree_flatten(args)
+    stop = {t.grad_fn for t in leaves if isinstance(t, torch.Tensor) and t.grad_fn is not None}
+    outs, _ = tree_flatten(output)
+    todo = [t.grad_fn for t in outs if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+    seen = set(stop)
+    while todo:
+        node = todo.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        if type(node).__name__ == "CheckpointFunctionBackward":
+            return True
+        todo.extend(n for n, _ in node.next_functions if n is not None and n not in seen)
+    return False
 
 
 def _cast_floats(tree: Any, dtype: torch.dtype) -> Any:

@@ -12,10 +12,15 @@ whatever free, resident heap is not reused at that moment: on the FSDP benchmark
 
 ``malloc_trim(0)`` releases every whole free page of every arena (``MADV_DONTNEED``): the
 pages leave the resident set and come back, zero-filled, only when a request touches them.
-FSDP calls it when a unit's backward starts on the CPU (unit.py), just before the unit gathers
-its parameters and its gradients are made, so that the backward peak is built on a heap holding
-no free resident pages. It changes no value, only which pages are resident. Where the C
-library has no ``malloc_trim`` (not glibc) it does nothing.
+FSDP calls it on the CPU when the root unit's forward starts (the optimizer step and the freed
+gradients left their pages) and when each unit's backward starts (unit.py), just before the
+unit gathers its parameters and its gradients are made, so that the forward and backward peaks
+are built on a heap holding no free resident pages. It changes no value, only which pages are
+resident. Where the C library has no ``malloc_trim`` (not glibc) it does nothing.
+
+``release_pages`` does the same for pages of memory that is still allocated but whose contents
+are dead: ``madvise(MADV_DONTNEED)`` on the whole pages inside a tensor (Linux only); they read
+as zeros if touched again.
 """
 
 from __future__ import annotations
@@ -23,7 +28,11 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
+import mmap
+import sys
 from collections.abc import Callable
+
+import torch
 
 
 @functools.cache
@@ -46,3 +55,37 @@ def release_free_heap() -> bool:
         return False
     trim(0)
     return True
+
+
+_MADV_DONTNEED = 4  # Linux
+
+
+@functools.cache
+def _madvise() -> Callable[[int, int, int], int] | None:
+    """The C library's ``madvise``, looked up once; None where there is none or not Linux."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        advise = ctypes.CDLL(ctypes.util.find_library("c") or None).madvise
+    except (OSError, AttributeError):
+        return None
+    advise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    advise.restype = ctypes.c_int
+    return advise
+
+
+def release_pages(tensor: torch.Tensor) -> int:
+    """Hand the whole pages inside a contiguous CPU tensor's bytes back to the OS (see [Note:
+    releasing a dead parameter's rows], fsdp/unit.py): they leave the resident set, and read
+    as zeros if touched again. Only for memory nothing will read before it is written or
+    freed. Returns the bytes released (0 where ``madvise`` is not available)."""
+    advise = _madvise()
+    if advise is None or tensor.device.type != "cpu" or not tensor.is_contiguous():
+        return 0
+    page = mmap.PAGESIZE
+    begin = tensor.data_ptr()
+    start = -(-begin // page) * page  # whole pages only: the first and last may be shared
+    end = (begin + tensor.numel() * tensor.element_size()) // page * page
+    if end <= start or advise(start, end - start, _MADV_DONTNEED) != 0:
+        return 0
+    return end - start
