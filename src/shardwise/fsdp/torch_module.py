@@ -21,6 +21,9 @@ _STREAMS = ("it tunes the CUDA streams or communication memory of torch's implem
             "which shardwise's units do not use; leave it out")
 _HOOK = ("shardwise's units run their own collectives; FullyShardedDataParallel's "
          "register_comm_hook replaces the gradient reduction")
+_FINALIZE = ("shardwise's units finish the gradient reduction when each backward ends (an "
+             "autograd engine callback); for backward passes that should not reduce, call "
+             "set_requires_gradient_sync(False) before them")
 
 # torch FSDPModule method -> (why it cannot work on our modules, and what instead)
 _REFUSED = {
@@ -42,6 +45,11 @@ _REFUSED = {
     "set_allocate_memory_from_process_group_for_comm": _STREAMS,
     "set_symm_mem_for_comm": _STREAMS,
     "_set_unshard_async_op": _STREAMS,
+    "set_keep_unsharded_storage": "it keeps torch's unsharded storage fixed for CUDA graph "
+                                  "capture; shardwise's units hand gathered memory from unit "
+                                  "to unit (fsdp/buffer_pool.py); leave it out",
+    "set_manual_backward_finalization": _FINALIZE,
+    "finalize_backward": _FINALIZE,
     "_get_fsdp_state": "it is torch's internal FSDP2 state, which a shardwise module does not "
                        "have: torch code that drives FSDP2's internals (e.g. "
                        "torch.distributed.pipelining's schedules) cannot drive shardwise's "
