@@ -12,6 +12,7 @@ from torch import nn
 from shardwise.ddp import DistributedDataParallel
 from shardwise.dp import shm_reduce
 from shardwise.dp.shm_reduce import DISABLE_VAR, ShmReducer, usable
+from shardwise.launch.errors import is_consequence
 from tests.harness import WORLD_SIZES, assert_rel_close, run_on_ranks
 
 LAYOUTS = [(7, torch.float32), (1000, torch.float64), (3, torch.float32), (64, torch.bfloat16)]
@@ -232,3 +233,18 @@ def test_too_little_shared_memory_anywhere_means_the_gloo_path_everywhere(world_
 
 def test_a_segment_that_cannot_be_reserved_is_a_named_error_on_every_rank():
     run_on_ranks(2, _rank0_cannot_reserve)
+
+
+def test_a_peer_that_died_is_reported_as_a_consequence_so_the_launcher_blames_the_dead_rank():
+    # a waiting rank's liveness check fires before gloo notices the closed connection (seen
+    # under load): its error must read as a consequence, or the launcher blames the survivor
+    child = os.fork()
+    if child == 0:
+        os._exit(0)
+    os.waitpid(child, 0)  # reaped: the pid names no process now
+    reducer = object.__new__(ShmReducer)
+    reducer.world = 2
+    reducer._words = torch.tensor([[1, 1, 1, os.getpid()], [0, 0, 0, child]], dtype=torch.int64)
+    with pytest.raises(RuntimeError, match=r"rank\(s\) \[1\] of the group exited") as err:
+        reducer._check_alive(reducer._words[:, 0], 1, 7)
+    assert is_consequence(err.value)

@@ -33,6 +33,7 @@ _CONSEQUENCE_MARKERS = (
     "connection closed by peer", "connection reset by peer", "broken pipe", "timed out",
     "timeout after", "wait timeout", "socket closed", "connection refused",
     "nccl communicator was aborted", "connection was likely closed",
+    "exited while the others waited",  # dp/shm_reduce.py: a peer of the shared-memory path died
 )
 
 
