@@ -156,6 +156,7 @@ class FlatParamHandle:
         self._gather: Pending | None = None
         # memory for full_data, shared by the units of one root ([Note: unshard buffer pool])
         self.storage_pool: StoragePool | None = None
+        self.released_bytes = 0  # of the full buffer's pages, by release_param_rows
         # (state, hook): FSDP1's register_comm_hook; hook(state, full_grad, out) replaces the
         # reduce-scatter and must leave this rank's reduced shard in `out`
         self.comm_hook: tuple[Any, Callable[..., None]] | None = None
