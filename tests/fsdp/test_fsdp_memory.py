@@ -199,3 +199,26 @@ def test_a_parameters_gathered_rows_are_released_once_its_gradient_is_in():
         # longer hold its values: their pages went back to the OS ([Note: releasing a dead
         # parameter's rows]) and read as zeros; the weight itself is nonzero
         assert shard > 0 and released == 0.0, seen
+
+
+def _wide_root_only(ctx):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(WIDE, WIDE)
+    reference = torch.nn.Linear(WIDE, WIDE)
+    reference.load_state_dict(model.state_dict())
+    fully_shard(model)  # the root is its only unit: gathered in forward, never resharded before
+    xs = [torch.randn(3, WIDE, generator=torch.Generator().manual_seed(r))
+          for r in range(ctx.world_size)]
+    model(xs[ctx.rank]).square().mean().backward()  # its weight's rows released mid-backward
+    for x in xs:
+        reference(x).square().mean().backward()
+    grad = model.weight.grad.full_tensor() if hasattr(model.weight.grad, "full_tensor") \
+        else model.weight.grad
+    return float((grad - reference.weight.grad / ctx.world_size).abs().max())
+
+
+@pytest.mark.parametrize("world", WORLD_SIZES)
+def test_a_root_units_rows_are_released_in_its_first_backward(world):
+    # the root is gathered from its first forward on: a release before any reshard must work
+    for err in run_on_ranks(world, _wide_root_only):
+        assert err < 1e-6, err
