@@ -80,9 +80,8 @@ class FSDPUnit:
         self._inputs_pending = 0  # forwards whose inputs' gradients backward has not produced
         self.forward_index = -1  # position of the current call in the forward order
         self.reshard_after_backward = True
-        # whether a parameter's rows may be released when its gradient arrives: [Note:
-        # releasing a dead parameter's rows]; off once the unit's forward ran a reentrant
-        # checkpoint inside it
+        # off once the unit's forward ran a reentrant checkpoint inside it: see
+        # the rows' release in [Note: releasing a dead parameter's rows]
         self.release_rows = True
         # set_modules_to_{forward,backward}_prefetch: None follows the recorded order
         self.forward_prefetch_units: list[FSDPUnit] | None = None
