@@ -36,12 +36,19 @@ import torch
 
 
 @functools.cache
+def _libc() -> ctypes.CDLL | None:
+    """The C library, loaded once; None where none is found."""
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or None)
+    except OSError:
+        return None
+
+
+@functools.cache
 def _malloc_trim() -> Callable[[int], int] | None:
     """The C library's ``malloc_trim``, looked up once; None where there is none."""
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or None)
-        trim = libc.malloc_trim
-    except (OSError, AttributeError):  # no C library found, or not glibc
+    trim = getattr(_libc(), "malloc_trim", None)  # not glibc: none
+    if trim is None:
         return None
     trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
     return trim
@@ -65,9 +72,8 @@ def _madvise() -> Callable[[int, int, int], int] | None:
     """The C library's ``madvise``, looked up once; None where there is none or not Linux."""
     if not sys.platform.startswith("linux"):
         return None
-    try:
-        advise = ctypes.CDLL(ctypes.util.find_library("c") or None).madvise
-    except (OSError, AttributeError):
+    advise = getattr(_libc(), "madvise", None)
+    if advise is None:
         return None
     advise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     advise.restype = ctypes.c_int
