@@ -73,3 +73,30 @@ def test_shardwise_init_works_under_torchrun():
     assert done.returncode == 0, done.stderr
     assert "rank 0 backend=gloo total=2" in done.stdout
     assert "rank 1 backend=gloo total=2" in done.stdout
+
+
+@pytest.mark.parametrize("given", [None, "0"])
+def test_ranks_get_huge_pages_for_large_tensors_unless_told_otherwise(given, monkeypatch):
+    from shardwise.launch.launcher import THP_VAR, huge_pages_on_request
+
+    if given is None:
+        monkeypatch.delenv(THP_VAR, raising=False)
+    else:
+        monkeypatch.setenv(THP_VAR, given)
+    out = io.StringIO()
+    code = launch(1, [sys.executable, "-c", f"import os; print(os.environ.get('{THP_VAR}'))"],
+                  stdout=out, stderr=io.StringIO())
+    assert code == 0
+    want = given if given is not None else ("1" if huge_pages_on_request() else "None")
+    assert out.getvalue().split(": ")[-1].strip() == want
+
+
+@pytest.mark.parametrize("mode, granted", [("always [madvise] never", True),
+                                           ("[always] madvise never", True),
+                                           ("always madvise [never]", False)])
+def test_huge_pages_follow_the_kernels_mode(tmp_path, mode, granted):
+    from shardwise.launch.launcher import huge_pages_on_request
+
+    (tmp_path / "enabled").write_text(mode + "\n")
+    assert huge_pages_on_request(str(tmp_path / "enabled")) is granted
+    assert huge_pages_on_request(str(tmp_path / "missing")) is False

@@ -569,6 +569,8 @@ class _Job:
         env[descendants.LAUNCH_ID_VAR] = self.launch_id
         env[GRACE_VAR] = repr(self.grace)
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // self.nproc)))
+        if huge_pages_on_request():  # [Note: huge pages for large tensors]
+            env.setdefault(THP_VAR, "1")
         return env
 
     def _dump_stacks(self, ranks: list[_Rank]) -> None:
@@ -617,6 +619,29 @@ class _Job:
         with self.lock:
             self.stderr.write(text + "\n")
             self.stderr.flush()
+
+
+# [Note: huge pages for large tensors]
+# A rank touches hundreds of MB of freshly mapped memory per training step on the CPU (FSDP's
+# gathered units, gradients, activations after the heap is trimmed, optimizer temporaries), and
+# the kernel maps it one 4 KiB page per fault. torch's CPU allocator asks for transparent huge
+# pages (2 MiB: one fault where there were 512) on every allocation of at least 2 MiB when its
+# process starts with THP_MEM_ALLOC_ENABLE=1; smaller allocations are unchanged. The launcher
+# sets it for its ranks, unless the environment already says otherwise, when the kernel grants
+# huge pages on request (/sys/kernel/mm/transparent_hugepage/enabled is ``always`` or
+# ``madvise``); under torchrun, set it yourself. Figures: docs/launcher.md.
+THP_VAR = "THP_MEM_ALLOC_ENABLE"
+THP_MODE = "/sys/kernel/mm/transparent_hugepage/enabled"
+
+
+def huge_pages_on_request(mode_file: str = THP_MODE) -> bool:
+    """Whether this kernel maps transparent huge pages where a process asks for them."""
+    try:
+        with open(mode_file) as f:
+            mode = f.read()
+    except OSError:
+        return False
+    return "[always]" in mode or "[madvise]" in mode
 
 
 def _signal_group(proc: subprocess.Popen, sig: int) -> None:
