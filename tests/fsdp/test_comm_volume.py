@@ -43,17 +43,12 @@ def _cross_node_per_step(ctx, strategy: str):
     last = f"blocks.{CFG.n_layer - 1}."
     kept_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
                      if not n.startswith("blocks.") or n.startswith(last))
-    # two simulated nodes on one host: the same-host shared-memory paths (DDP's reduction,
-    # FSDP's ring) would move nothing through the group, so the gloo path shows the pattern
-    # that crosses real nodes
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv(DISABLE_VAR, "1")
-        return _count(ctx, strategy, model, model_bytes, kept_bytes)
-
-
-def _count(ctx, strategy, model, model_bytes, kept_bytes):
     if strategy == "ddp":
-        model = DistributedDataParallel(model)
+        # two simulated nodes on one host: DDP's same-host shared-memory reduction would move
+        # nothing through the group, so the gloo path shows the pattern that crosses real nodes
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setenv(DISABLE_VAR, "1")
+            model = DistributedDataParallel(model)
     else:
         mesh = init_device_mesh("cpu", (2, 2) if strategy.startswith("hsdp") else (4,))
         for block in model.blocks:

@@ -115,13 +115,13 @@ def usable(group: dist.ProcessGroup, device: torch.device,
     if dist.get_backend(group) == "fake":  # a dry run's ranks share no host (shardwise.sim)
         return False
     local = platform.machine().lower() in ("x86_64", "amd64") and not flag_var(DISABLE_VAR) \
-        and room_for(segment_bytes(layouts, dist.get_world_size(group)))
+        and _room_for(segment_bytes(layouts, dist.get_world_size(group)))
     flag = torch.tensor([1 if local else 0], dtype=torch.int32)
     dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
     return bool(flag.item()) and same_host(group)
 
 
-def room_for(nbytes: int) -> bool:
+def _room_for(nbytes: int) -> bool:
     try:
         free = shutil.disk_usage(SHM_DIR).free
     except OSError:
@@ -140,7 +140,7 @@ def _aligned(n: int) -> int:
     return (n + _ALIGN - 1) // _ALIGN * _ALIGN
 
 
-class Segment:
+class _Segment:
     """The shared mapping: created and named by rank 0, mapped by all, then unlinked."""
 
     def __init__(self, nbytes: int, group: dist.ProcessGroup):
@@ -214,7 +214,7 @@ class ShmReducer:
             self._slots.append([(offset + r * size, numel, dtype) for r in range(self.world)])
             offset += self.world * size
         assert offset == segment_bytes(layouts, self.world)
-        self._segment = Segment(offset, group)
+        self._segment = _Segment(offset, group)
         stride = _ALIGN // 8
         words = self._segment.tensor(0, self.world * _WORDS * stride, torch.int64)
         self._words = words.view(self.world, _WORDS, stride)[:, :, 0]
@@ -337,45 +337,38 @@ class ShmReducer:
 
     def _await(self, word: int, seq: int, index: int) -> None:
         """Until every rank's ``word`` reaches ``seq``; a named error after the timeout."""
-        stage = ("posted", "reduced its part of", "read")[word]
-        await_all(self._words[:, word], seq, self._words[:, _PID], self.timeout,
-                  f"shared-memory gradient reduction: rank(s) {{late}} of the group have not "
-                  f"{stage} bucket {index} after {self.timeout:.0f} s (a rank died, hangs, or "
-                  "runs a different number of backward passes)",
-                  "shared-memory gradient reduction: rank(s) {dead} of the group exited while "
-                  f"the others waited for them at bucket {index}")
+        column = self._words[:, word]
+        deadline = time.monotonic() + self.timeout
+        pause, next_check = 0.0, time.monotonic() + _LIVENESS_S
+        while int(column.min()) < seq:
+            now = time.monotonic()
+            if now > next_check:
+                self._check_alive(column, seq, index)
+                next_check = now + _LIVENESS_S
+            if now > deadline:
+                late = [k for k in range(self.world) if int(column[k]) < seq]
+                stage = ("posted", "reduced its part of", "read")[word]
+                raise RuntimeError(
+                    f"shared-memory gradient reduction: rank(s) {late} of the group have not "
+                    f"{stage} bucket {index} after {self.timeout:.0f} s (a rank died, hangs, or "
+                    "runs a different number of backward passes)")
+            time.sleep(pause)
+            pause = min(2e-4, pause * 2 if pause else 1e-5)
+
+    def _check_alive(self, column: torch.Tensor, seq: int, index: int) -> None:
+        """Fail fast, as a reset connection would on gloo, when a rank waited for is gone."""
+        dead = [k for k in range(self.world)
+                if int(column[k]) < seq and not _alive(int(self._words[k, _PID]))]
+        if dead:
+            raise RuntimeError(f"shared-memory gradient reduction: rank(s) {dead} of the group "
+                               f"exited while the others waited for them at bucket {index}")
 
     def wait_read(self, work: ShmWork) -> None:
         """Until every rank has finished reading ``work``'s bucket (its slots may change)."""
         self._await(_READ, work.seq, work.index)
 
 
-def await_all(column: torch.Tensor, seq: int, pids: torch.Tensor, timeout: float,
-              late_message: str, dead_message: str) -> None:
-    """Until every entry of ``column`` (one word per rank, in shared memory) reaches ``seq``.
-    Polls briefly, then sleeps with a growing back-off (the cores are busy with compute; a
-    waiter must not spin). Every 50 ms it checks that the ranks still short of ``seq`` exist
-    (``pids``: their process ids) and fails at once with ``dead_message`` (``{dead}``: their
-    ranks) when one has exited; after ``timeout`` seconds it fails with ``late_message``
-    (``{late}``: the ranks that never arrived)."""
-    deadline = time.monotonic() + timeout
-    pause, next_check = 0.0, time.monotonic() + _LIVENESS_S
-    while int(column.min()) < seq:
-        now = time.monotonic()
-        if now > next_check:
-            dead = [k for k in range(column.numel())
-                    if int(column[k]) < seq and not process_alive(int(pids[k]))]
-            if dead:
-                raise RuntimeError(dead_message.format(dead=dead))
-            next_check = now + _LIVENESS_S
-        if now > deadline:
-            late = [k for k in range(column.numel()) if int(column[k]) < seq]
-            raise RuntimeError(late_message.format(late=late))
-        time.sleep(pause)
-        pause = min(2e-4, pause * 2 if pause else 1e-5)
-
-
-def process_alive(pid: int) -> bool:
+def _alive(pid: int) -> bool:
     """Whether process ``pid`` (on this host) exists and is not a zombie."""
     try:
         os.kill(pid, 0)

@@ -24,8 +24,7 @@ import torch.distributed as dist
 
 from shardwise._compat import queue_callback, tree_flatten
 from shardwise.dp.fast_collectives import Pending, all_gather_flat, reduce_scatter_flat
-from shardwise.dp.shm_ring import ShmRing
-from shardwise.fsdp.layout import UnitLayout, chunks_of, copy_from_chunks, rank_runs
+from shardwise.fsdp.layout import UnitLayout, chunks_of, copy_from_chunks
 
 
 def start_unit_gather(full: torch.Tensor, shard: torch.Tensor, layout: UnitLayout, rank: int,
@@ -61,25 +60,6 @@ def start_unit_gather(full: torch.Tensor, shard: torch.Tensor, layout: UnitLayou
                              rows[:, start : start + p.chunk_numel], p)
 
     return Pending(works, copy_out)
-
-
-def start_ring_gather(ring: ShmRing, full: torch.Tensor, shard: torch.Tensor,
-                      layout: UnitLayout) -> Pending:
-    """The same gather as :func:`start_unit_gather`, through shared memory on one host
-    ([Note: same-host shared-memory ring] in dp/shm_ring.py): each rank's flat shard moves in
-    pieces, and each piece is copied straight into the rows its parameters own in ``full``
-    (packed parameters too: no separate all-gather, no rank-major buffer). Collective over the
-    ring's group, in the same order as every other gather on every rank."""
-    runs = [rank_runs(layout, k) for k in range(ring.world)]
-
-    def deliver(k: int, start: int, piece: torch.Tensor) -> None:
-        end = start + piece.numel()
-        for s0, f0, n in runs[k]:
-            lo, hi = max(start, s0), min(end, s0 + n)
-            if lo < hi:
-                full[f0 + lo - s0 : f0 + hi - s0].copy_(piece[lo - start : hi - start])
-
-    return Pending([ring.all_gather(shard, deliver)])
 
 
 def start_reduce_scatter(shard_out: torch.Tensor, full_grad: torch.Tensor,

@@ -53,12 +53,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from shardwise._compat import DTensor
 from shardwise.distributed.groups import rank_table
 from shardwise.dp.fast_collectives import Pending, uses_fast_path
-from shardwise.dp.shm_ring import ShmRing
 from shardwise.fsdp.arrivals import GradArrivals
 from shardwise.fsdp.buffer_pool import StoragePool
 from shardwise.fsdp.collectives import (
     start_reduce_scatter,
-    start_ring_gather,
     start_unit_gather,
     then_average_across,
 )
@@ -158,8 +156,6 @@ class FlatParamHandle:
         self._gather: Pending | None = None
         # memory for full_data, shared by the units of one root ([Note: unshard buffer pool])
         self.storage_pool: StoragePool | None = None
-        # the root's shared-memory ring for gathers on one host, or None (RootState.open_ring)
-        self.ring: ShmRing | None = None
         self.released_bytes = 0  # of the full buffer's pages, by release_param_rows
         # (state, hook): FSDP1's register_comm_hook; hook(state, full_grad, out) replaces the
         # reduce-scatter and must leave this rank's reduced shard in `out`
@@ -255,8 +251,6 @@ class FlatParamHandle:
         return source
 
     def _start_gather(self, full: torch.Tensor, source: torch.Tensor) -> Pending:
-        if self.ring is not None and full.device.type == "cpu" and source.device.type == "cpu":
-            return start_ring_gather(self.ring, full, source.contiguous(), self.layout)
         return start_unit_gather(full, source, self.layout, self.rank, self.global_ranks,
                                  self.group)
 

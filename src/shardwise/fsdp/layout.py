@@ -138,13 +138,6 @@ def plan_layout(shapes: Sequence[Sequence[int]], world: int,
     return UnitLayout(params, at, packed_offset, full_at)
 
 
-def rank_runs(layout: UnitLayout, rank: int) -> list[tuple[int, int, int]]:
-    """Where ``rank``'s flat shard goes in the unsharded buffer: ``(shard offset, full offset,
-    elements)`` of each parameter's rows it owns, in shard order (padding is left out)."""
-    return sorted((p.shard_offset, p.full_offset + p.row_start(rank) * p.row_numel,
-                   p.local_numel(rank)) for p in layout.params if p.local_numel(rank))
-
-
 def chunks_of(flat_param: torch.Tensor, layout: ParamLayout) -> list[tuple[int, torch.Tensor]]:
     """``[(rank, rows of flat_param that rank owns, flattened)]`` for ranks owning any rows;
     ``flat_param`` is the whole parameter, flattened (or its place in a flat buffer)."""

@@ -38,11 +38,9 @@ whatever is still unsharded when the backward pass ends.
 
 from __future__ import annotations
 
-import weakref
 from collections import deque
 from typing import TYPE_CHECKING
 
-from shardwise.dp.shm_ring import ShmRing, ring_usable, slot_size
 from shardwise.fsdp.buffer_pool import StoragePool
 from shardwise.fsdp.collectives import queue_end_of_backward
 from shardwise.fsdp.flat_param import GradReduction, ShardState
@@ -67,27 +65,6 @@ class RootState:
         self._order_cache: tuple | None = None  # ((id, len) of forward_order, order, positions)
         # unsharded buffers passed from unit to unit: [Note: unshard buffer pool]
         self.storage_pool = StoragePool()
-        self.ring: ShmRing | None = None  # gathers on one host: open_ring
-
-    def open_ring(self) -> None:
-        """Give every unit one shared-memory ring for its gathers when all of them shard over
-        one group of ranks on this host, on the CPU ([Note: same-host shared-memory ring] in
-        dp/shm_ring.py). Collective over that group (the root's first forward runs on every
-        rank); the ring is closed when this state is collected."""
-        handles = [u.handle for u in self.units if u.handle is not None]
-        groups = {id(h.group) for h in handles}
-        if len(groups) != 1 or handles[0].world < 2:
-            return
-        devices = {h.compute_device for h in handles}
-        largest = max(h.layout.shard_numel * h.full_data.element_size() for h in handles)
-        device = devices.pop() if len(devices) == 1 else None
-        slot_bytes = slot_size(largest)
-        if device is None or not ring_usable(handles[0].group, device, slot_bytes):
-            return
-        self.ring = ShmRing(handles[0].group, slot_bytes)
-        weakref.finalize(self, self.ring.close)
-        for handle in handles:
-            handle.ring = self.ring
 
     # ---- forward ------------------------------------------------------------------------
     def start_forward(self) -> None:

@@ -155,7 +155,6 @@ class FSDPUnit:
             unit.root_state = state
             if unit.handle is not None:
                 unit.handle.storage_pool = state.storage_pool
-        state.open_ring()
 
     def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if self.root_state is None:
