@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from shardwise.distributed.env import child_environment, str_var
+from shardwise.launch.launcher import THP_VAR, huge_pages_on_request
 
 MIB = 1 << 20
 
@@ -203,6 +204,8 @@ def _settings(args: argparse.Namespace) -> dict:
     hidden = {"worker", "worker_out", "out"}
     settings = {k: v for k, v in vars(args).items() if k not in hidden}
     settings["omp_threads"] = str_var("OMP_NUM_THREADS", "cores // nproc (launcher)")
+    huge = "1 (launcher)" if huge_pages_on_request() else "unset (kernel: never)"
+    settings["thp_mem_alloc"] = str_var(THP_VAR, huge)
     return settings
 
 

@@ -629,7 +629,7 @@ class _Job:
 # process starts with THP_MEM_ALLOC_ENABLE=1; smaller allocations are unchanged. The launcher
 # sets it for its ranks, unless the environment already says otherwise, when the kernel grants
 # huge pages on request (/sys/kernel/mm/transparent_hugepage/enabled is ``always`` or
-# ``madvise``); under torchrun, set it yourself. Figures: docs/launcher.md.
+# ``madvise``); under torchrun, set it yourself. Measured: docs/benchmarks-history.md.
 THP_VAR = "THP_MEM_ALLOC_ENABLE"
 THP_MODE = "/sys/kernel/mm/transparent_hugepage/enabled"
 
