@@ -41,7 +41,10 @@ all of them alike. Step time is the median over all timed steps of all rounds, a
 being its slowest rank's; the ratio is to the row named as baseline (below 1: faster). torch's
 absolute figures stand beside ours in every table; peak RSS is per rank, the most over rounds.
 Only ratios within one record mean anything: records from different days or machines are not
-comparable, and a record made under load (see its load average) is no figure. The history of
+comparable, and a record made under load (see its load average) is no figure. Every row's ranks
+start from shardwise's launcher, torch's rows too, so they share its environment: threads per
+rank, and torch's allocator asking for transparent huge pages for large tensors where the
+kernel allows it (`thp_mem_alloc` in a record's settings; docs/launcher.md). The history of
 earlier runs, with the analyses that went with them, is in
 [benchmarks-history.md](benchmarks-history.md).
 
