@@ -27,12 +27,14 @@ ring of three whenever every rank has read that slot's previous bucket, so no co
 reduced. On the shared-memory path a launched bucket holds no memory of its own and waiting for
 it waits for this rank's sum only, so the buckets in flight are not bounded and backward never
 stops for a reduction; on the other paths (private bucket buffers) at most two are in flight.
-So during backward a rank holds its owned gradients plus a few buckets, and after backward only
-its owned gradients: at most 1/N of all gradients plus one parameter (see [Note: ZeRO
-partition]). ``no_sync()`` accumulates full local gradients (no collective), as DDP does; the
-next backward outside it reduces the sums. A registered communication hook replaces the
-reduce-scatter (it all-reduces the bucket, which is then not pre-scaled; each owner copies its
-part out).
+Freeing every gradient in backward would make glibc hand the heap's top back and fault it in
+again every step unless its thresholds are raised, which the optimizer does on the CPU (see
+[Note: heap kept resident across steps] in memory/heap.py). So during backward a rank holds
+its owned gradients plus a few buckets, and after backward only its owned gradients: at most
+1/N of all gradients plus one parameter (see [Note: ZeRO partition]). ``no_sync()``
+accumulates full local gradients (no collective), as DDP does; the next backward outside it
+reduces the sums. A registered communication hook replaces the reduce-scatter (it all-reduces
+the bucket, which is then not pre-scaled; each owner copies its part out).
 """
 
 from __future__ import annotations
