@@ -191,7 +191,6 @@ class OwnerScatter:
         land = (lambda: out.copy_(buffer[start:end])) if out is not None else None
         return Pending(works, land)
 
-
     def _launch_shm(self, bucket: Bucket, part: Part, out: torch.Tensor | None) -> Waitable:
         index, region = bucket.index, self._regions[bucket.index]
         if bucket.buffer.data_ptr() != region.data_ptr():  # filled privately: copy it over
