@@ -30,7 +30,8 @@ ALLOWED: dict[str, set[str]] = {
     "sharded_tensor": {"distributed"},
     "rpc": {"distributed", "dp"},
     "ddp": {"distributed", "dp"},
-    "zero": {"distributed", "dp", "ddp"},
+    # zero raises the C heap's thresholds so freed gradients' pages stay resident (memory/heap.py)
+    "zero": {"distributed", "dp", "ddp", "memory"},
     # fsdp returns the C heap's free pages to the OS at each unit's backward (memory/heap.py)
     "fsdp": {"distributed", "dp", "memory", "sharded_tensor"},
     "pipeline": {"distributed", "rpc", "ddp", "fsdp"},

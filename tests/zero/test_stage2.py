@@ -9,6 +9,7 @@ import torch
 from shardwise import ZeroDataParallel, ZeroRedundancyOptimizer
 from shardwise.dp.shm_reduce import DISABLE_VAR
 from shardwise.memory import state_bytes
+from shardwise.zero import stage2
 from tests.harness import WORLD_SIZES, assert_rel_close, rank_slice, run_on_ranks
 from tests.harness.ops import OpCounts
 from tests.zero.common import (
@@ -282,3 +283,62 @@ def test_cleared_gradient_check_costs_one_sync_not_one_per_parameter(to_none):
         syncs = counts.get("aten._local_scalar_dense", 0)
         assert syncs == (0 if to_none else 1), counts
         assert counts.get("aten.any", 0) <= 2, counts  # one per owned bucket (1 MiB cap)
+
+
+class _Reversed(torch.nn.Module):
+    """Layers used in the reverse of their registration order: the gradients of the first
+    buckets (the last registered parameters) arrive last in backward, after later buckets have
+    started filling ([Note: stage 2 shared-memory ring])."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(6))
+
+    def forward(self, x):
+        for layer in reversed(self.layers):
+            x = torch.tanh(layer(x))
+        return x
+
+
+def _out_of_order(ctx, ring):
+    reference = _Reversed()
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    net = _Reversed()
+    opt = ZeroRedundancyOptimizer(net.parameters(), torch.optim.AdamW, lr=1e-2)
+    default, stage2.SHM_RING = stage2.SHM_RING, ring
+    try:
+        model = ZeroDataParallel(net, opt, bucket_cap_mb=1e-4)  # one parameter per bucket
+    finally:
+        stage2.SHM_RING = default
+    assert len(model.reducer.buckets) == 12
+    for step in range(3):
+        gen = torch.Generator().manual_seed(step)
+        x = torch.randn(8, 8, generator=gen)
+        model(rank_slice(x, ctx.rank, ctx.world_size)).pow(2).sum().backward()
+        (reference(x).pow(2).sum() / ctx.world_size).backward()  # the average of rank sums
+        _check_grads(net, reference, model, step)
+        opt.step()
+        opt.zero_grad()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        assert_params_equal(net, reference, f"step {step}")
+    ring = model._scatter.ring
+    return None if ring is None else (ring.capacity, ring.private_fills)
+
+
+@pytest.mark.parametrize("ring", (100, stage2.SHM_RING, 1))
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_gradients_out_of_bucket_order_equal_single_process(world_size, ring):
+    # ring 100: every bucket has a region of its own; 3 (the default) and 1: the ring holds 3
+    # or 1 largest buckets, so regions wrap and overlap: the bucket filled first in backward
+    # must not take bytes a bucket launched before it still needs
+    results = run_on_ranks(world_size, _out_of_order, ring)
+    if world_size == 1:
+        assert results == [None], "one rank: no shared memory"
+        return
+    for capacity, private in results:
+        # 6 weights of 64 elements and 6 biases of 8, each padded to 16 (64 bytes)
+        assert capacity == min(6 * (64 + 16), ring * 64), capacity
+        if ring == 1:  # the first bucket of backward is refused its region in every step
+            assert private >= 3, private

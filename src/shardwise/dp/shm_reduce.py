@@ -270,11 +270,20 @@ class ShmReducer:
     def slot_free(self, index: int) -> bool:
         """Whether every rank has finished reading what was last posted in slot ``index``
         (this rank may write into it again); does not block."""
-        return int(self._words[:, _READ].min()) >= self._slot_seq[index]
+        return self.read_through(self._slot_seq[index])
 
     def wait_slot(self, index: int) -> None:
         """Until every rank has finished reading what was last posted in slot ``index``."""
-        self._await(_READ, self._slot_seq[index], index)
+        self.wait_read_through(self._slot_seq[index], index)
+
+    def read_through(self, seq: int) -> bool:
+        """Whether every rank has finished reading every posting up to sequence number ``seq``
+        (``ShmWork.seq``; each rank reads in posting order); does not block."""
+        return int(self._words[:, _READ].min()) >= seq
+
+    def wait_read_through(self, seq: int, index: int) -> None:
+        """Until :meth:`read_through` ``(seq)``; ``index`` names the slot in a timeout's error."""
+        self._await(_READ, seq, index)
 
     def close(self) -> None:
         """Stop the worker thread and drop the mapping (idempotent)."""

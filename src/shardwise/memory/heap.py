@@ -21,6 +21,25 @@ resident. Where the C library has no ``malloc_trim`` (not glibc) it does nothing
 ``release_pages`` does the same for pages of memory that is still allocated but whose contents
 are dead: ``madvise(MADV_DONTNEED)`` on the whole pages inside a tensor (Linux only); they read
 as zeros if touched again.
+
+[Note: heap kept resident across steps]
+glibc's dynamic thresholds (above) also cost time. They start low (mmap at 128 KiB, trimming of the
+heap's top at 128 KiB) and rise only as far as the largest mmap'd block freed so far. A model
+whose largest gradients are 4 MiB leaves them at 4 MiB and 8 MiB, so whenever more than 8 MiB
+at the top of the heap is free at once, ``free`` hands it back (``brk``) and the next
+allocations fault it in again, a zero-filled page per 4 KiB. ZeRO stage 2 frees each gradient
+in its hook, during backward, while backward frees the activations below them; nothing live
+sits above that free memory, and the heap top shrinks and grows again by tens of MiB each step
+(stage 1 and DDP keep their gradients until ``zero_grad``, and those hold the top).
+``keep_heap_resident`` moves glibc's rule to where it ends in any program that has freed a
+block of its largest dynamic mmap threshold (32 MiB on 64-bit): it allocates and frees one
+block just under that size (only its header page is written), once per process. glibc then
+serves blocks up to 32 MiB from the heap and trims its top only beyond 64 MiB free. No value
+changes, and only free memory that the next step would fault in again stays resident (peak RSS
+follows the live peak as before). Where the thresholds were set explicitly (``mallopt``,
+``MALLOC_MMAP_THRESHOLD_`` and the like) glibc's dynamic rule is off and this changes nothing;
+without glibc it does nothing. ZeroRedundancyOptimizer calls it on the CPU (zero/optimizer.py),
+so ZeRO stage 1 and ZeroDataParallel (stage 2, built on that optimizer) run with it.
 """
 
 from __future__ import annotations
@@ -61,6 +80,28 @@ def release_free_heap() -> bool:
     if trim is None:
         return False
     trim(0)
+    return True
+
+
+# glibc's largest dynamic mmap threshold: 4 MiB times sizeof(long)
+_DYNAMIC_MMAP_MAX = 4 * 1024 * 1024 * ctypes.sizeof(ctypes.c_long)
+
+
+@functools.cache
+def keep_heap_resident() -> bool:
+    """Raise glibc's dynamic mmap and trim thresholds to their largest values, once per process
+    (see [Note: heap kept resident across steps]); whether it could (False: not glibc)."""
+    libc = _libc()
+    if libc is None or not hasattr(libc, "gnu_get_libc_version"):
+        return False
+    malloc, free = libc.malloc, libc.free
+    malloc.argtypes, malloc.restype = [ctypes.c_size_t], ctypes.c_void_p
+    free.argtypes, free.restype = [ctypes.c_void_p], None
+    # an mmap'd chunk is the request plus a header, rounded up to a page: stay under the maximum
+    block = malloc(_DYNAMIC_MMAP_MAX - 2 * mmap.PAGESIZE)
+    if not block:
+        return False
+    free(block)  # glibc's rule: mmap threshold = this chunk's size, trim threshold = twice that
     return True
 
 

@@ -25,6 +25,7 @@ from shardwise.distributed.groups import global_rank
 from shardwise.dp.buckets import Bucket, Waitable
 from shardwise.dp.fast_collectives import Pending
 from shardwise.dp.shm_reduce import ShmReducer, usable
+from shardwise.zero.shm_ring import ALIGN_BYTES, RegionRing, ring_capacity
 
 
 def broadcast_chunks(chunks: Sequence[tuple[int, Sequence[torch.Tensor]]],
@@ -112,10 +113,11 @@ class OwnerScatter:
     empty). The collective, chosen once for the group:
 
     - ranks on one host (CPU, [Note: same-host shared-memory reduction] in dp/shm_reduce.py):
-      the bucket is filled in (or, when its slot was still being read, copied into) its slot of
-      a ring of ``ring`` shared-memory slots, and each rank sums its own part of every rank's
-      slot (``ShmReducer.launch_scatter``); no socket. A launched bucket costs no memory of its
-      own there (its buffer is the slot, its result the owner's gradients), so the buckets in
+      the bucket is filled in (or, when its region was still being read, copied into) its region
+      of a ring of shared memory holding up to ``ring`` times the largest bucket ([Note: stage 2
+      shared-memory ring] in shm_ring.py), and each rank sums its own part of every rank's
+      region (``ShmReducer.launch_scatter``); no socket. A launched bucket costs no memory of its
+      own there (its buffer is the region, its result the owner's gradients), so the buckets in
       flight need no bound (``bounds_in_flight`` is False);
     - NCCL: ``dist.reduce_scatter`` of the parts;
     - otherwise (gloo across hosts, or /dev/shm too small): one ``dist.reduce`` per owner with a
@@ -126,17 +128,22 @@ class OwnerScatter:
     Construction is collective (it decides the shared-memory path on every rank together).
     """
 
-    def __init__(self, group: dist.ProcessGroup, buckets: Sequence[Bucket], ring: int = 3):
+    def __init__(self, group: dist.ProcessGroup, buckets: Sequence[Bucket], ring: float = 3):
         self.group = group
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
         self.nccl = self.world > 1 and dist.get_backend(group) == "nccl"
-        self.ring, self.shm = ring, None
+        self.shm: ShmReducer | None = None
+        self.ring: RegionRing | None = None
         dtypes = {b.params[0].dtype for b in buckets}
         if self.world > 1 and not self.nccl and len(dtypes) == 1:
-            device = buckets[0].params[0].device
-            layouts = [(max(b.numel for b in buckets), dtypes.pop())] * self.ring
-            if usable(group, device, layouts):
-                self.shm = ShmReducer(layouts, group)
+            device, dtype = buckets[0].params[0].device, dtypes.pop()
+            align = max(1, ALIGN_BYTES // torch.empty((), dtype=dtype).element_size())
+            capacity = ring_capacity([b.numel for b in buckets], ring, align)
+            if usable(group, device, [(capacity, dtype)]):
+                self.shm = ShmReducer([(capacity, dtype)], group)
+                self.ring = RegionRing(buckets, capacity, align)
+                whole = self.shm.buffer(0)
+                self._regions = [whole[slice(*self.ring.region(b.index))] for b in buckets]
 
     @property
     def bounds_in_flight(self) -> bool:
@@ -145,15 +152,18 @@ class OwnerScatter:
         return self.shm is None
 
     def slot_for(self, bucket: Bucket) -> torch.Tensor | None:
-        """The shared-memory slot ``bucket`` is reduced from, to be filled in place, when it is
-        free now: every rank has read what was last posted in it. None otherwise (or without
-        shared memory): the bucket is filled privately and copied into the slot at launch."""
-        if self.shm is None:
+        """The shared-memory region ``bucket`` is reduced from, to be filled in place, when it
+        may be filled now ([Note: stage 2 shared-memory ring]). None otherwise (or without
+        shared memory): the bucket is filled privately and copied into its region at launch."""
+        if self.shm is None or not self.ring.may_fill(bucket.index, self._holds,
+                                                      self.shm.read_through):
             return None
-        slot = bucket.index % self.ring
-        if not self.shm.slot_free(slot):
-            return None
-        return self.shm.buffer(slot)[: bucket.numel]
+        return self._regions[bucket.index]
+
+    def _holds(self, index: int) -> bool:
+        """Whether bucket ``index`` is being filled in its region."""
+        buffer = self.ring.buckets[index].buffer
+        return buffer is not None and buffer.data_ptr() == self._regions[index].data_ptr()
 
     def close(self) -> None:
         if self.shm is not None:
@@ -167,13 +177,7 @@ class OwnerScatter:
         if self.world == 1:
             return None  # the bucket is the sum
         if self.shm is not None:
-            slot = bucket.index % self.ring
-            view = self.shm.buffer(slot)[: bucket.numel]
-            if bucket.buffer.data_ptr() != view.data_ptr():  # filled privately: copy it over
-                self.shm.wait_slot(slot)  # once every rank has read the slot's last bucket
-                view.copy_(bucket.buffer)
-            bucket.release()  # the slot holds it now
-            return self.shm.launch_scatter(slot, parts[self.rank], out)
+            return self._launch_shm(bucket, parts[self.rank], out)
         buffer = bucket.buffer
         if self.nccl:
             empty = buffer[:0]
@@ -186,6 +190,21 @@ class OwnerScatter:
         start, end = parts[self.rank]
         land = (lambda: out.copy_(buffer[start:end])) if out is not None else None
         return Pending(works, land)
+
+    def _launch_shm(self, bucket: Bucket, part: Part, out: torch.Tensor | None) -> Waitable:
+        index, region = bucket.index, self._regions[bucket.index]
+        if bucket.buffer.data_ptr() != region.data_ptr():  # filled privately: copy it over
+            if any(self._holds(j) for j in self.ring.overlaps[index]):  # rule 2 prevents it
+                raise RuntimeError(f"ZeRO stage 2: bucket {index}'s shared-memory region is "
+                                   "held by a bucket launched after it")
+            # once every rank has read what the region last held
+            self.shm.wait_read_through(self.ring.last_posted(index), index)
+            region.copy_(bucket.buffer)
+        bucket.release()  # the region holds it now
+        start, (lo, hi) = self.ring.starts[index], part
+        work = self.shm.launch_scatter(0, (start + lo, start + hi) if hi > lo else (0, 0), out)
+        self.ring.last_seq[index] = work.seq
+        return work
 
 
 def gather_to(obj: Any, dst: int, group: dist.ProcessGroup) -> list[Any] | None:

@@ -31,6 +31,7 @@ from torch.optim import Optimizer
 from shardwise.distributed.collectives import group_by_dtype
 from shardwise.dp.agree import check_same_parameters
 from shardwise.dp.data_parallel import MIB
+from shardwise.memory import heap
 from shardwise.zero import collectives as zc
 from shardwise.zero import state_dicts
 from shardwise.zero.join import ZeroJoinHook
@@ -74,13 +75,15 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self._warned_step = False
         Optimizer.__init__(self, params, defaults)
         Joinable.__init__(self)
-        _check_params([p for g in self.param_groups for p in g["params"]])
+        params = [p for g in self.param_groups for p in g["params"]]
+        _check_params(params)
+        if params and params[0].device.type == "cpu":
+            heap.keep_heap_resident()  # [Note: heap kept resident across steps]
         self.optimizer_class = optimizer_class
         self.process_group = process_group or dist.group.WORLD
         self.world_size = dist.get_world_size(self.process_group)
         self.rank = dist.get_rank(self.process_group)
-        check_same_parameters([p for g in self.param_groups for p in g["params"]],
-                              self.process_group, what="ZeroRedundancyOptimizer")
+        check_same_parameters(params, self.process_group, what="ZeroRedundancyOptimizer")
         self.parameters_as_bucket_view = parameters_as_bucket_view
         self.overlap_with_ddp = overlap_with_ddp
         self._overlap: OverlapState | None = None  # set when attached to a DDP model

@@ -22,17 +22,20 @@ rank sums its own part of every rank's copy straight into its part buffer, no so
 it is ``dist.reduce_scatter``; otherwise (gloo across hosts) one ``dist.reduce`` per owner of
 the bucket. The owner's ``.grad``s become views into its part buffer. Each parameter's ``.grad``
 is dropped as soon as it is copied into its bucket; a bucket's buffer exists only from its first
-gradient until it is launched (on the shared-memory path, where it is the bucket's slot of a
-ring of three whenever every rank has read that slot's previous bucket, so no copy is made) or
-reduced. On the shared-memory path a launched bucket holds no memory of its own and waiting for
-it waits for this rank's sum only, so the buckets in flight are not bounded and backward never
-stops for a reduction; on the other paths (private bucket buffers) at most two are in flight.
-So during backward a rank holds its owned gradients plus a few buckets, and after backward only
-its owned gradients: at most 1/N of all gradients plus one parameter (see [Note: ZeRO
-partition]). ``no_sync()`` accumulates full local gradients (no collective), as DDP does; the
-next backward outside it reduces the sums. A registered communication hook replaces the
-reduce-scatter (it all-reduces the bucket, which is then not pre-scaled; each owner copies its
-part out).
+gradient until it is launched (on the shared-memory path, where it is the bucket's region of
+a ring whenever that region may be filled, so no copy is made: see
+[Note: stage 2 shared-memory ring] in shm_ring.py) or reduced. On the shared-memory path a
+launched bucket holds no memory of its own and waiting for it waits for this rank's sum only,
+so the buckets in flight are not bounded and backward never stops for a reduction; on the other
+paths (private bucket buffers) at most two are in flight. Freeing every gradient in backward
+would make glibc hand the heap's top back and fault it in again every step unless its
+thresholds are raised, which the optimizer does on the CPU (see
+[Note: heap kept resident across steps] in memory/heap.py). So during backward a rank holds
+its owned gradients plus a few buckets, and after backward only its owned gradients: at most
+1/N of all gradients plus one parameter (see [Note: ZeRO partition]). ``no_sync()``
+accumulates full local gradients (no collective), as DDP does; the next backward outside it
+reduces the sums. A registered communication hook replaces the reduce-scatter (it all-reduces
+the bucket, which is then not pre-scaled; each owner copies its part out).
 """
 
 from __future__ import annotations
@@ -59,6 +62,7 @@ from shardwise.zero import collectives as zc
 from shardwise.zero.optimizer import ZeroRedundancyOptimizer
 
 BUCKETS_IN_FLIGHT = 2
+SHM_RING = 3  # the shared-memory ring holds up to this many times the largest bucket
 
 
 class ZeroDataParallel(nn.Module):
@@ -94,7 +98,7 @@ class ZeroDataParallel(nn.Module):
         )
         buckets = self.reducer.buckets
         self._parts = [owner_parts(b, self._owner, self.world_size) for b in buckets]
-        self._scatter = zc.OwnerScatter(self.process_group, buckets, BUCKETS_IN_FLIGHT + 1)
+        self._scatter = zc.OwnerScatter(self.process_group, buckets, SHM_RING)
         weakref.finalize(self, self._scatter.close)
         # bucket index -> this rank's part of it: the owned gradients, made on first use and
         # reused by every step (their .grads are views of it)
@@ -158,7 +162,8 @@ class ZeroDataParallel(nn.Module):
         return next(iter(self._owner)).device
 
     def _slot_for(self, bucket: Bucket) -> torch.Tensor | None:
-        """Where a bucket is filled: its shared-memory slot when free (not with a hook)."""
+        """Where a bucket is filled: its shared-memory region when it may be (not with a
+        hook)."""
         if self._comm_hooks.hook is not None:
             return None
         return self._scatter.slot_for(bucket)
@@ -226,7 +231,7 @@ def sharded_holding(owner_of: Callable[[nn.Parameter], int],
                     ) -> Holding:
     """How stage 2 holds gradients in the core's buckets (see [Note: stage 2 buckets]): laid out
     by owner, ``.grad`` dropped once copied, buffers only while in use (``buffer_for``: a
-    shared-memory slot when one is free), at most ``BUCKETS_IN_FLIGHT`` buckets in flight
+    shared-memory region when it may be filled), at most ``BUCKETS_IN_FLIGHT`` buckets in flight
     (ZeroDataParallel lifts that bound on the shared-memory path)."""
     return Holding(release_grads=True, lazy_buffers=True, max_in_flight=BUCKETS_IN_FLIGHT,
                    layout_key=owner_of, buffer_for=buffer_for)
