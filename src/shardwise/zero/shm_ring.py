@@ -29,6 +29,7 @@ same on every rank.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Sequence
 
 from shardwise.dp.buckets import Bucket, BucketState
@@ -57,9 +58,7 @@ def ring_capacity(numels: Sequence[int], largest: float, align: int = 1) -> int:
     the largest bucket where that is smaller (at least ``largest`` = 1: one bucket)."""
     if largest < 1:
         raise ValueError(f"the ring must hold the largest bucket, got {largest} times it")
-    end = 0
-    for numel in numels:
-        end = -(-end // align) * align + numel
+    end = plan_regions(numels, sys.maxsize, align)[-1] + numels[-1]  # packed, never wrapping
     return min(end, int(largest * max(numels)))
 
 
