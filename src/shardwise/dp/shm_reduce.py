@@ -27,8 +27,10 @@ parts the caller chooses (each owner's gradients, of any sizes): rank ``r`` sums
 every rank's slot into a tensor of its own, outside the segment, and nothing is copied back.
 Its ``wait()`` returns as soon as this rank's sum is done, without waiting for the others to
 finish reading: the slot is free for its next bucket only once every rank has read it
-(``slot_free`` tells without blocking, ``wait_slot`` blocks), which its user checks before
-writing into it again, so no rank waits for a peer's sum in the middle of backward.
+(``slot_free`` tells without blocking, ``wait_slot`` blocks; ``read_through`` and
+``wait_read_through`` do the same for a posting's sequence number, for a user that places
+several buckets in one slot), which its user checks before writing into it again, so no rank
+waits for a peer's sum in the middle of backward.
 
 Synchronisation uses three int64 words per rank (posted, reduced, read), each written only by
 its owner with the bucket's sequence number (a fourth holds the rank's process id: a waiter
