@@ -10,8 +10,9 @@ import torch.distributed as dist
 from torch import nn
 
 from shardwise.ddp import DistributedDataParallel
-from shardwise.dp import shm_reduce
+from shardwise.dp import shm_reduce, shm_segment
 from shardwise.dp.shm_reduce import DISABLE_VAR, ShmReducer, usable
+from shardwise.dp.shm_segment import SHM_DIR
 from shardwise.launch.errors import is_consequence
 from tests.harness import WORLD_SIZES, assert_rel_close, run_on_ranks
 
@@ -19,7 +20,7 @@ LAYOUTS = [(7, torch.float32), (1000, torch.float64), (3, torch.float32), (64, t
 
 
 def _ours_left() -> list[str]:
-    return [n for n in os.listdir(shm_reduce.SHM_DIR) if n.startswith("shardwise-dp-")]
+    return [n for n in os.listdir(SHM_DIR) if n.startswith("shardwise-")]
 
 
 def _data(rank: int, numel: int, dtype: torch.dtype, step: int) -> torch.Tensor:
@@ -33,14 +34,14 @@ def _equals_all_reduce(ctx):
         return
     assert usable(ctx.group, torch.device("cpu"), LAYOUTS)
     modes = []
-    real_unlink = shm_reduce._unlink
+    real_unlink = shm_segment._unlink
 
     def recording_unlink(path):
         modes.append(stat.S_IMODE(os.stat(path).st_mode))
         real_unlink(path)
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(shm_reduce, "_unlink", recording_unlink)
+        patch.setattr(shm_segment, "_unlink", recording_unlink)
         reducer = ShmReducer(LAYOUTS, ctx.group)
     if ctx.rank == 0:
         assert modes == [0o600], f"segment mode {modes}"
@@ -204,7 +205,7 @@ def _one_rank_lacks_room(ctx):
     decision); training still matches (checked above for the gloo path)."""
     with pytest.MonkeyPatch.context() as patch:
         if ctx.rank == 1:
-            patch.setattr(shm_reduce, "_room_for", lambda nbytes: False)
+            patch.setattr(shm_reduce, "room_for", lambda nbytes: False)
         torch.manual_seed(0)
         ddp = DistributedDataParallel(_Net(), process_group=ctx.group)
     assert ddp._shm is None

@@ -53,30 +53,25 @@ touched. ``SHARDWISE_NO_SHM_REDUCE=1`` turns the path off.
 from __future__ import annotations
 
 import hashlib
-import mmap
 import os
 import platform
 import queue
-import secrets
-import shutil
 import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
-from contextlib import suppress
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from shardwise.distributed.env import flag_var, int_var
-from shardwise.distributed.groups import global_rank
 from shardwise.distributed.timeouts import default_timeout
+from shardwise.dp.shm_segment import SharedSegment, room_for
 
 DISABLE_VAR = "SHARDWISE_NO_SHM_REDUCE"
 Step = Callable[[torch.Tensor], object]  # element-wise work on a part of the result, in place
 NODE_VAR = "GROUP_RANK"  # the launch's node of this process
-SHM_DIR = "/dev/shm"
 _ALIGN = 64  # bytes: slots and words start on their own cache line
 _WORDS = 4  # posted, reduced, read; the rank's process id
 _POSTED, _REDUCED, _READ, _PID = range(_WORDS)
@@ -117,18 +112,10 @@ def usable(group: dist.ProcessGroup, device: torch.device,
     if dist.get_backend(group) == "fake":  # a dry run's ranks share no host (shardwise.sim)
         return False
     local = platform.machine().lower() in ("x86_64", "amd64") and not flag_var(DISABLE_VAR) \
-        and _room_for(segment_bytes(layouts, dist.get_world_size(group)))
+        and room_for(segment_bytes(layouts, dist.get_world_size(group)))
     flag = torch.tensor([1 if local else 0], dtype=torch.int32)
     dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
     return bool(flag.item()) and same_host(group)
-
-
-def _room_for(nbytes: int) -> bool:
-    try:
-        free = shutil.disk_usage(SHM_DIR).free
-    except OSError:
-        return False
-    return free >= nbytes + nbytes // 8  # a margin for the peers' own use of the space
 
 
 def segment_bytes(layouts: Sequence[tuple[int, torch.dtype]], world: int) -> int:
@@ -140,58 +127,6 @@ def segment_bytes(layouts: Sequence[tuple[int, torch.dtype]], world: int) -> int
 
 def _aligned(n: int) -> int:
     return (n + _ALIGN - 1) // _ALIGN * _ALIGN
-
-
-class _Segment:
-    """The shared mapping: created and named by rank 0, mapped by all, then unlinked."""
-
-    def __init__(self, nbytes: int, group: dist.ProcessGroup):
-        rank = dist.get_rank(group)
-        name = torch.zeros(64, dtype=torch.uint8)  # all zeros: rank 0 could not make it
-        path, failed = None, None
-        if rank == 0:
-            path = os.path.join(SHM_DIR, f"shardwise-dp-{os.getpid()}-{secrets.token_hex(8)}")
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-            try:  # pages reserved now: a full /dev/shm is an error here, not a SIGBUS later
-                os.posix_fallocate(fd, 0, nbytes)
-            except OSError as exc:
-                os.close(fd)
-                _unlink(path)
-                failed = exc
-            else:
-                raw = path.encode()
-                name[: len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
-        try:
-            dist.broadcast(name, src=global_rank(group, 0), group=group)
-            if not bool(name.any()):
-                raise RuntimeError(
-                    f"shared-memory gradient reduction: rank 0 could not reserve {nbytes} bytes "
-                    f"in {SHM_DIR} ({failed or 'see rank 0'}); enlarge it (docker run "
-                    f"--shm-size) or set {DISABLE_VAR}=1 to reduce through the process group")
-            if rank != 0:
-                path = bytes(name[name.nonzero().flatten()].tolist()).decode()
-                fd = os.open(path, os.O_RDWR)
-            try:
-                self.map = mmap.mmap(fd, nbytes)
-            finally:
-                os.close(fd)
-            dist.barrier(group=group)  # everyone has mapped it: the name is no longer needed
-        finally:
-            if rank == 0 and path is not None:
-                _unlink(path)
-        self.nbytes = nbytes
-
-    def tensor(self, offset: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        return torch.frombuffer(self.map, dtype=dtype, count=numel, offset=offset)
-
-    def close(self) -> None:
-        with suppress(BufferError):  # a tensor still views it: unmapped with the last one
-            self.map.close()
-
-
-def _unlink(path: str) -> None:
-    with suppress(FileNotFoundError):
-        os.unlink(path)
 
 
 class ShmReducer:
@@ -216,7 +151,8 @@ class ShmReducer:
             self._slots.append([(offset + r * size, numel, dtype) for r in range(self.world)])
             offset += self.world * size
         assert offset == segment_bytes(layouts, self.world)
-        self._segment = _Segment(offset, group)
+        self._segment = SharedSegment(offset, group, "shared-memory gradient reduction",
+                                      DISABLE_VAR)
         stride = _ALIGN // 8
         words = self._segment.tensor(0, self.world * _WORDS * stride, torch.int64)
         self._words = words.view(self.world, _WORDS, stride)[:, :, 0]
