@@ -25,3 +25,13 @@ def test_views_into_one_buffer_and_tied_weights_count_once():
     head = nn.Linear(4, 8, bias=False)
     head.weight = emb.weight
     assert state_bytes(nn.ModuleList([emb, head])).params == 8 * 4 * 4
+
+
+def test_views_of_one_storage_count_the_union_of_their_ranges():
+    base = torch.zeros(1000)
+    # two separate runs (FSDP's host-shared rows of two parameters) and one overlapping both
+    head, tail = base[:100], base[900:]
+    assert state_bytes([head, tail]).params == 200 * 4
+    assert state_bytes([head, tail, base[50:150]]).params == 250 * 4
+    assert state_bytes([base, head]).params == 1000 * 4
+    assert state_bytes([base[::10]]).params == 991 * 4  # a strided view spans its hull

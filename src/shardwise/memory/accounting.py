@@ -56,19 +56,32 @@ def _optimizer_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
 
 
 def _unique_bytes(tensors: Iterable[torch.Tensor]) -> int:
-    """Bytes of the distinct storages behind ``tensors`` (the part each tensor spans)."""
-    spans: dict[int, tuple[int, int]] = {}
+    """Bytes of the storages behind ``tensors``, each byte once: the union of the ranges the
+    tensors span (views of one storage that overlap count once; views of separate parts of
+    one storage, such as a rank's rows in FSDP's host-shared parameters, count only those
+    parts)."""
+    spans: dict[int, list[tuple[int, int]]] = {}
     for t in tensors:
         t = getattr(t, "_local_tensor", t)  # a DTensor counts its local shard
         if t.device.type == "meta" or t.numel() == 0:
             continue
         storage = t.untyped_storage()
-        key = _storage_key(t, storage)
         start = t.storage_offset() * t.element_size()
         end = start + _span_elements(t) * t.element_size()
-        lo, hi = spans.get(key, (start, end))
-        spans[key] = (min(lo, start), max(hi, end))
-    return sum(hi - lo for lo, hi in spans.values())
+        spans.setdefault(_storage_key(t, storage), []).append((start, end))
+    return sum(_union_length(ranges) for ranges in spans.values())
+
+
+def _union_length(ranges: list[tuple[int, int]]) -> int:
+    total, reach = 0, None
+    for start, end in sorted(ranges):
+        if reach is None or start > reach:
+            total += end - start
+            reach = end
+        elif end > reach:
+            total += end - reach
+            reach = end
+    return total
 
 
 def _storage_key(t: torch.Tensor, storage: torch.UntypedStorage) -> int:
