@@ -11,6 +11,7 @@ from shardwise import fully_shard
 from shardwise.fsdp import units_of, unsharded_bytes
 from shardwise.fsdp.buffer_pool import StoragePool
 from shardwise.models import GPT, GPTConfig, lm_loss
+from tests.fsdp.gathering import gathering_units
 from tests.harness import run_on_ranks
 
 pytestmark = pytest.mark.skipif(
@@ -23,9 +24,10 @@ CFG = GPTConfig(vocab_size=64, seq_len=16, n_layer=4, n_head=2, d_model=32)
 def _steps(ctx, forward_prefetch):
     torch.manual_seed(0)
     model = GPT(CFG)
-    for block in model.blocks:
-        fully_shard(block)
-    fully_shard(model, forward_prefetch=forward_prefetch)
+    with gathering_units():  # the pool serves gathers
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model, forward_prefetch=forward_prefetch)
     units = units_of(model)
     x = torch.randint(0, CFG.vocab_size, (2, CFG.seq_len + 1))
     lm_loss(model(x[:, :-1]), x[:, 1:]).backward()  # the first step records the order

@@ -23,6 +23,7 @@ from shardwise import DistributedDataParallel, fully_shard
 from shardwise.distributed import CommCounter, init_device_mesh
 from shardwise.dp.shm_reduce import DISABLE_VAR
 from shardwise.models import GPT, GPTConfig, lm_loss
+from tests.fsdp.gathering import gathering_units
 from tests.harness import run_on_ranks
 
 CFG = GPTConfig()  # the demo GPT's default shape
@@ -51,9 +52,10 @@ def _cross_node_per_step(ctx, strategy: str):
             model = DistributedDataParallel(model)
     else:
         mesh = init_device_mesh("cpu", (2, 2) if strategy.startswith("hsdp") else (4,))
-        for block in model.blocks:
-            fully_shard(block, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+        with gathering_units():  # as for DDP: host-shared parameters would gather nothing
+            for block in model.blocks:
+                fully_shard(block, mesh=mesh)
+            fully_shard(model, mesh=mesh)
     x = torch.randint(0, CFG.vocab_size, (1, CFG.seq_len + 1))
     reshard_all = strategy.endswith("_resharded")
     _step(model, x, reshard_all)  # the first step records the forward order

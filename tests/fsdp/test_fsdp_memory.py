@@ -13,6 +13,7 @@ from shardwise.fsdp import units_of, unsharded_bytes, unsharded_grad_bytes
 from shardwise.memory import state_bytes
 from shardwise.memory.heap import release_free_heap
 from shardwise.models import GPT, GPTConfig, lm_loss
+from tests.fsdp.gathering import gathering_units
 from tests.harness import WORLD_SIZES, run_on_ranks
 
 CFG = GPTConfig(vocab_size=64, seq_len=16, n_layer=4, n_head=2, d_model=32)
@@ -59,7 +60,8 @@ def test_each_rank_holds_one_nth_of_params_grads_and_adamw_state(world_size):
 
 def _unsharded_peak(ctx, forward_prefetch):
     torch.manual_seed(0)
-    model = _shard(GPT(CFG), forward_prefetch)
+    with gathering_units():  # the gathers' buffers are what this measures
+        model = _shard(GPT(CFG), forward_prefetch)
     peaks = {"forward": 0, "backward": 0, "grads": 0}
     phase = ["forward"]
 
@@ -157,8 +159,9 @@ def _wide_unit_backward(ctx):
     torch.manual_seed(0)
     layers = [torch.nn.Linear(WIDE, WIDE) for _ in range(4)]
     model = torch.nn.Sequential(torch.nn.Sequential(*layers), torch.nn.Linear(WIDE, 2))
-    fully_shard(model[0])
-    fully_shard(model)
+    with gathering_units():  # the gathered rows' release is what this watches
+        fully_shard(model[0])
+        fully_shard(model)
     handle = units_of(model[0])[0].handle
     weights = [i for i, s in enumerate(handle.slots) if s.shape == (WIDE, WIDE)]
     seen = {"held": 0, "rows_at_second": None}

@@ -4,7 +4,8 @@ The real run wraps the demo GPT with the same library calls on a gloo world (the
 harness's rank pool), runs two steps and counts the second with ``CommCounter``; the dry run
 plays each rank on the fake group. Bytes held (parameters, gradients, optimizer state) and
 bytes sent per collective kind agree within 1%. On gloo, DDP's same-host shared-memory
-reduction is turned off for the real run (a simulated world spans hosts), and FSDP's gathers
+reduction and FSDP's host-shared parameters are turned off for the real run (a simulated world
+spans hosts), and FSDP's gathers
 and gradient reduce-scatters take gloo's fastest equivalents (broadcasts; point-to-point sends,
 see [Note: fast collectives]) where the fake group, like NCCL, gets the collectives themselves:
 the pieces add up to the logical collective's bytes ([Note: counting communication]), so the
@@ -22,6 +23,7 @@ import torch.distributed as dist
 
 from shardwise.distributed import CommCounter
 from shardwise.dp.shm_reduce import DISABLE_VAR
+from shardwise.fsdp.host_params import DISABLE_VAR as PARAMS_DISABLE_VAR
 from shardwise.memory.accounting import state_bytes
 from shardwise.models import GPT, GPTConfig
 from shardwise.sim import step as sim_step
@@ -37,12 +39,12 @@ def _real(ctx, strategy: str):
     model = GPT(CFG)
     run = DryRun(strategy, ctx.world_size, rank=ctx.rank, replicas=2 if strategy == "hsdp"
                  else 1)
-    os.environ[DISABLE_VAR] = "1"
+    os.environ[DISABLE_VAR] = os.environ[PARAMS_DISABLE_VAR] = "1"
     try:
         meshes = sim_step._meshes(run, dist.group.WORLD)
         wrapped = sim_step.WRAPPERS[strategy](model, run, dist.group.WORLD, meshes)
     finally:
-        del os.environ[DISABLE_VAR]
+        del os.environ[DISABLE_VAR], os.environ[PARAMS_DISABLE_VAR]
     ids = torch.zeros((1, CFG.seq_len), dtype=torch.long)
     sim_step._step(wrapped, ids)
     with CommCounter() as comm:

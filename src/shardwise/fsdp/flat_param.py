@@ -67,6 +67,7 @@ from shardwise.fsdp.dtensor import (
     sharded_parameter,
 )
 from shardwise.fsdp.grad_exchange import DirectGrads
+from shardwise.fsdp.host_params import HostParams, shareable
 from shardwise.fsdp.layout import ParamLayout, UnitLayout, copy_into_chunks, plan_layout
 from shardwise.fsdp.tp_params import TPLayout, local_grad
 from shardwise.memory.heap import release_pages
@@ -147,6 +148,11 @@ class FlatParamHandle:
         self.orig_params = [(weakref.ref(p), holders[0][2]) for p, holders in params]
         self.shard = self._make_shard([p for p, _ in params])  # 1D, shard_numel
         self.slots = self._make_slots(params)
+        self.shard_dtype = self.shard.dtype
+        # the unsharded parameters in one mapping per host, or None: [Note: parameters shared
+        # on one host] (host_params.py); then `shard` is None and each slot's local rows live
+        # in that mapping
+        self.host: HostParams | None = self._share_on_host()
         self._make_full()
         self.grad_buffer: torch.Tensor | None = None  # 1D, world * shard_numel, compute dtype
         self.direct: DirectGrads | None = None  # see [Note: direct gradient reduction]
@@ -188,18 +194,39 @@ class FlatParamHandle:
                                    layout, shard_param))
         return slots
 
+    def _share_on_host(self) -> HostParams | None:
+        """Move the local rows into a mapping of the group's ranks where [Note: parameters
+        shared on one host] applies (collective over the group); None where it does not."""
+        shard = self.shard
+        local_ok = (not self.offload and self.param_dtype == shard.dtype
+                    and all(tp is None for tp in self.tp))
+        if not shareable(self.group, shard.device, local_ok,
+                         self.layout.total * shard.element_size()):
+            return None
+        host = HostParams(self.layout, [s.local for s in self.slots], self.rank, shard.dtype,
+                          self.group)
+        for slot, rows in zip(self.slots, host.rows):
+            set_local_tensor(slot.shard_param, rows)
+        self.shard = None
+        return host
+
     def _make_full(self) -> None:
-        self.full_data = torch.empty(self.layout.total, dtype=self.param_dtype,
-                                     device=self.compute_device)
+        if self.host is not None:  # the shared mapping, for the unit's life
+            self.full_data = self.host.full
+        else:
+            self.full_data = torch.empty(self.layout.total, dtype=self.param_dtype,
+                                         device=self.compute_device)
         storage = self.full_data.untyped_storage()
+        base = self.full_data.storage_offset()
         self.leaves = []  # one per slot, its shape: views of full_data's storage
         for slot, tp in zip(self.slots, self.tp):
             leaf = torch.empty(0, dtype=self.param_dtype, device=self.compute_device)
-            leaf.set_(storage, slot.offset, slot.shape)
+            leaf.set_(storage, base + slot.offset, slot.shape)
             if tp is not None and tp.as_dtensor:  # torch's TP reads its DTensor again
                 leaf = DTensor(leaf, tp.spec(self.param_dtype), requires_grad=True)
             self.leaves.append(leaf.requires_grad_())
-        storage.resize_(0)  # no memory until the first unshard (not into the pool)
+        if self.host is None:
+            storage.resize_(0)  # no memory until the first unshard (not into the pool)
 
     @property
     def requires_grad(self) -> bool:
@@ -221,10 +248,11 @@ class FlatParamHandle:
         device, dtype = first.device, first.dtype
         self.compute_device = device
         self.shard_device = torch.device("cpu") if self.offload else device
-        if self.param_dtype == self.shard.dtype:  # no mixed precision: follow the new dtype
+        if self.param_dtype == self.shard_dtype:  # no mixed precision: follow the new dtype
             self.param_dtype = dtype
-        if self.reduce_dtype == self.shard.dtype:
+        if self.reduce_dtype == self.shard_dtype:
             self.reduce_dtype = dtype
+        self.shard_dtype = dtype
         shard = torch.zeros(self.layout.shard_numel, dtype=dtype, device=self.shard_device)
         with torch.no_grad():
             for slot in self.slots:
@@ -232,6 +260,7 @@ class FlatParamHandle:
                 view.copy_(slot.local)
                 set_local_tensor(slot.shard_param, view)
         self.shard = shard
+        self.host = None  # private buffers from now on: gathered again
         self._make_full()
         self.use_sharded_params()
 
@@ -239,6 +268,9 @@ class FlatParamHandle:
     def start_unshard(self) -> None:
         """Allocate the full buffer and issue the gather into it (SHARDED -> GATHERING)."""
         if self.state is not ShardState.SHARDED:
+            return
+        if self.host is not None:  # nothing to gather: [Note: parameters shared on one host]
+            self.state = ShardState.UNSHARDED
             return
         self._alloc_full()
         self._gather = self._start_gather(self.full_data, self._gather_source())
@@ -295,13 +327,18 @@ class FlatParamHandle:
             storage.resize_(nbytes)
 
     def _free_full(self) -> None:
+        if self.host is not None:  # the shared mapping stays
+            return
         storage = self.full_data.untyped_storage()
         if self.storage_pool is None or not self.storage_pool.give(storage):
             storage.resize_(0)
         self.released_bytes = 0  # of the full buffer's pages, by release_param_rows
 
     def unsharded_bytes(self) -> int:
-        """Bytes of the full buffer's storage right now (0 while sharded)."""
+        """Bytes of the full buffer's storage right now (0 while sharded, and always 0 where
+        the parameters are shared on the host: nothing is allocated to unshard them)."""
+        if self.host is not None:
+            return 0
         return self.full_data.untyped_storage().nbytes()
 
     def release_param_rows(self, index: int) -> int:
@@ -309,7 +346,7 @@ class FlatParamHandle:
         ([Note: releasing a dead parameter's rows], unit.py); the bytes released (0 for a
         packed parameter, or where pages cannot be released)."""
         slot = self.slots[index]
-        if slot.layout.packed or self.state is not ShardState.UNSHARDED:
+        if slot.layout.packed or self.host is not None or self.state is not ShardState.UNSHARDED:
             return 0
         released = release_pages(self.full_data[slot.offset : slot.offset + slot.numel])
         self.released_bytes += released
@@ -407,7 +444,7 @@ class FlatParamHandle:
         (``Shard(0)`` DTensors whose local tensors are views of one flat buffer in the shards'
         dtype and device)."""
         reduction.pending.wait()
-        flat = reduction.out.to(self.shard.device, self.shard.dtype, non_blocking=False)
+        flat = reduction.out.to(self.shard_device, self.shard_dtype, non_blocking=False)
         for slot in self.slots:
             if not slot.requires_grad:
                 continue
@@ -421,9 +458,35 @@ class FlatParamHandle:
     # ---- whole parameters (state dicts) --------------------------------------------------
     def gather_full_params(self) -> list[torch.Tensor]:
         """Every parameter whole, in the shards' dtype (a collective over the unit's group)."""
-        full = torch.empty(self.layout.total, dtype=self.shard.dtype, device=self.shard.device)
-        self._start_gather(full, self.shard.detach()).wait()
+        full = torch.empty(self.layout.total, dtype=self.shard_dtype, device=self.shard_device)
+        self._start_gather(full, self.flat_shard()).wait()
         return [full[s.offset : s.offset + s.numel].view(s.shape) for s in self.slots]
+
+    def flat_shard(self) -> torch.Tensor:
+        """This rank's rows of every parameter in the flat shard's layout ([Note: FSDP
+        layout]): the shard itself, or a packed copy where the rows live in the host's
+        mapping."""
+        if self.shard is not None:
+            return self.shard.detach()
+        flat = torch.zeros(self.layout.shard_numel, dtype=self.shard_dtype,
+                           device=self.shard_device)
+        for slot in self.slots:
+            self._local_view(flat, slot.layout).copy_(slot.local.detach())
+        return flat
+
+    def load_flat_shard(self, flat: torch.Tensor) -> None:
+        """Copy ``flat`` (the flat shard's layout) into this rank's rows."""
+        with torch.no_grad():
+            if self.shard is not None:
+                self.shard.copy_(flat)
+                return
+            for slot in self.slots:
+                slot.local.copy_(self._local_view(flat, slot.layout))
+
+    @property
+    def is_meta(self) -> bool:
+        """Built on the meta device: no rows hold values yet."""
+        return self.shard is not None and self.shard.is_meta
 
     def load_full_param(self, slot: ParamSlot, value: torch.Tensor) -> None:
         """Copy this rank's rows of ``value`` (the whole parameter) into the shard."""

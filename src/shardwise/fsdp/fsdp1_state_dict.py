@@ -70,7 +70,7 @@ def _to_local(inner: nn.Module, state: dict, prefix: str) -> None:
         for slot in handle.slots:
             for fqn in slot.fqns:
                 state.pop(prefix + unit_prefix + fqn, None)
-        flat = handle.shard.detach().clone()
+        flat = handle.flat_shard().clone()
         state[prefix + unit_prefix + FLAT] = DTensor.from_local(
             flat, handle.mesh, [Shard(0)], run_check=False,
             shape=torch.Size([handle.world * flat.numel()]), stride=(1,))
@@ -90,14 +90,13 @@ def load_local(inner: nn.Module, state: dict[str, Any], strict: bool) -> dict[st
             missing.append(unit_prefix + FLAT)
             continue
         local = value.to_local() if isinstance(value, DTensor) else value
-        if tuple(local.shape) != tuple(handle.shard.shape):
+        if tuple(local.shape) != (handle.layout.shard_numel,):
             raise ValueError(f"local state dict entry {unit_prefix + FLAT} has "
                              f"{tuple(local.shape)} elements, this rank's shard "
-                             f"{tuple(handle.shard.shape)}: a local state dict loads only "
+                             f"{(handle.layout.shard_numel,)}: a local state dict loads only "
                              "into the same wrapping at the same world size")
         handle.reshard()
-        with torch.no_grad():
-            handle.shard.copy_(local)
+        handle.load_flat_shard(local)
     extra = [k for k in rest if k.endswith(FLAT)]
     if strict and (missing or extra):
         raise KeyError(f"local state dict does not match the model: missing keys {missing}, "

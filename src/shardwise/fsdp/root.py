@@ -41,6 +41,8 @@ from __future__ import annotations
 from collections import deque
 from typing import TYPE_CHECKING
 
+import torch.distributed as dist
+
 from shardwise.fsdp.buffer_pool import StoragePool
 from shardwise.fsdp.collectives import queue_end_of_backward
 from shardwise.fsdp.flat_param import GradReduction, ShardState
@@ -177,6 +179,7 @@ class RootState:
             if partial and unit.grads_arrived():
                 unit.reduce_gradient()
         self.finish_reductions()
+        self.sync_host()  # every rank's backward has read the peers' rows
         for unit in self.units:
             if unit.handle is not None:
                 if unit.reshard_after_backward:
@@ -185,6 +188,19 @@ class RootState:
             unit.end_backward()
         self.storage_pool.clear()  # [Note: unshard buffer pool]: not held past backward
         self.callback_queued = False
+
+    # ---- parameters shared on the host ---------------------------------------------------
+    def sync_host(self) -> None:
+        """A barrier over each group whose units hold their parameters in one mapping per host
+        ([Note: parameters shared on one host], host_params.py): issued before and after the
+        root's forward and at the end of backward, so that no rank writes its rows while a peer
+        reads them. Nothing where no unit shares."""
+        seen: set[int] = set()
+        for unit in self.units:
+            handle = unit.handle
+            if handle is not None and handle.host is not None and id(handle.group) not in seen:
+                seen.add(id(handle.group))
+                dist.barrier(group=handle.group)
 
     # ---- measurement --------------------------------------------------------------------
     def unsharded_bytes(self) -> int:

@@ -77,7 +77,7 @@ def _readopt_hook(unit: FSDPUnit):
         if not assigned:
             return
         handle.use_sharded_params()
-        if handle.shard.is_meta:
+        if handle.is_meta:
             _adopt_assigned(unit, assigned)
             return
         with torch.no_grad():
@@ -257,7 +257,7 @@ def load_sharded_state_dict(model: nn.Module, state: dict[str, Any]) -> None:
                 key = prefix + fqn
                 seen.add(key)
                 rows[index] = _checked_rows(key, state.get(key), slot, unit.handle.rank)
-        if unit.handle.shard.is_meta:  # built on the meta device: these rows become the shard
+        if unit.handle.is_meta:  # built on the meta device: these rows become the shard
             _adopt_assigned(unit, rows)
             continue
         with torch.no_grad():

@@ -165,6 +165,7 @@ class FSDPUnit:
             if self.is_root:
                 if self.handle is not None and self.handle.compute_device.type == "cpu":
                     release_free_heap()  # the optimizer's freed pages: [Note: allocator slack]
+                self.root_state.sync_host()  # the peers' rows are written
                 self.root_state.start_forward()
                 for unit in self.root_state.units:
                     unit._inputs_pending = 0
@@ -232,6 +233,7 @@ class FSDPUnit:
                 self.handle.reshard()
         if self.is_root:  # forward is over: [Note: unshard buffer pool]
             self.root_state.storage_pool.clear()
+            self.root_state.sync_host()  # the peers are done reading this rank's rows
         register_pre_backward(output, self._pre_backward)
         return self._cast_output(output)
 
