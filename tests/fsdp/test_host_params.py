@@ -45,14 +45,21 @@ def _who_shares(ctx):
     model = _shard(_model())
     model.double()  # converted: private buffers, gathered again
     converted = [h.host is not None for h in _handles(model)]
-    return shared, off, mixed, converted
+    with torch.device("meta"):
+        meta = _shard(_model())
+    before = [h.host is not None for h in _handles(meta)]
+    meta.to_empty(device="cpu")  # every rank materializes: shared from here on
+    materialized = [h.host is not None for h in _handles(meta)]
+    return shared, off, mixed, converted, before, materialized
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_units_share_their_parameters_only_where_the_note_allows(world_size):
-    for shared, off, mixed, converted in run_on_ranks(world_size, _who_shares):
+    for shared, off, mixed, converted, before, materialized in run_on_ranks(world_size,
+                                                                            _who_shares):
         assert shared == [world_size > 1] * 2  # one rank: nothing to share
-        assert not any(off) and not any(mixed) and not any(converted)
+        assert not any(off) and not any(mixed) and not any(converted) and not any(before)
+        assert materialized == shared
 
 
 def _lagging_peer(ctx):

@@ -240,10 +240,14 @@ class FlatParamHandle:
         """After ``module._apply`` (``to_empty``, ``to``, ``cuda``...) swapped new local
         tensors into the DTensor parameters, copy them into a new flat shard on their device
         and point the parameters back at views of it; remake the unsharded buffers there. The
-        caller re-registers hooks on the new ``leaves``."""
+        caller re-registers hooks on the new ``leaves``. A unit built on the meta device
+        (materialized by ``to_empty``, which every rank calls) shares its parameters on the
+        host where it may ([Note: parameters shared on one host]: collective then); any other
+        move or conversion, which one rank may make alone, gives private buffers."""
         if self.state is not ShardState.SHARDED:
             raise RuntimeError("FSDP: a unit's module was moved or converted while its "
                                "parameters were unsharded; do it between steps")
+        was_meta = self.is_meta
         first = self.slots[0].local
         device, dtype = first.device, first.dtype
         self.compute_device = device
@@ -260,7 +264,7 @@ class FlatParamHandle:
                 view.copy_(slot.local)
                 set_local_tensor(slot.shard_param, view)
         self.shard = shard
-        self.host = None  # private buffers from now on: gathered again
+        self.host = self._share_on_host() if was_meta else None
         self._make_full()
         self.use_sharded_params()
 

@@ -31,8 +31,10 @@ Gradients are reduced as before (the reduce-scatter of [Note: direct gradient re
 Not used (the gathers stay) with mixed precision (the compute dtype needs its own copy), with
 CPU offload or a device other than the CPU, for parameters of torch's tensor parallelism, with
 one rank, on the fake process group of a dry run, where /dev/shm lacks room, and when
-``SHARDWISE_FSDP_NO_SHARED_PARAMS=1``. Moving or converting the module (``to``, ``to_empty``)
-gives the unit private buffers and gathers again. tests/fsdp/test_host_params.py.
+``SHARDWISE_FSDP_NO_SHARED_PARAMS=1``. A unit built on the meta device shares its parameters
+when ``to_empty`` materializes them (every rank calls it); any other move or conversion of the
+module (``to``, ``double``), which one rank may make alone, gives the unit private buffers and
+gathers again. tests/fsdp/test_host_params.py.
 """
 
 from __future__ import annotations
