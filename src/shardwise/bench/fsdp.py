@@ -24,7 +24,7 @@ from shardwise.bench.gpt_steps import batch_stream, timed_steps
 from shardwise.bench.limits import PATTERNS, ShardedStepStandIn, fsdp_pattern_ms, root_numel
 from shardwise.bench.sidebyside import SideBySide, bench_device
 from shardwise.ddp import DistributedDataParallel
-from shardwise.fsdp import fully_shard
+from shardwise.fsdp import fully_shard, units_of
 from shardwise.memory import state_bytes
 from shardwise.models import GPT, GPTConfig
 
@@ -81,6 +81,14 @@ def _state_mib(model: torch.nn.Module, opt: torch.optim.Optimizer) -> float:
     return round(total / 2**20, 1)
 
 
+def host_shared_mib(model: torch.nn.Module) -> float:
+    """MiB of our units' parameters held in mappings shared by the ranks of one host ([Note:
+    parameters shared on one host]): every rank maps and reads them all, so its peak RSS counts
+    them whole although the host holds them once."""
+    handles = [u.handle for u in units_of(model) if u.handle is not None]
+    return round(sum(h.host.segment.nbytes for h in handles if h.host is not None) / 2**20, 1)
+
+
 def worker(impl: str, args, group: dist.ProcessGroup):
     cfg = GPTConfig(n_layer=args.n_layer, d_model=args.d_model, n_head=args.n_head,
                     seq_len=args.seq_len)
@@ -107,6 +115,8 @@ def worker(impl: str, args, group: dist.ProcessGroup):
         extra["pattern_comm_ms"] = fsdp_pattern_ms(root_numel(model), group, device)
     else:
         extra["state_MiB"] = state.get("MiB", 0.0)
+        if impl.startswith("shardwise-fsdp"):
+            extra["host_shared_MiB"] = host_shared_mib(model)
     return times, extra
 
 

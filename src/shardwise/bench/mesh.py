@@ -21,7 +21,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from shardwise.bench.fsdp import _model_args, _state_mib
+from shardwise.bench.fsdp import _model_args, _state_mib, host_shared_mib
 from shardwise.bench.gpt_steps import batch_stream, timed_steps
 from shardwise.bench.limits import PATTERNS, ShardedStepStandIn, fsdp_pattern_ms, root_numel
 from shardwise.bench.sidebyside import SideBySide, bench_device
@@ -90,7 +90,10 @@ def worker(impl: str, args, group: dist.ProcessGroup):
             state["MiB"] = _state_mib(model, opt)
 
     times = timed_steps(wrapped, opt, stream, args, group, after_step=measure)
-    return times, {"state_MiB": state.get("MiB", 0.0)}
+    extra = {"state_MiB": state.get("MiB", 0.0)}
+    if impl.startswith("shardwise"):
+        extra["host_shared_MiB"] = host_shared_mib(model)
+    return times, extra
 
 
 def _local_worker(impl: str, model: GPT, mesh, cfg: GPTConfig, args, group):
