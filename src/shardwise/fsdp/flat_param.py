@@ -35,6 +35,11 @@ rows sit in them is [Note: FSDP layout], layout.py):
   sent as they arrive instead and only the packed ones take a (smaller) rank-major buffer; and
   a large parameter's rows of ``full_data`` are given back to the OS once its gradient is in
   ([Note: releasing a dead parameter's rows], unit.py).
+
+Where the group's ranks share a host, ``full_data`` is instead one mapping of those ranks for the
+unit's life, each slot's local rows are a view of it, and ``shard`` is None ([Note: parameters
+shared on one host], host_params.py): nothing is gathered or freed, and ``flat_shard()`` packs a
+copy in the shard's layout for whoever needs one.
 """
 
 from __future__ import annotations
