@@ -107,13 +107,22 @@ def usable(group: dist.ProcessGroup, device: torch.device,
     off by the environment, room for the segment in /dev/shm (a container's is often 64 MB),
     and every rank on this host.
     """
+    return on_one_host(group, device, lambda: (
+        platform.machine().lower() in ("x86_64", "amd64") and not flag_var(DISABLE_VAR)
+        and room_for(segment_bytes(layouts, dist.get_world_size(group)))))
+
+
+def on_one_host(group: dist.ProcessGroup, device: torch.device,
+                local_ok: Callable[[], bool]) -> bool:
+    """Whether a shared-memory path may serve ``group`` on ``device``: CPU tensors, more than
+    one rank, not a dry run's fake group, ``local_ok()`` on every rank, and every rank on this
+    host. Collective (every rank must call it): an all-reduce of the ranks' verdicts, then
+    ``same_host`` where they all agree."""
     if device.type != "cpu" or dist.get_world_size(group) < 2:
         return False
     if dist.get_backend(group) == "fake":  # a dry run's ranks share no host (shardwise.sim)
         return False
-    local = platform.machine().lower() in ("x86_64", "amd64") and not flag_var(DISABLE_VAR) \
-        and room_for(segment_bytes(layouts, dist.get_world_size(group)))
-    flag = torch.tensor([1 if local else 0], dtype=torch.int32)
+    flag = torch.tensor([1 if local_ok() else 0], dtype=torch.int32)
     dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
     return bool(flag.item()) and same_host(group)
 

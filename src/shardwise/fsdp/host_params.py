@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 
 from shardwise.distributed.env import flag_var
-from shardwise.dp.shm_reduce import same_host
+from shardwise.dp.shm_reduce import on_one_host
 from shardwise.dp.shm_segment import SharedSegment, room_for
 from shardwise.fsdp.layout import ParamLayout, UnitLayout
 
@@ -55,16 +55,10 @@ def shareable(group: dist.ProcessGroup, device: torch.device, local_ok: bool,
               nbytes: int) -> bool:
     """Whether a unit's parameters may live in one mapping for ``group`` (see the Note).
 
-    Collective over ``group`` (an all-reduce, and an all-gather of host ids where every rank
-    agrees so far): ``local_ok`` is this rank's own verdict on the unit (dtype, offload, tensor
-    parallelism); the mapping takes ``nbytes``."""
-    world = dist.get_world_size(group)
-    if device.type != "cpu" or world < 2 or dist.get_backend(group) == "fake":
-        return False
-    local = local_ok and not flag_var(DISABLE_VAR) and room_for(nbytes)
-    flag = torch.tensor([1 if local else 0], dtype=torch.int32)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
-    return bool(flag.item()) and same_host(group)
+    Collective over ``group`` (``on_one_host``): ``local_ok`` is this rank's own verdict on
+    the unit (dtype, offload, tensor parallelism); the mapping takes ``nbytes``."""
+    return on_one_host(group, device,
+                       lambda: local_ok and not flag_var(DISABLE_VAR) and room_for(nbytes))
 
 
 def own_rows(full: torch.Tensor, layout: ParamLayout, rank: int) -> torch.Tensor:
