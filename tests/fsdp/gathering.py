@@ -4,21 +4,16 @@ share a host ([Note: parameters shared on one host], shardwise/fsdp/host_params.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from contextlib import contextmanager
+
+import pytest
 
 from shardwise.fsdp.host_params import DISABLE_VAR
 
 
 @contextmanager
 def gathering_units() -> Iterator[None]:
-    before = os.environ.get(DISABLE_VAR)
-    os.environ[DISABLE_VAR] = "1"
-    try:
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(DISABLE_VAR, "1")
         yield
-    finally:
-        if before is None:
-            os.environ.pop(DISABLE_VAR, None)
-        else:
-            os.environ[DISABLE_VAR] = before
