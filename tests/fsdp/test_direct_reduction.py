@@ -11,6 +11,7 @@ from torch import nn
 
 from shardwise import fully_shard
 from shardwise.fsdp import grad_exchange, units_of
+from shardwise.fsdp.flat_param import FlatParamHandle
 from tests.harness import WORLD_SIZES, assert_rel_close, local_part, run_on_ranks, shard0_rows
 
 RTOL = 1e-5
@@ -104,3 +105,107 @@ def test_direct_reduction_matches_reference_with_rank_dependent_branches(world_s
 def test_accumulation_without_sync_uses_the_flat_buffer_and_matches(world_size):
     calls = run_on_ranks(world_size, _train, 2)
     assert calls == [0] * world_size  # the synced backward adds to gradients kept unsynced
+
+
+class TwoBlockNet(nn.Module):
+    """Two units before the root's head; ``branch_of[k]`` says whether block k runs its branch."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([Block(), Block()])
+        self.head = nn.Linear(WIDTH, 4)
+
+    def forward(self, x, branch_of: tuple[bool, bool]):
+        for block, branch in zip(self.blocks, branch_of):
+            x = block(x, branch)
+        return self.head(x)
+
+
+def _train_two_units(ctx, direct: bool):
+    original = FlatParamHandle._direct_allowed
+    if not direct:  # every unit reduces through its flat buffer (as with NCCL)
+        FlatParamHandle._direct_allowed = lambda self, sync, grad: False
+    try:
+        _two_units_steps(ctx, steps=2)
+    finally:
+        FlatParamHandle._direct_allowed = original
+
+
+def _two_units_steps(ctx, steps: int):
+    torch.manual_seed(0)
+    reference, model = TwoBlockNet(), TwoBlockNet()
+    model.load_state_dict(reference.state_dict())
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    gen = torch.Generator().manual_seed(5)
+    for step in range(steps):
+        xs = torch.randn(ctx.world_size, 2, WIDTH, generator=gen)
+        # the later block's branch runs on rank 0 only: its gradient arrives there alone, and
+        # in backward the earlier block's exchanges come after it on every rank
+        branches = [(True, r == 0) for r in range(ctx.world_size)]
+        reference.zero_grad()
+        for r, x in enumerate(xs):
+            (reference(x, branches[r]).square().mean() / ctx.world_size).backward()
+        model.zero_grad()
+        model(xs[ctx.rank], branches[ctx.rank]).square().mean().backward()
+        ref = dict(reference.named_parameters())
+        for unit in units_of(model):
+            name = next(n for n, m in model.named_modules() if m is unit.module)
+            prefix = f"{name}." if name else ""
+            for slot in unit.handle.slots:
+                expected = ref[prefix + slot.fqns[0]].grad
+                if expected is None:
+                    expected = torch.zeros(slot.shape)
+                assert_rel_close(local_part(slot.shard_param.grad),
+                                 shard0_rows(expected, ctx.rank, ctx.world_size), RTOL,
+                                 f"step {step}: {prefix + slot.fqns[0]}")
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "flat-buffer"])
+def test_a_gradient_missing_on_some_ranks_does_not_stall_the_units_after_it(world_size, direct):
+    """The later unit cannot wait for its whole set of gradients on the ranks that miss one:
+    those ranks would move on to the earlier unit, and the ranks' reductions would pair up
+    the wrong units (seen: gradients 0.6 of their scale off) or wait for each other."""
+    run_on_ranks(world_size, _train_two_units, direct, timeout=60)
+
+
+class DeepBlock(nn.Module):
+    """Three large layers, then a branch that runs only when asked: in backward the branch's
+    gradient comes first, followed by three large gradients that every rank gets."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(WIDTH, WIDTH) for _ in range(3)])
+        self.branch = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x, use_branch: bool):
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x + self.branch(x) if use_branch else x
+
+
+def _train_deep_unit(ctx):
+    torch.manual_seed(0)
+    reference, model = DeepBlock(), DeepBlock()
+    model.load_state_dict(reference.state_dict())
+    fully_shard(model)
+    xs = torch.randn(ctx.world_size, 2, WIDTH, generator=torch.Generator().manual_seed(7))
+    for r, x in enumerate(xs):
+        (reference(x, r == 0).square().mean() / ctx.world_size).backward()
+    model(xs[ctx.rank], ctx.rank == 0).square().mean().backward()
+    ref = dict(reference.named_parameters())
+    for slot in units_of(model)[0].handle.slots:
+        expected = ref[slot.fqns[0]].grad
+        assert_rel_close(local_part(slot.shard_param.grad),
+                         shard0_rows(expected, ctx.rank, ctx.world_size), RTOL, slot.fqns[0])
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_a_rank_without_a_gradient_does_not_deadlock_the_exchanges_after_it(world_size):
+    """Rank 0 sends the branch's rows first and, when the next gradient arrives, waits for that
+    exchange, which the other ranks complete (with zeros) only where the unit's backward ends;
+    they, meanwhile, wait for exchanges that rank 0 posts after its wait. Waiting without end
+    there would hang every rank."""
+    run_on_ranks(world_size, _train_deep_unit, timeout=60)

@@ -1,10 +1,10 @@
 """Which of a unit's parameter gradients have arrived: the one record of it.
 
 [Note: gradient arrival]
-One ``GradArrivals`` per flat-parameter handle answers the two questions a gradient raises:
+One ``GradArrivals`` per flat-parameter handle answers the questions a gradient raises:
 - for the unit's state machine ([Note: FSDP unit states]): did any gradient arrive in this
-  backward, and has every parameter that requires grad delivered one (each counted once, however
-  often it arrives)? That is the end of the unit's backward;
+  backward? (Where the unit's backward ends does not depend on which gradients arrived: [Note:
+  where a unit's backward ends], unit.py.)
 - for the handle's gradient buffers ([Note: flat parameters], [Note: direct gradient
   reduction]): is a parameter's gradient already in the buffers waiting to be reduced (a second
   one is added, a first one copied), and which never arrived (their chunks are sent as zeros)?
@@ -24,15 +24,12 @@ class GradArrivals:
         self._pending: dict[int, int] = {}  # slot index -> backward of its last arrival
         self._backward = 0  # counts backward passes
         self._count = 0  # slots in `_pending` that arrived in this backward
-        self._expected = 0  # slots that require grad, read at the first arrival of a backward
 
-    def record(self, index: int, expected: int) -> bool:
-        """Slot ``index``'s gradient arrived; ``expected`` is how many slots require grad.
-        Returns whether a gradient of this slot is already waiting (add to it, not copy)."""
+    def record(self, index: int) -> bool:
+        """Slot ``index``'s gradient arrived. Returns whether a gradient of this slot is already
+        waiting (add to it, not copy)."""
         last = self._pending.get(index)
         if last != self._backward:
-            if self._count == 0:
-                self._expected = expected
             self._count += 1
             self._pending[index] = self._backward
         return last is not None
@@ -40,10 +37,6 @@ class GradArrivals:
     def any_now(self) -> bool:
         """Whether a gradient arrived in this backward (and was not handed over since)."""
         return self._count > 0
-
-    def all_now(self) -> bool:
-        """Whether every slot that requires grad delivered its gradient in this backward."""
-        return self._count > 0 and self._count == self._expected
 
     def waiting(self, index: int) -> bool:
         """Whether slot ``index``'s gradient is in the buffers, waiting to be reduced."""

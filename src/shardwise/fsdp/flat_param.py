@@ -71,7 +71,7 @@ from shardwise.fsdp.dtensor import (
     sharded_like,
     sharded_parameter,
 )
-from shardwise.fsdp.grad_exchange import DirectGrads
+from shardwise.fsdp.grad_exchange import TAG_BASE, DirectGrads
 from shardwise.fsdp.host_params import HostParams, shareable
 from shardwise.fsdp.layout import ParamLayout, UnitLayout, copy_into_chunks, plan_layout
 from shardwise.fsdp.tp_params import TPLayout, local_grad
@@ -161,6 +161,7 @@ class FlatParamHandle:
         self._make_full()
         self.grad_buffer: torch.Tensor | None = None  # 1D, world * shard_numel, compute dtype
         self.direct: DirectGrads | None = None  # see [Note: direct gradient reduction]
+        self.tag_base = TAG_BASE  # of its direct exchanges; the root sets one per unit
         self.arrivals = GradArrivals()  # which gradients are in: [Note: gradient arrival]
         self.state = ShardState.SHARDED
         self.views_set = False
@@ -374,18 +375,15 @@ class FlatParamHandle:
         one). Its arrival is recorded in ``arrivals`` ([Note: gradient arrival])."""
         leaf, slot = self.leaves[index], self.slots[index]
         grad, leaf.grad = local_grad(leaf.grad, self.tp[index]), None
-        accumulate = self.arrivals.record(index, self._requiring_grad())
+        accumulate = self.arrivals.record(index)
         if self.direct is None and self.grad_buffer is None and self._direct_allowed(sync, grad):
             self.direct = DirectGrads(self.layout, self.rank, self.global_ranks, self.group,
-                                      self.reduce_dtype, self.compute_device)
+                                      self.reduce_dtype, self.compute_device, self.tag_base)
         if self.direct is not None:
             if slot.numel:
                 self.direct.add(index, grad, accumulate)
         else:
             self._add_to_buffer(index, grad, accumulate)
-
-    def _requiring_grad(self) -> int:
-        return sum(s.requires_grad for s in self.slots)
 
     def _direct_allowed(self, sync: bool, grad: torch.Tensor) -> bool:
         return (sync and self.world > 1 and self.comm_hook is None
@@ -403,6 +401,20 @@ class FlatParamHandle:
     def has_gradient(self) -> bool:
         """Whether gradients wait to be reduced (the next ``start_reduction`` issues one)."""
         return self.direct is not None or self.grad_buffer is not None
+
+    def expect_gradient(self) -> None:
+        """Make the next ``start_reduction`` issue one although no gradient arrived on this rank:
+        the peers' did ([Note: where a unit's backward ends], unit.py), so this rank takes part
+        with zeros, through the same path (direct or flat buffer) a gradient would have taken."""
+        if self.has_gradient():
+            return
+        probe = torch.empty(0, dtype=self.param_dtype, device=self.compute_device)
+        if self._direct_allowed(True, probe):
+            self.direct = DirectGrads(self.layout, self.rank, self.global_ranks, self.group,
+                                      self.reduce_dtype, self.compute_device, self.tag_base)
+        else:
+            self.grad_buffer = torch.zeros(self.world * self.layout.shard_numel,
+                                           dtype=self.param_dtype, device=self.compute_device)
 
     def start_reduction(self) -> GradReduction:
         """Issue the averaging reduce-scatter of the gradients gathered so far (zero where none

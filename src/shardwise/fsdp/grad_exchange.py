@@ -9,22 +9,30 @@ rows of a parameter that rank r owns are contiguous in its gradient (``Shard(0)`
 soon as autograd has made its gradient: each rank sends every other rank r the rows r owns,
 straight out of the gradient, and receives the other ranks' copies of its own rows: the lowest
 other rank's into the unit's reduced shard itself (allocated at the unit's first gradient), any
-further ones into a workspace. When the next direct gradient of the unit arrives, the exchanges
-before it are waited for: this rank's own rows and the further copies are added into the
+further ones into a workspace. When the next direct gradient of the unit arrives, the exchange
+before it is waited for: this rank's own rows and the further copies are added into the
 reduced shard (the same order as ``reduce_scatter_flat``) and the gradient is let go. So a unit
 holds its reduced shard plus one or two gradients in flight, not all of its gradients until its
 backward ends. Dividing by the world size waits for the unit's reduction to be finished. The
 small ("packed") parameters still go through a rank-major buffer, only as large as the packed
-region, and one ``reduce_scatter_flat`` issued when the unit's gradients are complete, as the
-gather packs them too.
+region, and one ``reduce_scatter_flat`` issued where the unit's backward ends, as the gather
+packs them too.
 
 Every rank issues the same messages: one exchange per direct parameter and reduction (a
-gradient that never arrived on this rank is sent as zeros when the unit's reduction is issued),
-each tagged with the parameter's index in the unit, so that a gradient arriving on some ranks
-only (data-dependent control flow) still meets its zeros on the others. Units' reductions are
-issued in the same order on every rank, which the buffered path relies on already. A gradient
-that arrives twice in one reduction (used inside and outside a reentrant checkpoint) is sent
-twice, its second copies received into a workspace and added: the same sum, in another order.
+gradient that never arrived on this rank is sent as zeros when the unit's reduction is issued,
+[Note: where a unit's backward ends], unit.py), each tagged with the unit's position in the
+root's order and the parameter's index in the unit, so that a gradient arriving on some ranks
+only (data-dependent control flow) still meets its zeros on the others and never another
+unit's message. Such a peer posts its zeros only where the unit's backward ends, after the
+unit's other gradients: a rank that waited for that exchange without end, when its next
+gradient arrives, would wait for a peer that waits for this rank's later exchanges. So the
+waits happen on a thread per reduction (``_Waiter``; gloo's point-to-point works cannot be
+polled, and a wait that times out closes the connection), and an arriving gradient waits for
+the exchange before it for at most ``PATIENCE_S``; one not done by then, and every exchange
+after it, is finished with the unit's reduction (more gradients held, for that backward only).
+A gradient that arrives twice in one reduction (used inside and outside a reentrant
+checkpoint) is sent twice, its second copies received into a workspace and added: the same
+sum, in another order.
 
 Taken only where it is exact and simple: gloo on CPU, more than one rank, no communication hook,
 gradient sync on, and no gradient left over from a backward without sync (those accumulate in
@@ -33,6 +41,8 @@ the flat buffer, which then reduces everything).
 
 from __future__ import annotations
 
+import queue
+import threading
 from collections.abc import Callable, Sequence
 
 import torch
@@ -41,36 +51,95 @@ import torch.distributed as dist
 from shardwise.dp.fast_collectives import Pending, reduce_scatter_flat
 from shardwise.fsdp.layout import UnitLayout, chunks_of, copy_into_chunks
 
-_TAG_BASE = 1 << 20  # point-to-point tags of direct exchanges: this plus the parameter's index
+TAG_BASE = 1 << 20  # point-to-point tags of direct exchanges start here
+_TAG_END = 1 << 31  # gloo's tags are 31-bit
+PATIENCE_S = 0.1  # how long an arriving gradient waits for an older exchange: _finish_older
+
+
+def unit_tag_bases(slot_counts: Sequence[int]) -> list[int]:
+    """The first tag of each unit's direct exchanges, given every unit's number of parameters
+    in the root's (rank-independent) order: unit k's parameter i is tagged
+    ``TAG_BASE + k * max(slot_counts) + i``, so no two exchanges of one backward share a tag."""
+    stride = max(slot_counts, default=1) or 1
+    if TAG_BASE + len(slot_counts) * stride > _TAG_END:
+        raise ValueError(f"FSDP: {len(slot_counts)} units of up to {stride} parameters each "
+                         "need more point-to-point tags than gloo has; use fewer units")
+    return [TAG_BASE + k * stride for k in range(len(slot_counts))]
 
 
 class _Exchange:
-    """One direct parameter's sends and receives in flight, and what waiting adds to its rows of
-    the reduced shard."""
+    """One direct parameter's sends and receives in flight, and what finishing adds to its rows
+    of the reduced shard. Its works are waited for by the unit's ``_Waiter`` thread, never here:
+    gloo's point-to-point works cannot be polled (``is_completed`` stays False until a wait) and
+    a wait that times out closes the connection."""
 
     def __init__(self, works: list, dest: torch.Tensor | None, pieces: list[torch.Tensor]):
         self.works, self.dest, self.pieces = works, dest, pieces
+        self.arrived = threading.Event()  # set by the waiter once every work is done
+        self.error: BaseException | None = None
+        self.deferred = False  # waited for in vain: left to the unit's reduction
 
     def held_bytes(self) -> int:
         return sum(t.untyped_storage().nbytes() for t in self.pieces)
 
+    def done(self) -> bool:
+        return self.arrived.is_set()
+
     def finish(self) -> None:
         """Wait for the messages, then add this rank's rows and any further copies into
         ``dest`` (the lowest other rank's copy was received straight into it)."""
-        for work in self.works:
-            work.wait()
+        self.arrived.wait()
+        if self.error is not None:
+            raise self.error
         if self.dest is not None:
             for piece in self.pieces:
                 self.dest.add_(piece)
         self.works, self.pieces = [], []
 
 
+class _Waiter:
+    """A thread that waits for one reduction's exchanges, in the order they were posted, and
+    marks each done: the compute thread can then ask, or wait with a timeout."""
+
+    _END = None
+
+    def __init__(self) -> None:
+        self.queue: queue.SimpleQueue = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._run, name="shardwise-fsdp-exchange",
+                                       daemon=True)
+        self.thread.start()
+
+    def submit(self, exchange: _Exchange) -> None:
+        self.queue.put(exchange)
+
+    def close(self) -> None:
+        """No more exchanges: the thread ends after the ones submitted."""
+        self.queue.put(self._END)
+
+    def join(self) -> None:
+        """Wait for the thread's end (after ``close`` and every exchange's ``finish``), so that
+        it holds no work of the process group past the reduction."""
+        self.thread.join()
+
+    def _run(self) -> None:
+        while (exchange := self.queue.get()) is not self._END:
+            try:
+                for work in exchange.works:
+                    work.wait()
+            except BaseException as err:  # handed to the compute thread by finish()
+                exchange.error = err
+            exchange.arrived.set()
+            exchange = work = None  # noqa: F841  (no reference kept while waiting for more)
+
+
 class DirectGrads:
     """One unit's reduction in direct mode, from its first gradient until it is issued."""
 
     def __init__(self, layout: UnitLayout, rank: int, global_ranks: Sequence[int],
-                 group: dist.ProcessGroup, reduce_dtype: torch.dtype, device: torch.device):
+                 group: dist.ProcessGroup, reduce_dtype: torch.dtype, device: torch.device,
+                 tag_base: int = TAG_BASE):
         self.layout, self.rank, self.world = layout, rank, len(global_ranks)
+        self.tag_base = tag_base  # this unit's first tag: see unit_tag_bases
         self.global_ranks, self.group = global_ranks, group
         self.reduce_dtype, self.device = reduce_dtype, device
         # the reduced shard (1D, shard_numel): the direct parameters' rows are received into it
@@ -78,6 +147,7 @@ class DirectGrads:
         self.inflight: list[_Exchange] = []  # issued, not yet waited for (oldest first)
         self.sent: set[int] = set()  # direct parameters whose exchange was issued
         self.packed: torch.Tensor | None = None  # (world, packed_numel), rank-major
+        self.waiter: _Waiter | None = None  # started by the first exchange
 
     def add(self, index: int, grad: torch.Tensor, accumulate: bool) -> None:
         """Take parameter ``index``'s gradient: a direct one is sent at once and every older
@@ -88,14 +158,24 @@ class DirectGrads:
             self._add_packed(index, grad, accumulate)
             return
         flat = grad.to(self.reduce_dtype).reshape(-1)
-        if index in self.sent:  # arrived again (a reentrant checkpoint): its rows add up
-            self._finish_inflight()
+        # arrived again (a reentrant checkpoint): received into a workspace, added after the first
         self.inflight.append(self._exchange(flat, index, param, into_dest=index not in self.sent))
         self.sent.add(index)
-        self._finish_inflight(keep=1)
+        self._finish_older()
 
-    def _finish_inflight(self, keep: int = 0) -> None:
-        while len(self.inflight) > keep:
+    def _finish_older(self) -> None:
+        """Finish the exchanges before the newest, waiting up to ``PATIENCE_S`` for the oldest.
+        A peer that never got that gradient posts its zeros only where the unit's backward ends
+        (see the Note), so a wait without end here could wait for a rank that waits for this
+        one: an exchange not done in time is left to the unit's reduction, and so are the ones
+        after it (the waiter thread finishes them in order)."""
+        older = self.inflight[:-1]
+        if not older or older[0].deferred:
+            return
+        if not older[0].arrived.wait(PATIENCE_S):
+            older[0].deferred = True
+            return
+        while len(self.inflight) > 1 and self.inflight[0].done():
             self.inflight.pop(0).finish()
 
     def _add_packed(self, index: int, grad: torch.Tensor, accumulate: bool) -> None:
@@ -126,7 +206,10 @@ class DirectGrads:
             if index not in self.sent:  # never arrived here: this rank contributes zeros
                 zeros = torch.zeros(param.numel, dtype=self.reduce_dtype, device=self.device)
                 self.inflight.append(self._exchange(zeros, index, param, into_dest=True))
-        inflight, self.inflight, self.sent = self.inflight, [], set()
+        waiter = self.waiter
+        if waiter is not None:
+            waiter.close()
+        inflight, self.inflight, self.sent, self.waiter = self.inflight, [], set(), None
         out, world, direct_end = self.out, self.world, layout.packed_offset
         works = []
         packed_work = self._start_packed(out, arrived)
@@ -136,6 +219,8 @@ class DirectGrads:
         def finish() -> None:
             for exchange in inflight:
                 exchange.finish()
+            if waiter is not None:
+                waiter.join()
             out[:direct_end].div_(world)
 
         held = [t for e in inflight for t in e.pieces]
@@ -146,7 +231,7 @@ class DirectGrads:
         gradients arrive in different orders still pair them up. ``into_dest``: the first
         exchange of this parameter in the reduction receives the lowest other rank's rows
         straight into its rows of ``out``; a later one receives into a workspace."""
-        tag = _TAG_BASE + index
+        tag = self.tag_base + index
         works = []
         chunks = dict(chunks_of(flat, param))
         for r, rows in chunks.items():
@@ -154,7 +239,7 @@ class DirectGrads:
                 works.append(dist.isend(rows, self.global_ranks[r], group=self.group, tag=tag))
         own = chunks.get(self.rank)
         if own is None:  # this rank owns none of its rows: only the sends, kept alive
-            return _Exchange(works, None, [flat])
+            return self._submit(_Exchange(works, None, [flat]))
         dest = self.out[param.shard_offset : param.shard_offset + own.numel()]
         others = [r for r in range(self.world) if r != self.rank]
         pieces = [own]
@@ -163,7 +248,13 @@ class DirectGrads:
             if buf is not dest:
                 pieces.append(buf)
             works.append(dist.irecv(buf, self.global_ranks[r], group=self.group, tag=tag))
-        return _Exchange(works, dest, pieces)
+        return self._submit(_Exchange(works, dest, pieces))
+
+    def _submit(self, exchange: _Exchange) -> _Exchange:
+        if self.waiter is None:
+            self.waiter = _Waiter()
+        self.waiter.submit(exchange)
+        return exchange
 
     def _start_packed(self, out: torch.Tensor, arrived: Callable[[int], bool]):
         layout = self.layout

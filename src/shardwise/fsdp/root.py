@@ -16,9 +16,10 @@ with them.
 Backward: units run in reverse forward order. A unit's pre-backward (a hook on its outputs'
 gradients) waits for its parameters and prefetches the next unit in that reverse order, unless
 ``max_unsharded_units`` (default 2) non-root units are already unsharded, in which case the
-prefetch is issued when the unit before it frees its parameters (its post-backward). When a
-unit's flat gradient is complete (the last of its parameters' post-accumulate-grad hooks, see
-[Note: flat parameters]) its reduce-scatter is issued and the unit reshards at once. A reduction
+prefetch is issued when the unit before it frees its parameters (its post-backward). Where a
+unit's backward ends (once the gradients of its forward's inputs are computed: [Note: where a
+unit's backward ends], unit.py) its reduce-scatter is issued and the unit reshards at once.
+A reduction
 in flight is finished when the next unit's first gradient arrives, before that unit's flat
 gradient is allocated, and in any case before another reduction is issued (at most
 ``max_inflight_reductions``, default 1, are outstanding). So it overlaps the next unit's
@@ -30,10 +31,11 @@ straight into its output on two ranks (fast_collectives.py), no unit's gradients
 at the backward peak (what the peak holds: docs/fsdp.md). torch's FSDP2 reduces synchronously,
 so it has no reduction in flight, but it copies each unit's gradients into a reduce-scatter
 input while they are alive.
-A callback queued on autograd's engine reduces the gradient of any unit that got only part of
-its gradients (a parameter unused in forward) or got some after its reduction ([Note: FSDP unit
-states], unit.py), finishes the remaining reductions and reshards
-whatever is still unsharded when the backward pass ends.
+A callback queued on autograd's engine ends the backward of the units that backward reached
+but whose forward had no input requiring grad (the root among them), in the root's order, and
+reduces their gradients; reduces any gradient that arrived after its unit's reduction ([Note:
+FSDP unit states], unit.py) or in a unit that backward never reached; finishes the remaining
+reductions and reshards whatever is still unsharded when the backward pass ends.
 """
 
 from __future__ import annotations
@@ -172,11 +174,13 @@ class RootState:
         unit.handle.finish_grad_reduction(reduction)
 
     def end_of_backward(self) -> None:
-        """Reduce the gradients of units that got only some of theirs (a parameter unused in
-        forward), finish every reduction, reshard every unit, reset per-backward state."""
+        """End the backward of the units still in it (their reductions, in the root's order),
+        reduce late gradients, finish every reduction, reshard every unit, reset per-backward
+        state (see [Note: FSDP schedule])."""
         for unit in self.units:
-            partial = not unit.backward_done or unit.late_grads
-            if partial and unit.grads_arrived():
+            if unit.reached_by_backward():  # every rank ends its backward here
+                unit.end_backward_at_callback()
+            elif unit.late_grads or (not unit.backward_done and unit.grads_arrived()):
                 unit.reduce_gradient()
         self.finish_reductions()
         self.sync_host()  # every rank's backward has read the peers' rows

@@ -21,6 +21,7 @@ from shardwise._compat import tree_flatten, tree_map
 from shardwise.fsdp.checks import class_name
 from shardwise.fsdp.collectives import register_pre_backward, run_eagerly
 from shardwise.fsdp.flat_param import FlatParamHandle
+from shardwise.fsdp.grad_exchange import unit_tag_bases
 from shardwise.fsdp.mixed_precision import MixedPrecision
 from shardwise.fsdp.root import RootState
 from shardwise.memory.heap import release_free_heap
@@ -34,16 +35,16 @@ class TrainingState(Enum):
     IDLE = auto()  # between iterations, and after the unit's forward until backward reaches it
     FORWARD = auto()  # inside the unit's forward (pre-forward ran, post-forward not yet)
     PRE_BACKWARD = auto()  # backward reached the unit: parameters gathered, gradients arriving
-    POST_BACKWARD = auto()  # every gradient in: reduction issued (parameters resharded)
+    POST_BACKWARD = auto()  # backward done with it: reduction issued (parameters resharded)
 
 
 # [Note: FSDP unit states]
 # IDLE -> FORWARD (pre-forward: gather, record the forward order) -> IDLE (post-forward: reshard
 # unless backward needs the unit first). IDLE -> PRE_BACKWARD (the first gradient of one of the
 # unit's outputs: gather, prefetch the next unit in backward order; later outputs' gradients
-# find the unit already in PRE_BACKWARD and do nothing) -> POST_BACKWARD (the last parameter
-# gradient of the unit: reshard, reduce-scatter) -> IDLE (the root's end-of-backward callback,
-# for every unit at once).
+# find the unit already in PRE_BACKWARD and do nothing) -> POST_BACKWARD (where the unit's
+# backward ends, see the next Note: reshard, reduce-scatter) -> IDLE (the root's end-of-backward
+# callback, for every unit at once).
 # A forward that runs while a backward is running is an activation-checkpoint recompute
 # (torch.utils.checkpoint, reentrant or not, of the whole unit or inside it): it leaves the
 # state as it is, records no forward order, gathers the parameters if they are not gathered
@@ -55,6 +56,26 @@ class TrainingState(Enum):
 # after the unit's reduction was issued (POST_BACKWARD) goes into a new flat gradient that the
 # end-of-backward callback reduces too: a reduce-scatter is linear, so the two reductions sum
 # to the one the whole gradient would have had. tests/fsdp/test_fsdp_state_machine.py.
+
+# [Note: where a unit's backward ends]
+# Every rank must issue the units' reductions in the same order, and a rank whose control flow
+# skipped a parameter (a branch or an expert that ran on other ranks only) gets no gradient for
+# it. So the end of a unit's backward is not "every parameter's gradient is in", which comes on
+# some ranks and never on others (a rank waiting for it would reach the end of backward first
+# and reduce this unit after units that the other ranks reduced after it: reductions paired
+# with the wrong units, or ranks waiting for each other). It is a point that every rank reaches:
+# - when the unit's forward had inputs that require grad: once backward has computed their
+#   gradients (a multi-grad hook on them, registered by the forward or, for a reentrant
+#   checkpoint whose forward ran without grad, by its recompute). Autograd runs every node made
+#   during the unit's forward before the node that made its inputs, and a parameter's
+#   AccumulateGrad as soon as it is ready, so the gradients that arrive at all are in by then;
+# - otherwise (the root, whose inputs are data; a unit after frozen layers): the root's
+#   end-of-backward callback, for these units in the root's order.
+# Each rank then reduces every parameter, with zeros for the ones it got no gradient for, even a
+# unit none of whose gradients arrived here (``expect_gradient``). A parameter that no rank used
+# gets a zero gradient where plain torch leaves None. The direct exchanges that do run while the
+# unit's backward goes on never wait without end for a peer ([Note: direct gradient
+# reduction]). tests/fsdp/test_direct_reduction.py.
 
 
 class FSDPUnit:
@@ -78,6 +99,7 @@ class FSDPUnit:
         self.recomputing = False  # a forward run during backward (activation checkpointing)
         self.late_grads = False  # gradients arrived in POST_BACKWARD, reduced at the end
         self._inputs_pending = 0  # forwards whose inputs' gradients backward has not produced
+        self._inputs_watched = 0  # forwards of this iteration whose inputs are watched
         self.forward_index = -1  # position of the current call in the forward order
         self.reshard_after_backward = True
         # off once the unit's forward ran a reentrant checkpoint inside it: see
@@ -132,7 +154,7 @@ class FSDPUnit:
         """The backward pass is over (the root's callback): back to IDLE."""
         self.state = TrainingState.IDLE
         self.recomputing = self.late_grads = False
-        self._inputs_pending = 0
+        self._inputs_pending = self._inputs_watched = 0
 
     def needs_gradients(self) -> bool:
         return self.handle is not None and self.handle.requires_grad
@@ -151,16 +173,20 @@ class FSDPUnit:
         self.is_root = True
         units = self.subtree()
         state = RootState(units, max_inflight_gathers=2 if self.forward_prefetch else 1)
-        for unit in units:
+        bases = unit_tag_bases([len(u.handle.slots) if u.handle else 0 for u in units])
+        for unit, tag_base in zip(units, bases):
             unit.root_state = state
             if unit.handle is not None:
                 unit.handle.storage_pool = state.storage_pool
+                unit.handle.tag_base = tag_base
 
     def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if self.root_state is None:
             self._lazy_init()
         if self.root_state.in_backward:
             self._pre_recompute()
+            if not self._inputs_watched:  # a reentrant checkpoint's forward ran without grad
+                self._watch_inputs(args, kwargs)
         else:
             if self.is_root:
                 if self.handle is not None and self.handle.compute_device.type == "cpu":
@@ -168,7 +194,7 @@ class FSDPUnit:
                 self.root_state.sync_host()  # the peers' rows are written
                 self.root_state.start_forward()
                 for unit in self.root_state.units:
-                    unit._inputs_pending = 0
+                    unit._inputs_pending = unit._inputs_watched = 0
             self.state = TrainingState.FORWARD
             self._watch_inputs(args, kwargs)
             self.root_state.unshard_for_forward(self, self.forward_prefetch_units)
@@ -181,32 +207,26 @@ class FSDPUnit:
         return args, kwargs
 
     def _watch_inputs(self, args: tuple, kwargs: dict) -> None:
-        """Make the gradients of this forward's inputs one condition of the unit's backward
-        being over (see [Note: FSDP unit states])."""
+        """Make the gradients of this forward's inputs the end of the unit's backward (see
+        [Note: where a unit's backward ends])."""
         if not torch.is_grad_enabled() or self.handle is None:
             return
         leaves, _ = tree_flatten((args, kwargs))
         inputs = [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
         if inputs:
             self._inputs_pending += 1
+            self._inputs_watched += 1
             register_multi_grad_hook(inputs, self._on_inputs_grad, mode="all")
 
     def _on_inputs_grad(self, grads: Any) -> None:
         self._inputs_pending -= 1
-        if self.state is TrainingState.PRE_BACKWARD and self._all_params_arrived():
-            self._maybe_post_backward()
-
-    def _all_params_arrived(self) -> bool:
-        return self.handle.arrivals.all_now()
+        if self.state is TrainingState.PRE_BACKWARD and self._inputs_pending <= 0:
+            self._post_backward()
 
     def grads_arrived(self) -> bool:
         """Whether a gradient of this unit arrived in this backward ([Note: gradient
         arrival])."""
         return self.handle is not None and self.handle.arrivals.any_now()
-
-    def _maybe_post_backward(self) -> None:
-        if self._inputs_pending <= 0:
-            self._post_backward()
 
     def _pre_recompute(self) -> None:
         """A forward during backward (see [Note: FSDP unit states]): parameters gathered and in
@@ -265,9 +285,9 @@ class FSDPUnit:
                 handle.use_unsharded_views()
 
     def _on_param_grad(self, index: int, leaf: torch.Tensor) -> None:
-        """One parameter's gradient is complete: into the flat gradient with it. The unit's
-        backward is over when every parameter that requires grad delivered one (each counted
-        once; a late or repeated one: [Note: FSDP unit states])."""
+        """One parameter's gradient is complete: into the flat gradient with it (each counted
+        once; a late or repeated one: [Note: FSDP unit states]). It does not end the unit's
+        backward: [Note: where a unit's backward ends]."""
         if self.state is TrainingState.POST_BACKWARD:
             # into new gradients, reduced at the end
             self.handle.add_param_grad(index, sync=not self.no_sync)
@@ -280,8 +300,6 @@ class FSDPUnit:
         self.handle.add_param_grad(index, sync=not self.no_sync)
         if self.release_rows and self.reshard_after_backward and not self.recomputing:
             self.handle.release_param_rows(index)  # [Note: releasing a dead parameter's rows]
-        if self._all_params_arrived():
-            self._maybe_post_backward()
 
     def _post_backward(self) -> None:
         """Every gradient of the unit is in: its backward is over (see the Note)."""
@@ -291,12 +309,26 @@ class FSDPUnit:
         if self.backward_prefetch_units is None:
             self.root_state.prefetch_for_backward(self)
         self.root_state.storage_pool.clear()  # what no prefetch took: [Note: unshard buffer pool]
-        self.reduce_gradient()
+        self.reduce_gradient(take_part=True)
 
-    def reduce_gradient(self) -> None:
-        """Issue the reduce-scatter of the flat gradient (unless gradient sync is off)."""
+    def reached_by_backward(self) -> bool:
+        """Backward reached the unit's outputs and its backward has not ended yet."""
+        return self.state is TrainingState.PRE_BACKWARD
+
+    def end_backward_at_callback(self) -> None:
+        """The end of backward ends this unit's too (no watched inputs, see the Note)."""
+        self.state = TrainingState.POST_BACKWARD
+        if self.handle is not None:
+            self.reduce_gradient(take_part=True)
+
+    def reduce_gradient(self, take_part: bool = False) -> None:
+        """Issue the reduce-scatter of the flat gradient (unless gradient sync is off).
+        ``take_part``: the unit's backward ended on every rank at this point, so this rank
+        reduces even if none of its gradients arrived here (zeros, see the Note)."""
         if self.no_sync:
             return
+        if take_part and self.needs_gradients():
+            self.handle.expect_gradient()
         if self.handle.has_gradient():
             self.root_state.make_room_for_reduction()
             self.root_state.add_reduction(self, self.handle.start_reduction())
