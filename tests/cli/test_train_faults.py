@@ -98,6 +98,7 @@ def test_a_stop_asked_of_one_rank_stops_every_rank_after_the_same_step(tmp_path)
     assert (tmp_path / "latest").read_text() == "step_000005"
 
 
+@pytest.mark.slow  # a kill, a restart and a resume: three launches of two fresh ranks
 def test_a_killed_rank_under_max_restarts_resumes_from_the_latest_checkpoint(tmp_path):
     ck = tmp_path / "ck"
     job = _cli("--steps", "12", "--checkpoint-dir", str(ck), "--checkpoint-every", "2",

@@ -7,6 +7,8 @@ from __future__ import annotations
 import os
 import sys
 
+import pytest
+
 from tests.harness import procs
 from tests.rpc.conftest import ROOT, free_port, python_path
 
@@ -53,6 +55,7 @@ def test_init_rpc_under_shardwise_run():
     _check(_run([[sys.executable, "-m", "shardwise", "run", "--nproc", "2", PROGRAM]]), 2)
 
 
+@pytest.mark.slow  # two launchers, four fresh ranks: `pytest -m slow`
 def test_init_rpc_under_two_shardwise_run_nodes_on_loopback():
     port = free_port()
     _check(_run([[sys.executable, "-m", "shardwise", "run", "--nproc", "2", "--nnodes", "2",
