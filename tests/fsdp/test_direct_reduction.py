@@ -54,8 +54,9 @@ def _counting_starts():
 
 def _check_grads(ctx, model, reference, what):
     ref = dict(reference.named_parameters())
+    names = {id(m): n for n, m in model.named_modules()}
     for unit in units_of(model):
-        prefix = "block." if unit.module is model.block else ""
+        prefix = f"{names[id(unit.module)]}." if names[id(unit.module)] else ""
         for slot in unit.handle.slots:
             expected = ref[prefix + slot.fqns[0]].grad
             if expected is None:
@@ -149,17 +150,7 @@ def _two_units_steps(ctx, steps: int):
             (reference(x, branches[r]).square().mean() / ctx.world_size).backward()
         model.zero_grad()
         model(xs[ctx.rank], branches[ctx.rank]).square().mean().backward()
-        ref = dict(reference.named_parameters())
-        for unit in units_of(model):
-            name = next(n for n, m in model.named_modules() if m is unit.module)
-            prefix = f"{name}." if name else ""
-            for slot in unit.handle.slots:
-                expected = ref[prefix + slot.fqns[0]].grad
-                if expected is None:
-                    expected = torch.zeros(slot.shape)
-                assert_rel_close(local_part(slot.shard_param.grad),
-                                 shard0_rows(expected, ctx.rank, ctx.world_size), RTOL,
-                                 f"step {step}: {prefix + slot.fqns[0]}")
+        _check_grads(ctx, model, reference, f"step {step}")
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
@@ -195,11 +186,7 @@ def _train_deep_unit(ctx):
     for r, x in enumerate(xs):
         (reference(x, r == 0).square().mean() / ctx.world_size).backward()
     model(xs[ctx.rank], ctx.rank == 0).square().mean().backward()
-    ref = dict(reference.named_parameters())
-    for slot in units_of(model)[0].handle.slots:
-        expected = ref[slot.fqns[0]].grad
-        assert_rel_close(local_part(slot.shard_param.grad),
-                         shard0_rows(expected, ctx.rank, ctx.world_size), RTOL, slot.fqns[0])
+    _check_grads(ctx, model, reference, "deep unit")
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
