@@ -150,9 +150,10 @@ class DirectGrads:
         self.waiter: _Waiter | None = None  # started by the first exchange
 
     def add(self, index: int, grad: torch.Tensor, accumulate: bool) -> None:
-        """Take parameter ``index``'s gradient: a direct one is sent at once and every older
-        exchange of the unit is waited for (so one gradient is in flight, see the Note); a
-        packed one is copied, or added (``accumulate``), into the packed buffer."""
+        """Take parameter ``index``'s gradient: a direct one is sent at once and the older
+        exchanges of the unit are finished (``_finish_older``: so one gradient is in flight,
+        see the Note); a packed one is copied, or added (``accumulate``), into the packed
+        buffer."""
         param = self.layout.params[index]
         if param.packed:
             self._add_packed(index, grad, accumulate)
