@@ -377,13 +377,16 @@ class FlatParamHandle:
         grad, leaf.grad = local_grad(leaf.grad, self.tp[index]), None
         accumulate = self.arrivals.record(index)
         if self.direct is None and self.grad_buffer is None and self._direct_allowed(sync, grad):
-            self.direct = DirectGrads(self.layout, self.rank, self.global_ranks, self.group,
-                                      self.reduce_dtype, self.compute_device, self.tag_base)
+            self.direct = self._new_direct()
         if self.direct is not None:
             if slot.numel:
                 self.direct.add(index, grad, accumulate)
         else:
             self._add_to_buffer(index, grad, accumulate)
+
+    def _new_direct(self) -> DirectGrads:
+        return DirectGrads(self.layout, self.rank, self.global_ranks, self.group,
+                           self.reduce_dtype, self.compute_device, self.tag_base)
 
     def _direct_allowed(self, sync: bool, grad: torch.Tensor) -> bool:
         return (sync and self.world > 1 and self.comm_hook is None
@@ -410,8 +413,7 @@ class FlatParamHandle:
             return
         probe = torch.empty(0, dtype=self.param_dtype, device=self.compute_device)
         if self._direct_allowed(True, probe):
-            self.direct = DirectGrads(self.layout, self.rank, self.global_ranks, self.group,
-                                      self.reduce_dtype, self.compute_device, self.tag_base)
+            self.direct = self._new_direct()
         else:
             self.grad_buffer = torch.zeros(self.world * self.layout.shard_numel,
                                            dtype=self.param_dtype, device=self.compute_device)

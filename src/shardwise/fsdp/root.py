@@ -18,10 +18,9 @@ gradients) waits for its parameters and prefetches the next unit in that reverse
 ``max_unsharded_units`` (default 2) non-root units are already unsharded, in which case the
 prefetch is issued when the unit before it frees its parameters (its post-backward). Where a
 unit's backward ends (once the gradients of its forward's inputs are computed: [Note: where a
-unit's backward ends], unit.py) its reduce-scatter is issued and the unit reshards at once.
-A reduction
-in flight is finished when the next unit's first gradient arrives, before that unit's flat
-gradient is allocated, and in any case before another reduction is issued (at most
+unit's backward ends], unit.py) its reduce-scatter is issued and the unit reshards at once. A
+reduction in flight is finished when the next unit's first gradient arrives, before that unit's
+flat gradient is allocated, and in any case before another reduction is issued (at most
 ``max_inflight_reductions``, default 1, are outstanding). So it overlaps the next unit's
 pre-backward and the computation of its first gradient, and no unit's flat gradient is
 allocated while another unit's reduction still holds its own: the flat gradients alive are the

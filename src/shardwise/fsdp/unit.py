@@ -302,7 +302,8 @@ class FSDPUnit:
             self.handle.release_param_rows(index)  # [Note: releasing a dead parameter's rows]
 
     def _post_backward(self) -> None:
-        """Every gradient of the unit is in: its backward is over (see the Note)."""
+        """The unit's backward is over ([Note: where a unit's backward ends]): reshard, and
+        reduce every parameter's gradient (zeros where none arrived here)."""
         self.state = TrainingState.POST_BACKWARD
         if self.reshard_after_backward:
             self.handle.reshard()  # parameters first: free their buffer before reductions'
