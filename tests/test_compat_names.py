@@ -30,7 +30,7 @@ EXPECTED = {"DTensor", "tree_flatten", "tree_map", "TorchDispatchMode",
             "_compute_local_shape_and_global_offset", "_get_default_store",
             "_resolve_process_group", "FSDPModule", "fully_shard",
             "all_gather_single", "reduce_scatter_single", "FakeTensorMode", "FakeTensor",
-            "FakeStore"}
+            "FakeStore", "_current_graph_task_id"}
 
 
 def _release() -> tuple[int, ...]:
@@ -146,7 +146,7 @@ _RESOLVED = {
     "fully_shard": _compat._torch_fully_shard, "all_gather_single": _compat.dist_all_gather,
     "reduce_scatter_single": _compat.dist_reduce_scatter,
     "FakeTensorMode": _compat.FakeTensorMode, "FakeTensor": _compat.FakeTensor,
-    "FakeStore": _compat.FakeStore,
+    "FakeStore": _compat.FakeStore, "_current_graph_task_id": _compat._GRAPH_TASK_ID,
 }
 
 

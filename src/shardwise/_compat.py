@@ -124,6 +124,10 @@ _ENGINE = _name(
     "Variable._execution_engine", "DDP and FSDP run their end-of-backward step (wait for the "
     "last reduction) as an autograd engine callback, as torch's DDP does",
     "torch.autograd:Variable._execution_engine")
+_GRAPH_TASK_ID = _name(
+    "_current_graph_task_id", "DDP and FSDP tell a forward run inside backward (an activation "
+    "checkpoint's recompute) from the first forward after a backward that raised",
+    "torch._C:_current_graph_task_id")
 FUTURE_TYPE: type = _name(
     "torch._C.Future", "the base class of torch.futures.Future and of what .then() and "
     "collect_all return; comm hooks and async RPC functions accept either",
@@ -211,6 +215,11 @@ PRIVATE_ATTRIBUTES: list[tuple[str, str, str]] = [
 def queue_callback(callback: Callable[[], None]) -> None:
     """Run ``callback`` when the backward pass now running has finished (call during backward)."""
     _ENGINE.queue_callback(callback)
+
+
+def backward_running() -> bool:
+    """Whether autograd's engine is running a backward pass on this thread right now."""
+    return _GRAPH_TASK_ID() != -1
 
 
 def default_store() -> dist.Store:

@@ -82,7 +82,20 @@ def then_average_across(first: Pending, out: torch.Tensor,
             dist.all_reduce(out, group=group)
             out.div_(size)
 
-    return Pending([], finish)
+    return _ThenAverage(first, finish)
+
+
+class _ThenAverage(Pending):
+    """``then_average_across``'s result: its all-reduce is issued only when waited for."""
+
+    def __init__(self, first: Pending, finish: Callable[[], None]):
+        super().__init__([], finish)
+        self.first = first
+
+    def wait_posted(self) -> None:
+        """Wait for what was issued (the reduce-scatter) and issue nothing more ([Note: a
+        backward that raised], root.py)."""
+        self.first.wait()
 
 
 # [Note: FSDP under torch.compile]

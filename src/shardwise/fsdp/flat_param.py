@@ -405,6 +405,14 @@ class FlatParamHandle:
         """Whether gradients wait to be reduced (the next ``start_reduction`` issues one)."""
         return self.direct is not None or self.grad_buffer is not None
 
+    def drop_gradients(self) -> None:
+        """Let go of the gradients waiting to be reduced, after waiting for the direct
+        exchanges already posted ([Note: a backward that raised], root.py)."""
+        direct, self.direct, self.grad_buffer = self.direct, None, None
+        if direct is not None:
+            direct.abandon()
+        self.arrivals.taken()
+
     def expect_gradient(self) -> None:
         """Make the next ``start_reduction`` issue one although no gradient arrived on this rank:
         the peers' did ([Note: where a unit's backward ends], unit.py), so this rank takes part

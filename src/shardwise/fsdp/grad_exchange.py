@@ -227,6 +227,22 @@ class DirectGrads:
         held = [t for e in inflight for t in e.pieces]
         return Pending(works, finish), out, held
 
+    def abandon(self) -> None:
+        """Wait for the exchanges posted so far and drop them, issuing nothing more (the
+        backward raised: [Note: a backward that raised], root.py). Raises the first error a
+        wait met (a peer that did not post the same exchanges fails at the group's timeout)."""
+        inflight, waiter = self.inflight, self.waiter
+        self.inflight, self.sent, self.waiter, self.packed = [], set(), None, None
+        if waiter is None:
+            return
+        waiter.close()
+        for exchange in inflight:
+            exchange.arrived.wait()
+        waiter.join()
+        errors = [e.error for e in inflight if e.error is not None]
+        if errors:
+            raise errors[0]
+
     def _exchange(self, flat: torch.Tensor, index: int, param, into_dest: bool) -> _Exchange:
         """Post one parameter's sends and receives, tagged with its index so that ranks whose
         gradients arrive in different orders still pair them up. ``into_dest``: the first

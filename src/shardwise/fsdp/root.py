@@ -39,11 +39,13 @@ reductions and reshards whatever is still unsharded when the backward pass ends.
 
 from __future__ import annotations
 
+import warnings
 from collections import deque
 from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
+from shardwise._compat import backward_running
 from shardwise.fsdp.buffer_pool import StoragePool
 from shardwise.fsdp.collectives import queue_end_of_backward
 from shardwise.fsdp.flat_param import GradReduction, ShardState
@@ -190,6 +192,51 @@ class RootState:
                 unit.handle.arrivals.new_backward()
             unit.end_backward()
         self.storage_pool.clear()  # [Note: unshard buffer pool]: not held past backward
+        self.callback_queued = False
+
+    # ---- a backward that raised ---------------------------------------------------------
+    # [Note: a backward that raised]
+    # Autograd runs no queued callback for a backward pass that raised (a hook, a check, an
+    # out-of-memory error), so ``end_of_backward`` never runs for it: units stay in
+    # PRE_BACKWARD, reductions stay in flight, and ``callback_queued`` stays set. The next
+    # forward would then look like an activation-checkpoint recompute, and the next backward
+    # would queue no callback (its gradients never reach ``.grad``); a state dict taken in the
+    # exception handler would hold the parameters that backward left gathered, not the shards.
+    # So every unit's pre-forward, ``state_dict`` and ``summon_full_params`` first ask whether
+    # the callback is still due while autograd's engine runs no backward on this thread; if
+    # so, that backward raised, and ``abandon_backward`` ends it: it waits for the exchanges
+    # already posted (every rank posted the same ones when every rank raised at the same point,
+    # so the group's channels stay paired; it posts none, so one rank may do this alone) and
+    # drops what they reduce, drops the gradients not yet sent, reshards, and resets every
+    # unit. Gradients
+    # that reached ``.grad`` before the error stay there, as plain torch leaves a failed
+    # backward's gradients; the rest are dropped, since the next forward usually comes after
+    # the user's ``zero_grad`` and would otherwise put them in the next step's gradients; it
+    # warns that it did. A rank that raised alone leaves its peers waiting in their
+    # backward for its messages; they fail at the group's timeout.
+    # tests/fsdp/test_failed_backward.py.
+    def end_abandoned_backward(self) -> None:
+        """Before a forward: end a backward that raised ([Note: a backward that raised])."""
+        if self.callback_queued and not backward_running():
+            self.abandon_backward()
+
+    def abandon_backward(self) -> None:
+        warnings.warn("FSDP: the previous backward pass raised before it ended; the gradients "
+                      "it had not reduced into .grad yet are dropped", stacklevel=4)
+        while self.reductions:
+            pending = self.reductions.popleft()[1].pending
+            # the messages must land before their buffers go; an HSDP reduction's all-reduce
+            # across replicas is issued only by its wait: not issued here
+            getattr(pending, "wait_posted", pending.wait)()
+        for unit in self.units:
+            if unit.handle is not None:
+                unit.handle.drop_gradients()
+        for unit in self.units:  # no new collective: one rank may be alone here (state_dict)
+            if unit.handle is not None:
+                unit.handle.reshard()
+                unit.handle.arrivals.new_backward()
+            unit.end_backward()
+        self.storage_pool.clear()
         self.callback_queued = False
 
     # ---- parameters shared on the host ---------------------------------------------------

@@ -33,8 +33,20 @@ def clean_name(name: str) -> str:
 
 
 def register_state_dict_hooks(unit: FSDPUnit) -> None:
+    unit.module.register_state_dict_pre_hook(_end_abandoned_backward_hook(unit))
     unit.module.register_load_state_dict_pre_hook(_load_params_hook(unit))
     unit.module.register_load_state_dict_post_hook(_readopt_hook(unit))
+
+
+def _end_abandoned_backward_hook(unit: FSDPUnit):
+    """A state dict saved in the handler of a backward that raised holds the sharded
+    parameters, not the ones that backward left gathered ([Note: a backward that raised],
+    root.py)."""
+    def hook(module: nn.Module, prefix: str, keep_vars: bool) -> None:
+        if unit.root_state is not None:
+            unit.root_state.end_abandoned_backward()
+
+    return hook
 
 
 def _load_params_hook(unit: FSDPUnit):

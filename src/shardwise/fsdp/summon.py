@@ -70,6 +70,8 @@ def summon_full_params(module: nn.Module, recurse: bool = True, writeback: bool 
 
 def _check_idle(unit: FSDPUnit) -> None:
     root = unit.root_state
+    if root is not None:
+        root.end_abandoned_backward()  # [Note: a backward that raised] (root.py)
     if unit.state is TrainingState.FORWARD or (root is not None and root.callback_queued):
         raise RuntimeError("summon_full_params cannot be entered during a forward or backward "
                            "pass; call it between steps")

@@ -183,6 +183,7 @@ class FSDPUnit:
     def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if self.root_state is None:
             self._lazy_init()
+        self.root_state.end_abandoned_backward()  # [Note: a backward that raised] (root.py)
         if self.root_state.in_backward:
             self._pre_recompute()
             if not self._inputs_watched:  # a reentrant checkpoint's forward ran without grad
