@@ -129,6 +129,7 @@ class DistributedDataParallel(nn.Module, Joinable):
             self._set_static_graph()
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        self.reducer.end_abandoned_backward()  # the last backward may have raised
         will_reduce = torch.is_grad_enabled() and self.reducer.enabled
         joining = self._join_config.enable
         work = Join.notify_join_context(self)  # an all-reduce only inside a join context

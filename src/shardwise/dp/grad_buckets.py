@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import itertools
 import time
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
@@ -43,7 +44,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from shardwise._compat import queue_callback
+from shardwise._compat import backward_running, queue_callback
 from shardwise.dp.buckets import Bucket, BucketSizes, BucketState, Waitable, plan_buckets
 
 Launch = Callable[[Bucket], "Waitable | None"]
@@ -274,6 +275,18 @@ class GradBucketer:
         except BaseException:
             self._reset()
             raise
+
+    def end_abandoned_backward(self) -> None:
+        """Call before a forward. A backward pass that raised never ran its queued callback
+        (``_finalize``), so its buckets still hold that pass's gradients and flags, and the
+        next backward would find parameters already in: forget that reduction, after waiting
+        for the buckets it launched (every rank launched the same ones when every rank raised
+        at the same point), and warn. The gradients it had not reduced are dropped, as FSDP
+        drops them ([Note: a backward that raised] in fsdp/root.py)."""
+        if self._in_backward and not backward_running():
+            warnings.warn(f"{self.wrapper}: the previous backward pass raised before it ended; "
+                          "the gradients it had not reduced yet are dropped", stacklevel=3)
+            self._reset()
 
     # ------------------------------------------------------------ launching and finishing
     def _launch_in_order(self) -> None:

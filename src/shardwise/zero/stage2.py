@@ -109,6 +109,7 @@ class ZeroDataParallel(nn.Module):
         self._comm_hooks = CommHookSlot("ZeroDataParallel")
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        self.reducer.end_abandoned_backward()  # the last backward may have raised
         if torch.is_grad_enabled():
             self._check_grads_cleared()
         if self.broadcast_buffers and self.world_size > 1:
