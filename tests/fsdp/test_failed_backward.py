@@ -1,5 +1,6 @@
 """A backward that raises part-way (a hook, a check on every rank), caught by the user's loop,
-must not leak into the steps after it ([Note: a backward that raised], root.py).
+must not leak into the steps after it ([Note: a backward that raised], root.py); nor may a
+forward that raised leave units gathered.
 
 Autograd runs no end-of-backward callback for a backward that raised, so without a check the
 next forward looked like an activation-checkpoint recompute and the next backward queued no
@@ -45,6 +46,10 @@ def _raise(grad):
     raise Injected("raised by a hook in the middle of backward")
 
 
+def _raise_in_forward(module, args, output):
+    raise Injected("raised by a forward hook")
+
+
 def _raise_in_backward(module, args, output):
     output.register_hook(_raise)  # returns None: the output stays as it is
 
@@ -61,25 +66,26 @@ def _check_grads(ctx, model, reference, what):
                              RTOL, f"{what}: {prefix + slot.fqns[0]}")
 
 
-def _steps(ctx, mode: str, fail_at: int, save_in_handler: bool = False):
+def _steps(ctx, mode: str, fail_at: int, save_in_handler: bool = False, where="backward"):
     """Four steps; in step 1 every rank's backward raises once the gradient of block
     ``fail_at``'s output is computed (the blocks after it and the head have theirs).
     ``mode``: "direct" or "flat-buffer" (how units reduce), or "hsdp" (a 2 x 2 mesh at world
     size 4: direct within a shard group, then an all-reduce across replicas).
-    ``save_in_handler``: the handler takes a state dict, which must hold the shards."""
+    ``save_in_handler``: the handler takes a state dict, which must hold the shards.
+    ``where="forward"``: block ``fail_at``'s forward raises instead."""
     original = FlatParamHandle._direct_allowed
     if mode == "flat-buffer":  # every unit reduces through its flat buffer (as with NCCL)
         FlatParamHandle._direct_allowed = lambda self, sync, grad: False
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            _run_steps(ctx, mode, fail_at, save_in_handler)
+            _run_steps(ctx, mode, fail_at, save_in_handler, where)
         return [str(w.message) for w in caught if "previous backward" in str(w.message)]
     finally:
         FlatParamHandle._direct_allowed = original
 
 
-def _run_steps(ctx, mode: str, fail_at: int, save_in_handler: bool) -> None:
+def _run_steps(ctx, mode: str, fail_at: int, save_in_handler: bool, where: str) -> None:
     torch.manual_seed(0)
     reference, model = Net(), Net()
     model.load_state_dict(reference.state_dict())
@@ -94,7 +100,8 @@ def _run_steps(ctx, mode: str, fail_at: int, save_in_handler: bool) -> None:
     for step in range(4):
         xs = torch.randn(ctx.world_size, 2, WIDTH, generator=gen)
         if step == 1:
-            hook = model.blocks[fail_at].register_forward_hook(_raise_in_backward)
+            raiser = _raise_in_forward if where == "forward" else _raise_in_backward
+            hook = model.blocks[fail_at].register_forward_hook(raiser)
             with pytest.raises(Injected):
                 model(xs[ctx.rank]).square().mean().backward()
             hook.remove()
@@ -128,6 +135,15 @@ def test_a_state_dict_saved_in_the_handler_holds_the_shards(world_size):
     rows), and the steps after it must match."""
     messages = run_on_ranks(world_size, _steps, "direct", 0, True, timeout=60)
     assert messages == [messages[0]] * world_size and len(messages[0]) == 1, messages
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_a_forward_that_raised_leaves_the_shards_in_place(world_size):
+    """A forward that raised part-way (block 1's) leaves no unit gathered, with no collective
+    (the post-forward hook registered with ``always_call``): a state dict in the handler holds
+    the shards, and the steps after it match. Nothing is said: no backward was left open."""
+    messages = run_on_ranks(world_size, _steps, "direct", 1, True, "forward", timeout=60)
+    assert messages == [[]] * world_size, messages
 
 
 @pytest.mark.parametrize("world_size", [4])

@@ -113,6 +113,7 @@ class FSDPUnit:
         # outside any compiled region: see [Note: FSDP under torch.compile]
         module.register_forward_pre_hook(run_eagerly(self._pre_forward), with_kwargs=True)
         module.register_forward_hook(run_eagerly(self._post_forward))
+        module.register_forward_hook(run_eagerly(self._forward_raised), always_call=True)
         self._hook_leaves()
 
     def _hook_leaves(self) -> None:
@@ -257,6 +258,19 @@ class FSDPUnit:
             self.root_state.sync_host()  # the peers are done reading this rank's rows
         register_pre_backward(output, self._pre_backward)
         return self._cast_output(output)
+
+    def _forward_raised(self, module: nn.Module, args: tuple, output: Any) -> None:
+        """Runs after ``_post_forward`` and, unlike it, also when the forward raised
+        (``always_call``). A unit still in FORWARD then had its forward raise: it reshards and
+        goes back to IDLE, so a state dict or ``summon_full_params`` in the exception handler
+        sees the shards. No collective: the other ranks may not have raised."""
+        if self.state is not TrainingState.FORWARD:
+            return
+        self.state = TrainingState.IDLE
+        if self.handle is not None:
+            self.handle.reshard()
+        if self.is_root:
+            self.root_state.storage_pool.clear()
 
     def _cast_output(self, output: Any) -> Any:
         mp = self.mixed_precision
