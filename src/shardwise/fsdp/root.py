@@ -216,11 +216,14 @@ class RootState:
     # backward for its messages; they fail at the group's timeout.
     # tests/fsdp/test_failed_backward.py.
     def end_abandoned_backward(self) -> None:
-        """Before a forward: end a backward that raised ([Note: a backward that raised])."""
+        """End the last backward if it raised ([Note: a backward that raised]); called before a
+        unit's forward, a state dict and ``summon_full_params``."""
         if self.callback_queued and not backward_running():
             self.abandon_backward()
 
     def abandon_backward(self) -> None:
+        """Wait for the communication the raised backward issued, drop its unreduced
+        gradients, reshard and reset every unit; warn. Issues no collective."""
         warnings.warn("FSDP: the previous backward pass raised before it ended; the gradients "
                       "it had not reduced into .grad yet are dropped", stacklevel=4)
         while self.reductions:

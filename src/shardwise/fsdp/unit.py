@@ -71,6 +71,13 @@ class TrainingState(Enum):
 #   AccumulateGrad as soon as it is ready, so the gradients that arrive at all are in by then;
 # - otherwise (the root, whose inputs are data; a unit after frozen layers): the root's
 #   end-of-backward callback, for these units in the root's order.
+# A unit run several times before one backward (two forwards of the model for one loss, a
+# block applied twice) counts its forwards, and its backward ends when the inputs of the last
+# of them have their gradients. The count is cleared where backward ends (the end-of-backward
+# callback), not when the root's forward starts again: a second forward of the model before
+# backward keeps the first one's (tests/fsdp/test_forward_patterns.py). A forward whose output
+# is dropped keeps its count until then, and the unit's backward in that iteration ends at the
+# callback: later, still the same point on every rank.
 # Each rank then reduces every parameter, with zeros for the ones it got no gradient for, even a
 # unit none of whose gradients arrived here (``expect_gradient``). A parameter that no rank used
 # gets a zero gradient where plain torch leaves None. The direct exchanges that do run while the
@@ -195,8 +202,6 @@ class FSDPUnit:
                     release_free_heap()  # the optimizer's freed pages: [Note: allocator slack]
                 self.root_state.sync_host()  # the peers' rows are written
                 self.root_state.start_forward()
-                for unit in self.root_state.units:
-                    unit._inputs_pending = unit._inputs_watched = 0
             self.state = TrainingState.FORWARD
             self._watch_inputs(args, kwargs)
             self.root_state.unshard_for_forward(self, self.forward_prefetch_units)

@@ -1,0 +1,98 @@
+"""How training loops call the model, each against the one-process reference, with the units
+gathering their parameters (as across hosts or with NCCL) and with the parameters shared on
+one host: two forwards before one backward (a siamese or contrastive loss, DPO's chosen and
+rejected answers), two backwards through one forward (``retain_graph``), and a forward whose
+output is dropped (an evaluation with grad enabled) before the training step.
+
+A unit's backward ends once every counted forward's inputs have their gradients ([Note: where
+a unit's backward ends], unit.py). Resetting that count at each forward of the root made the
+second of two forwards forget the first: the unit resharded after one of them, and the other's
+backward read freed parameters ("setStorage ... storage of size 0") wherever units gather."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from shardwise import fully_shard
+from shardwise.fsdp import units_of
+from tests.fsdp.gathering import gathering_units
+from tests.harness import assert_rel_close, local_part, run_on_ranks, shard0_rows
+
+WIDTH = 512  # large parameters take the direct exchange (see test_direct_reduction)
+RTOL = 1e-5
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Linear(WIDTH, WIDTH) for _ in range(2)])
+        self.head = nn.Linear(WIDTH, 4)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = torch.tanh(block(x))
+        return self.head(x)
+
+
+def _losses(model, x0, x1, pattern: str, scale: float = 1.0) -> None:
+    """Run ``pattern``'s forwards and backwards of ``model`` on two inputs, each loss times
+    ``scale``."""
+    if pattern == "two forwards":
+        ((model(x0) * model(x1)).mean() * scale).backward()
+    elif pattern == "two backwards":
+        out = model(x0)
+        (out.square().mean() * scale).backward(retain_graph=True)
+        (out.abs().mean() * scale).backward()
+    else:  # "dropped forward"
+        model(x1)  # its graph is dropped unused
+        (model(x0).square().mean() * scale).backward()
+
+
+def _train(ctx, pattern: str, gather: bool) -> None:
+    torch.manual_seed(0)
+    reference, model = Net(), Net()
+    model.load_state_dict(reference.state_dict())
+    with gathering_units() if gather else contextlib.nullcontext():
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
+    gen = torch.Generator().manual_seed(1)
+    for step in range(3):
+        xs = torch.randn(ctx.world_size, 2, 2, WIDTH, generator=gen)
+        reference.zero_grad()
+        for x0, x1 in xs:  # every rank's losses, averaged as the reduction averages
+            _losses(reference, x0, x1, pattern, 1 / ctx.world_size)
+        model.zero_grad()
+        _losses(model, xs[ctx.rank, 0], xs[ctx.rank, 1], pattern)
+        _check_grads(model, reference, f"{pattern}, step {step}")
+
+
+def _check_grads(model, reference, what: str) -> None:
+    ref = dict(reference.named_parameters())
+    names = {id(m): n for n, m in model.named_modules()}
+    for unit in units_of(model):
+        prefix = f"{names[id(unit.module)]}." if names[id(unit.module)] else ""
+        rank, world = dist.get_rank(unit.group), dist.get_world_size(unit.group)
+        for slot in unit.handle.slots:
+            expected = shard0_rows(ref[prefix + slot.fqns[0]].grad, rank, world)
+            assert_rel_close(local_part(slot.shard_param.grad), expected, RTOL,
+                             f"{what}: {prefix + slot.fqns[0]}")
+
+
+CASES = [(1, True), (2, True), (4, True), (2, False), (4, False)]  # (world size, gather)
+
+
+@pytest.mark.parametrize("world_size,gather", CASES)
+def test_two_forwards_before_one_backward(world_size, gather):
+    run_on_ranks(world_size, _train, "two forwards", gather, timeout=60)
+
+
+@pytest.mark.parametrize("world_size,gather", [(2, True), (2, False)])
+@pytest.mark.parametrize("pattern", ["two backwards", "dropped forward"])
+def test_other_patterns(world_size, gather, pattern):
+    run_on_ranks(world_size, _train, pattern, gather, timeout=60)
