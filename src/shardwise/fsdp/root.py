@@ -197,23 +197,21 @@ class RootState:
     # ---- a backward that raised ---------------------------------------------------------
     # [Note: a backward that raised]
     # Autograd runs no queued callback for a backward pass that raised (a hook, a check, an
-    # out-of-memory error), so ``end_of_backward`` never runs for it: units stay in
-    # PRE_BACKWARD, reductions stay in flight, and ``callback_queued`` stays set. The next
-    # forward would then look like an activation-checkpoint recompute, and the next backward
-    # would queue no callback (its gradients never reach ``.grad``); a state dict taken in the
-    # exception handler would hold the parameters that backward left gathered, not the shards.
-    # So every unit's pre-forward, ``state_dict`` and ``summon_full_params`` first ask whether
-    # the callback is still due while autograd's engine runs no backward on this thread; if
-    # so, that backward raised, and ``abandon_backward`` ends it: it waits for the exchanges
-    # already posted (every rank posted the same ones when every rank raised at the same point,
-    # so the group's channels stay paired; it posts none, so one rank may do this alone) and
-    # drops what they reduce, drops the gradients not yet sent, reshards, and resets every
-    # unit. Gradients
-    # that reached ``.grad`` before the error stay there, as plain torch leaves a failed
-    # backward's gradients; the rest are dropped, since the next forward usually comes after
-    # the user's ``zero_grad`` and would otherwise put them in the next step's gradients; it
-    # warns that it did. A rank that raised alone leaves its peers waiting in their
-    # backward for its messages; they fail at the group's timeout.
+    # out-of-memory error), so ``end_of_backward`` never runs for it: units stay in PRE_BACKWARD,
+    # reductions stay in flight, and ``callback_queued`` stays set. The next forward would then look
+    # like an activation-checkpoint recompute, and the next backward would queue no callback (its
+    # gradients never reach ``.grad``); a state dict taken in the exception handler would hold the
+    # parameters that backward left gathered, not the shards. So every unit's pre-forward,
+    # ``state_dict`` and ``summon_full_params`` first ask whether the callback is still due while
+    # autograd's engine runs no backward on this thread; if so, that backward raised, and
+    # ``abandon_backward`` ends it: it waits for the exchanges already posted (every rank posted the
+    # same ones when every rank raised at the same point, so the group's channels stay paired; it
+    # posts none, so one rank may do this alone) and drops what they reduce, drops the gradients not
+    # yet sent, reshards, and resets every unit. Gradients that reached ``.grad`` before the error
+    # stay there, as plain torch leaves a failed backward's gradients; the rest are dropped, since
+    # the next forward usually comes after the user's ``zero_grad`` and would otherwise put them in
+    # the next step's gradients; it warns that it did. A rank that raised alone leaves its peers
+    # waiting in their backward for its messages; they fail at the group's timeout.
     # tests/fsdp/test_failed_backward.py.
     def end_abandoned_backward(self) -> None:
         """End the last backward if it raised ([Note: a backward that raised]); called before a
