@@ -1,8 +1,9 @@
 """How training loops call the model, each against the one-process reference, with the units
 gathering their parameters (as across hosts or with NCCL) and with the parameters shared on
 one host: two forwards before one backward (a siamese or contrastive loss, DPO's chosen and
-rejected answers), two backwards through one forward (``retain_graph``), and a forward whose
-output is dropped (an evaluation with grad enabled) before the training step.
+rejected answers), two backwards through one forward (``retain_graph``), a forward whose
+output is dropped (an evaluation with grad enabled) before the training step, the gradient
+with respect to the input (saliency, adversarial steps) and a gradient penalty through it.
 
 A unit's backward ends once every counted forward's inputs have their gradients ([Note: where
 a unit's backward ends], unit.py). Resetting that count at each forward of the root made the
@@ -48,9 +49,19 @@ def _losses(model, x0, x1, pattern: str, scale: float = 1.0) -> None:
         out = model(x0)
         (out.square().mean() * scale).backward(retain_graph=True)
         (out.abs().mean() * scale).backward()
-    else:  # "dropped forward"
+    elif pattern == "dropped forward":
         model(x1)  # its graph is dropped unused
         (model(x0).square().mean() * scale).backward()
+    elif pattern == "input gradient":  # a saliency map or an adversarial step: d out / d x
+        x = x0.clone().requires_grad_(True)
+        out = model(x)
+        torch.autograd.grad(out.sum(), x, retain_graph=True)
+        (out.square().mean() * scale).backward()
+    else:  # "gradient penalty" (R1): the loss differentiates through d out / d x
+        x = x0.clone().requires_grad_(True)
+        out = model(x)
+        (grad,) = torch.autograd.grad(out.sum(), x, create_graph=True)
+        ((out.square().mean() + grad.square().mean()) * scale).backward()
 
 
 def _train(ctx, pattern: str, gather: bool) -> None:
@@ -92,7 +103,30 @@ def test_two_forwards_before_one_backward(world_size, gather):
     run_on_ranks(world_size, _train, "two forwards", gather, timeout=60)
 
 
+@pytest.mark.parametrize("world_size,gather", CASES[:3] + CASES[3:4])
+def test_a_gradient_penalty_through_the_input_gradient(world_size, gather):
+    """``autograd.grad(..., create_graph=True)`` first: the units stay gathered for the graph
+    it builds ([Note: backward with create_graph], unit.py). Failed before on freed storage
+    wherever units gather, as torch's FSDP2 does; ``autograd.grad`` of a leaf input failed
+    everywhere ("A leaf node was passed to _will_engine_execute_node")."""
+    run_on_ranks(world_size, _train, "gradient penalty", gather, timeout=60)
+
+
 @pytest.mark.parametrize("world_size,gather", [(2, True), (2, False)])
-@pytest.mark.parametrize("pattern", ["two backwards", "dropped forward"])
+@pytest.mark.parametrize("pattern", ["two backwards", "dropped forward", "input gradient"])
 def test_other_patterns(world_size, gather, pattern):
     run_on_ranks(world_size, _train, pattern, gather, timeout=60)
+
+
+def _backward_with_create_graph(ctx) -> str:
+    torch.manual_seed(0)
+    model = Net()
+    fully_shard(model)
+    with pytest.raises(RuntimeError, match="not differentiable") as raised:
+        model(torch.randn(2, WIDTH)).square().mean().backward(create_graph=True)
+    return str(raised.value)
+
+
+def test_parameter_gradients_with_a_graph_are_refused_with_the_reason():
+    messages = run_on_ranks(2, _backward_with_create_graph, timeout=60)
+    assert all("create_graph=True" in m for m in messages), messages

@@ -43,6 +43,7 @@ import warnings
 from collections import deque
 from typing import TYPE_CHECKING
 
+import torch
 import torch.distributed as dist
 
 from shardwise._compat import backward_running
@@ -67,6 +68,7 @@ class RootState:
         self.previous_order: list[FSDPUnit] = []
         self.reductions: deque[tuple[FSDPUnit, GradReduction]] = deque()
         self.callback_queued = False
+        self.building_graph = False  # this backward runs with create_graph=True: see unit.py
         self._order_cache: tuple | None = None  # ((id, len) of forward_order, order, positions)
         # unsharded buffers passed from unit to unit: [Note: unshard buffer pool]
         self.storage_pool = StoragePool()
@@ -126,6 +128,7 @@ class RootState:
         """First pre-backward of a backward pass: queue the end-of-backward callback."""
         if not self.callback_queued:
             self.callback_queued = True
+            self.building_graph = torch.is_grad_enabled()  # [Note: backward with create_graph]
             queue_end_of_backward(self.end_of_backward)
 
     def prefetch_for_backward(self, unit: FSDPUnit) -> None:
@@ -187,12 +190,12 @@ class RootState:
         self.sync_host()  # every rank's backward has read the peers' rows
         for unit in self.units:
             if unit.handle is not None:
-                if unit.reshard_after_backward:
+                if unit.reshard_after_backward and not self.building_graph:
                     unit.handle.reshard()
                 unit.handle.arrivals.new_backward()
             unit.end_backward()
         self.storage_pool.clear()  # [Note: unshard buffer pool]: not held past backward
-        self.callback_queued = False
+        self.callback_queued = self.building_graph = False
 
     # ---- a backward that raised ---------------------------------------------------------
     # [Note: a backward that raised]
@@ -238,7 +241,7 @@ class RootState:
                 unit.handle.arrivals.new_backward()
             unit.end_backward()
         self.storage_pool.clear()
-        self.callback_queued = False
+        self.callback_queued = self.building_graph = False
 
     # ---- parameters shared on the host ---------------------------------------------------
     def sync_host(self) -> None:

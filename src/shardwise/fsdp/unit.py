@@ -57,6 +57,18 @@ class TrainingState(Enum):
 # end-of-backward callback reduces too: a reduce-scatter is linear, so the two reductions sum
 # to the one the whole gradient would have had. tests/fsdp/test_fsdp_state_machine.py.
 
+# [Note: backward with create_graph]
+# A backward that builds a graph (``torch.autograd.grad(out, x, create_graph=True)`` for a
+# gradient penalty, run before the loss's own backward) makes nodes that read the unsharded
+# parameters again when that graph is differentiated. So while a backward runs with grad mode on
+# (what create_graph does; the root reads it when the backward starts), no unit reshards or
+# releases rows where its backward ends: the parameters stay gathered until the end of the next
+# backward that builds no graph. Such a pass's reductions carry zeros for the parameters (no
+# gradient reaches them). A parameter's gradient that carries a graph (``backward(create_graph=
+# True)`` through the parameters) is an error that says so: the reduce-scatter is not
+# differentiable. torch's FSDP2 (2.13) fails there on freed storage ("setStorage ... storage of
+# size 0"). tests/fsdp/test_forward_patterns.py.
+
 # [Note: where a unit's backward ends]
 # Every rank must issue the units' reductions in the same order, and a rank whose control flow
 # skipped a parameter (a branch or an expert that ran on other ranks only) gets no gradient for
@@ -195,7 +207,7 @@ class FSDPUnit:
         if self.root_state.in_backward:
             self._pre_recompute()
             if not self._inputs_watched:  # a reentrant checkpoint's forward ran without grad
-                self._watch_inputs(args, kwargs)
+                args, kwargs = self._watch_inputs(args, kwargs)
         else:
             if self.is_root:
                 if self.handle is not None and self.handle.compute_device.type == "cpu":
@@ -203,7 +215,7 @@ class FSDPUnit:
                 self.root_state.sync_host()  # the peers' rows are written
                 self.root_state.start_forward()
             self.state = TrainingState.FORWARD
-            self._watch_inputs(args, kwargs)
+            args, kwargs = self._watch_inputs(args, kwargs)
             self.root_state.unshard_for_forward(self, self.forward_prefetch_units)
             self.root_state.storage_pool.clear()  # untaken: [Note: unshard buffer pool]
             if self.handle is not None:
@@ -213,17 +225,22 @@ class FSDPUnit:
             args, kwargs = _cast_floats((args, kwargs), mp.param_dtype)
         return args, kwargs
 
-    def _watch_inputs(self, args: tuple, kwargs: dict) -> None:
+    def _watch_inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """Make the gradients of this forward's inputs the end of the unit's backward (see
-        [Note: where a unit's backward ends])."""
+        [Note: where a unit's backward ends]). Returns the inputs the forward runs with: an
+        input that is a leaf requiring grad (data for an input gradient, a parameter passed in)
+        becomes a view of itself, with the same values and gradient, because torch's multi-grad
+        hook cannot watch a leaf inside ``torch.autograd.grad`` (it raises there)."""
         if not torch.is_grad_enabled() or self.handle is None:
-            return
+            return args, kwargs
+        args, kwargs = tree_map(_view_of_leaf, (args, kwargs))
         leaves, _ = tree_flatten((args, kwargs))
         inputs = [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
         if inputs:
             self._inputs_pending += 1
             self._inputs_watched += 1
             register_multi_grad_hook(inputs, self._on_inputs_grad, mode="all")
+        return args, kwargs
 
     def _on_inputs_grad(self, grads: Any) -> None:
         self._inputs_pending -= 1
@@ -304,10 +321,22 @@ class FSDPUnit:
             if not handle.views_set:  # resharded after forward (e.g. recomputed by checkpointing)
                 handle.use_unsharded_views()
 
+    def _reshards_after_backward(self) -> bool:
+        """Whether the unit reshards where its backward ends ([Note: backward with
+        create_graph])."""
+        return self.reshard_after_backward and not self.root_state.building_graph
+
     def _on_param_grad(self, index: int, leaf: torch.Tensor) -> None:
         """One parameter's gradient is complete: into the flat gradient with it (each counted
         once; a late or repeated one: [Note: FSDP unit states]). It does not end the unit's
         backward: [Note: where a unit's backward ends]."""
+        if leaf.grad is not None and leaf.grad.requires_grad:  # [Note: backward with create_graph]
+            raise RuntimeError(
+                f"FSDP: {class_name(self.module)}'s parameters got gradients that carry a graph "
+                "(backward with create_graph=True): their reduce-scatter is not differentiable, "
+                "so higher-order gradients through them would be wrong. Gradients with respect "
+                "to inputs with create_graph=True (torch.autograd.grad(out, x, "
+                "create_graph=True), as a gradient penalty takes) are supported.")
         if self.state is TrainingState.POST_BACKWARD:
             # into new gradients, reduced at the end
             self.handle.add_param_grad(index, sync=not self.no_sync)
@@ -318,14 +347,14 @@ class FSDPUnit:
             # this unit's flat gradient is allocated (see [Note: FSDP schedule])
             self.root_state.finish_reductions()
         self.handle.add_param_grad(index, sync=not self.no_sync)
-        if self.release_rows and self.reshard_after_backward and not self.recomputing:
+        if self.release_rows and self._reshards_after_backward() and not self.recomputing:
             self.handle.release_param_rows(index)  # [Note: releasing a dead parameter's rows]
 
     def _post_backward(self) -> None:
         """The unit's backward is over ([Note: where a unit's backward ends]): reshard, and
         reduce every parameter's gradient (zeros where none arrived here)."""
         self.state = TrainingState.POST_BACKWARD
-        if self.reshard_after_backward:
+        if self._reshards_after_backward():
             self.handle.reshard()  # parameters first: free their buffer before reductions'
         if self.backward_prefetch_units is None:
             self.root_state.prefetch_for_backward(self)
@@ -388,6 +417,13 @@ def _runs_reentrant_checkpoint(args: Any, output: Any) -> bool:
             return True
         todo.extend(n for n, _ in node.next_functions if n is not None and n not in seen)
     return False
+
+
+def _view_of_leaf(x: Any) -> Any:
+    """``x`` itself, or a view of it where it is a leaf tensor that requires grad."""
+    if isinstance(x, torch.Tensor) and x.requires_grad and x.is_leaf:
+        return x.view_as(x)
+    return x
 
 
 def _cast_floats(tree: Any, dtype: torch.dtype) -> Any:
