@@ -7,7 +7,11 @@ an error that names the parameter or the cause (ERRORS), on every rank; never si
   backward delivers the layer's gradient separately, possibly after its bucket was launched);
 - the same with a non-reentrant checkpoint (one graph: one arrival);
 - a layer applied twice in one forward (autograd sums the uses: one arrival);
-- two forward/backward passes before one optimizer step (each backward reduces; .grad sums).
+- two forward/backward passes before one optimizer step (each backward reduces; .grad sums);
+- two backward passes through one forward (``retain_graph``, two losses): ZeRO stage 2 refused
+  it only in the next forward, after the second backward had added its gradients into the
+  first's reduced buffers (silently wrong gradients); it now refuses it when that backward
+  starts.
 """
 
 from __future__ import annotations
@@ -28,8 +32,11 @@ ERRORS = {
                                      r"this backward pass after its bucket's reduction",
     ("two_backwards", "zero2"): r"ZeroDataParallel: the gradients reduced by the last backward "
                                 r"are still set",
+    ("retained_graph", "zero2"): r"ZeroDataParallel: the gradients reduced by the last backward "
+                                 r"are still set",
 }
-PATHS = ["reentrant_in_and_out", "checkpoint_in_and_out", "applied_twice", "two_backwards"]
+PATHS = ["reentrant_in_and_out", "checkpoint_in_and_out", "applied_twice", "two_backwards",
+         "retained_graph"]
 
 
 class InAndOut(nn.Module):
@@ -71,17 +78,25 @@ def _train(ctx, path: str, wrapper: str):
     for step in range(3):
         for x, y in _batches(step, passes):
             mine = rank_slice(x, ctx.rank, world), rank_slice(y, ctx.rank, world)
-            nn.functional.mse_loss(wrapped(mine[0]), mine[1]).backward()
+            _backward(wrapped(mine[0]), mine[1], path, 1.0)
             for r in range(world):
-                loss = nn.functional.mse_loss(reference(rank_slice(x, r, world)),
-                                              rank_slice(y, r, world))
-                (loss / world).backward()
+                _backward(reference(rank_slice(x, r, world)), rank_slice(y, r, world), path,
+                          1 / world)
         opt.step()
         opt.zero_grad()
         ref_opt.step()
         ref_opt.zero_grad()
     for (name, p), ref in zip(model.named_parameters(), reference.parameters(), strict=True):
         assert_rel_close(p.detach(), ref.detach(), 1e-5, name)
+
+
+def _backward(out: torch.Tensor, y: torch.Tensor, path: str, scale: float) -> None:
+    """The loss's backward; for ``retained_graph`` two losses, each with its own backward."""
+    if path == "retained_graph":
+        (nn.functional.mse_loss(out, y) * scale).backward(retain_graph=True)
+        (out.abs().mean() * scale).backward()
+    else:
+        (nn.functional.mse_loss(out, y) * scale).backward()
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)

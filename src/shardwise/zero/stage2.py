@@ -49,6 +49,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from shardwise._compat import tree_flatten
 from shardwise.dp.buckets import Bucket, BucketSizes, Waitable
 from shardwise.dp.comm_hooks import CommHook, CommHookSlot
 from shardwise.dp.data_parallel import (
@@ -114,7 +115,10 @@ class ZeroDataParallel(nn.Module):
             self._check_grads_cleared()
         if self.broadcast_buffers and self.world_size > 1:
             broadcast_buffers(self.module, self.process_group)
-        return self.module(*inputs, **kwargs)
+        output = self.module(*inputs, **kwargs)
+        if torch.is_grad_enabled():  # a second backward through this output checks too
+            _when_backward_reaches(output, self._check_grads_cleared)
+        return output
 
     def no_sync(self) -> AbstractContextManager[None]:
         """Skip gradient reduction inside the block; full gradients accumulate locally."""
@@ -210,10 +214,13 @@ class ZeroDataParallel(nn.Module):
 
     def _check_grads_cleared(self) -> None:
         """Reduced gradients must be cleared before the next backward: a rank's reduced sum
-        would otherwise enter the next reduction as if it were its own local gradient. Cleared
-        means ``.grad`` set to ``None`` or zeroed; the zero test runs on the few reduced bucket
-        buffers (the owned gradients are views into them), with one device sync in all, not
-        one per parameter."""
+        would otherwise enter the next reduction as if it were its own local gradient (and
+        autograd would add the new gradient into the reduced buffer in place). Checked in
+        forward and again when a backward reaches the output, before any gradient is added: a
+        second backward through one forward (``retain_graph``) gave wrong gradients silently.
+        Cleared means ``.grad`` set to ``None`` or zeroed; the zero test runs on the few reduced
+        bucket buffers (the owned gradients are views into them), with one device sync in all,
+        not one per parameter."""
         if not self._holds_reduced:
             return
         buffers = [buf for buf, params in self._reduced if any(p.grad is not None for p in params)]
@@ -221,10 +228,19 @@ class ZeroDataParallel(nn.Module):
             raise RuntimeError(
                 "ZeroDataParallel: the gradients reduced by the last backward are still set. "
                 "Call optimizer.zero_grad() after optimizer.step(); to accumulate gradients "
-                "over micro-batches, run all but the last inside model.no_sync()."
+                "over micro-batches, or over several backward passes through one forward, run "
+                "all but the last inside model.no_sync() (or sum the losses into one backward)."
             )
         self._holds_reduced = False
         self._reduced.clear()
+
+
+def _when_backward_reaches(output: Any, check: Callable[[], None]) -> None:
+    """Call ``check()`` when a backward computes the gradient of a tensor in ``output``."""
+    leaves, _ = tree_flatten(output)
+    for tensor in leaves:
+        if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
+            tensor.register_hook(lambda grad: check())
 
 
 def sharded_holding(owner_of: Callable[[nn.Parameter], int],
