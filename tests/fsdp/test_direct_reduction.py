@@ -10,9 +10,10 @@ import torch
 from torch import nn
 
 from shardwise import fully_shard
-from shardwise.fsdp import grad_exchange, units_of
+from shardwise.fsdp import grad_exchange
 from shardwise.fsdp.flat_param import FlatParamHandle
-from tests.harness import WORLD_SIZES, assert_rel_close, local_part, run_on_ranks, shard0_rows
+from tests.fsdp.unit_grads import assert_unit_grads
+from tests.harness import WORLD_SIZES, run_on_ranks
 
 RTOL = 1e-5
 WIDTH = 512  # a 512 x 512 weight has chunks of at least 65536 elements at world size 4: direct
@@ -52,20 +53,6 @@ def _counting_starts():
     return calls, original, start
 
 
-def _check_grads(ctx, model, reference, what):
-    ref = dict(reference.named_parameters())
-    names = {id(m): n for n, m in model.named_modules()}
-    for unit in units_of(model):
-        prefix = f"{names[id(unit.module)]}." if names[id(unit.module)] else ""
-        for slot in unit.handle.slots:
-            expected = ref[prefix + slot.fqns[0]].grad
-            if expected is None:
-                expected = torch.zeros(slot.shape)
-            assert_rel_close(local_part(slot.shard_param.grad),
-                             shard0_rows(expected, ctx.rank, ctx.world_size), RTOL,
-                             f"{what}: {prefix + slot.fqns[0]}")
-
-
 def _train(ctx, accumulate: int):
     calls, original, counting = _counting_starts()
     grad_exchange.DirectGrads.start = counting
@@ -89,7 +76,7 @@ def _train(ctx, accumulate: int):
             for k, micro in enumerate(xs):
                 model.set_requires_gradient_sync(k == accumulate - 1)
                 model(micro[ctx.rank], branch[ctx.rank]).square().mean().backward()
-            _check_grads(ctx, model, reference, f"step {step}")
+            assert_unit_grads(model, reference, f"step {step}", RTOL)
         return len(calls)
     finally:
         grad_exchange.DirectGrads.start = original
@@ -150,7 +137,7 @@ def _two_units_steps(ctx, steps: int):
             (reference(x, branches[r]).square().mean() / ctx.world_size).backward()
         model.zero_grad()
         model(xs[ctx.rank], branches[ctx.rank]).square().mean().backward()
-        _check_grads(ctx, model, reference, f"step {step}")
+        assert_unit_grads(model, reference, f"step {step}", RTOL)
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
@@ -186,7 +173,7 @@ def _train_deep_unit(ctx):
     for r, x in enumerate(xs):
         (reference(x, r == 0).square().mean() / ctx.world_size).backward()
     model(xs[ctx.rank], ctx.rank == 0).square().mean().backward()
-    _check_grads(ctx, model, reference, "deep unit")
+    assert_unit_grads(model, reference, "deep unit", RTOL)
 
 
 @pytest.mark.parametrize("world_size", [2, 4])

@@ -12,15 +12,14 @@ import warnings
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from shardwise import fully_shard
 from shardwise._compat import DTensor
 from shardwise.distributed import init_device_mesh
-from shardwise.fsdp import units_of
 from shardwise.fsdp.flat_param import FlatParamHandle
-from tests.harness import WORLD_SIZES, assert_rel_close, local_part, run_on_ranks, shard0_rows
+from tests.fsdp.unit_grads import assert_unit_grads
+from tests.harness import WORLD_SIZES, local_part, run_on_ranks, shard0_rows
 
 WIDTH = 512  # large enough for the direct exchange at world size 4 (see test_direct_reduction)
 RTOL = 1e-5
@@ -52,18 +51,6 @@ def _raise_in_forward(module, args, output):
 
 def _raise_in_backward(module, args, output):
     output.register_hook(_raise)  # returns None: the output stays as it is
-
-
-def _check_grads(ctx, model, reference, what):
-    ref = dict(reference.named_parameters())
-    names = {id(m): n for n, m in model.named_modules()}
-    for unit in units_of(model):
-        prefix = f"{names[id(unit.module)]}." if names[id(unit.module)] else ""
-        for slot in unit.handle.slots:
-            expected = ref[prefix + slot.fqns[0]].grad
-            rank, world = dist.get_rank(unit.group), dist.get_world_size(unit.group)
-            assert_rel_close(local_part(slot.shard_param.grad), shard0_rows(expected, rank, world),
-                             RTOL, f"{what}: {prefix + slot.fqns[0]}")
 
 
 def _steps(ctx, mode: str, fail_at: int, save_in_handler: bool = False, where="backward"):
@@ -117,7 +104,7 @@ def _run_steps(ctx, mode: str, fail_at: int, save_in_handler: bool, where: str) 
         for x in xs:
             (reference(x).square().mean() / ctx.world_size).backward()
         model(xs[ctx.rank]).square().mean().backward()
-        _check_grads(ctx, model, reference, f"step {step}")
+        assert_unit_grads(model, reference, f"step {step}", RTOL)
         model.zero_grad(set_to_none=True)
 
 

@@ -16,28 +16,14 @@ import contextlib
 
 import pytest
 import torch
-import torch.distributed as dist
-from torch import nn
 
 from shardwise import fully_shard
-from shardwise.fsdp import units_of
 from tests.fsdp.gathering import gathering_units
-from tests.harness import assert_rel_close, local_part, run_on_ranks, shard0_rows
+from tests.fsdp.test_failed_backward import WIDTH, Net  # three blocks and a head
+from tests.fsdp.unit_grads import assert_unit_grads
+from tests.harness import run_on_ranks
 
-WIDTH = 512  # large parameters take the direct exchange (see test_direct_reduction)
 RTOL = 1e-5
-
-
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.blocks = nn.ModuleList([nn.Linear(WIDTH, WIDTH) for _ in range(2)])
-        self.head = nn.Linear(WIDTH, 4)
-
-    def forward(self, x):
-        for block in self.blocks:
-            x = torch.tanh(block(x))
-        return self.head(x)
 
 
 def _losses(model, x0, x1, pattern: str, scale: float = 1.0) -> None:
@@ -80,19 +66,7 @@ def _train(ctx, pattern: str, gather: bool) -> None:
             _losses(reference, x0, x1, pattern, 1 / ctx.world_size)
         model.zero_grad()
         _losses(model, xs[ctx.rank, 0], xs[ctx.rank, 1], pattern)
-        _check_grads(model, reference, f"{pattern}, step {step}")
-
-
-def _check_grads(model, reference, what: str) -> None:
-    ref = dict(reference.named_parameters())
-    names = {id(m): n for n, m in model.named_modules()}
-    for unit in units_of(model):
-        prefix = f"{names[id(unit.module)]}." if names[id(unit.module)] else ""
-        rank, world = dist.get_rank(unit.group), dist.get_world_size(unit.group)
-        for slot in unit.handle.slots:
-            expected = shard0_rows(ref[prefix + slot.fqns[0]].grad, rank, world)
-            assert_rel_close(local_part(slot.shard_param.grad), expected, RTOL,
-                             f"{what}: {prefix + slot.fqns[0]}")
+        assert_unit_grads(model, reference, f"{pattern}, step {step}", RTOL)
 
 
 CASES = [(1, True), (2, True), (4, True), (2, False), (4, False)]  # (world size, gather)

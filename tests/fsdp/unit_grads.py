@@ -1,0 +1,27 @@
+"""Each FSDP unit's sharded gradients against a one-process reference's gradients."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from shardwise.fsdp import units_of
+from tests.harness import assert_rel_close, local_part, shard0_rows
+
+
+def assert_unit_grads(model: nn.Module, reference: nn.Module, what: str, rtol: float) -> None:
+    """Every unit's sharded gradient equals this rank's rows (in its unit's group) of the
+    reference parameter's gradient, zeros where the reference has none (a parameter no rank
+    used: FSDP reduces zeros for it)."""
+    ref = dict(reference.named_parameters())
+    names = {id(m): n for n, m in model.named_modules()}
+    for unit in units_of(model):
+        prefix = f"{names[id(unit.module)]}." if names[id(unit.module)] else ""
+        rank, world = dist.get_rank(unit.group), dist.get_world_size(unit.group)
+        for slot in unit.handle.slots:
+            expected = ref[prefix + slot.fqns[0]].grad
+            if expected is None:
+                expected = torch.zeros(slot.shape)
+            assert_rel_close(local_part(slot.shard_param.grad), shard0_rows(expected, rank, world),
+                             rtol, f"{what}: {prefix + slot.fqns[0]}")
