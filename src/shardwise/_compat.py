@@ -126,7 +126,8 @@ _ENGINE = _name(
     "torch.autograd:Variable._execution_engine")
 _GRAPH_TASK_ID = _name(
     "_current_graph_task_id", "DDP and FSDP tell a forward run inside backward (an activation "
-    "checkpoint's recompute) from the first forward after a backward that raised",
+    "checkpoint's recompute) from the first forward after a backward that raised; FSDP tells "
+    "one backward pass from the next where a unit's inputs get their gradients",
     "torch._C:_current_graph_task_id")
 FUTURE_TYPE: type = _name(
     "torch._C.Future", "the base class of torch.futures.Future and of what .then() and "
@@ -220,6 +221,11 @@ def queue_callback(callback: Callable[[], None]) -> None:
 def backward_running() -> bool:
     """Whether autograd's engine is running a backward pass on this thread right now."""
     return _GRAPH_TASK_ID() != -1
+
+
+def current_backward() -> int:
+    """The id of the backward pass running on this thread (-1: none)."""
+    return _GRAPH_TASK_ID()
 
 
 def default_store() -> dist.Store:

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from shardwise import fully_shard
+from shardwise.fsdp.unit import FSDPUnit
 from tests.fsdp.gathering import gathering_units
 from tests.fsdp.test_failed_backward import WIDTH, Net  # three blocks and a head
 from tests.fsdp.unit_grads import assert_unit_grads
@@ -104,3 +105,38 @@ def _backward_with_create_graph(ctx) -> str:
 def test_parameter_gradients_with_a_graph_are_refused_with_the_reason():
     messages = run_on_ranks(2, _backward_with_create_graph, timeout=60)
     assert all("create_graph=True" in m for m in messages), messages
+
+
+def _units_ended_at_the_callback(ctx) -> list[list[str]]:
+    """Per step (an evaluation forward with grad enabled, its output dropped, then a training
+    step), the units whose backward ended only at the end-of-backward callback."""
+    torch.manual_seed(0)
+    model = Net()
+    with gathering_units():
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
+    names = {id(m): n or "root" for n, m in model.named_modules()}
+    ended, original = [], FSDPUnit.end_backward_at_callback
+
+    def counting(unit):
+        ended[-1].append(names[id(unit.module)])
+        original(unit)
+
+    FSDPUnit.end_backward_at_callback = counting
+    try:
+        for _ in range(2):
+            ended.append([])
+            model(torch.randn(2, WIDTH))  # dropped: its graph is gone before the next forward
+            model(torch.randn(2, WIDTH)).square().mean().backward()
+    finally:
+        FSDPUnit.end_backward_at_callback = original
+    return ended
+
+
+def test_a_dropped_forward_does_not_hold_units_gathered_to_the_end_of_backward():
+    """Only the units with no input that requires grad (the root, the first block) wait for
+    the callback; the others end at their inputs' gradients and reshard there. Counting the
+    dropped forward kept every block gathered until the callback (the whole model at once)."""
+    for ended in run_on_ranks(2, _units_ended_at_the_callback, timeout=60):
+        assert ended == [["root", "blocks.0"]] * 2, ended

@@ -8,6 +8,7 @@ tree of units coordinates ordering and prefetch.
 
 from __future__ import annotations
 
+import weakref
 from enum import Enum, auto
 from functools import partial
 from typing import Any
@@ -15,9 +16,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.autograd.graph import register_multi_grad_hook
 
-from shardwise._compat import tree_flatten, tree_map
+from shardwise._compat import current_backward, tree_flatten, tree_map
 from shardwise.fsdp.checks import class_name
 from shardwise.fsdp.collectives import register_pre_backward, run_eagerly
 from shardwise.fsdp.flat_param import FlatParamHandle
@@ -76,9 +76,9 @@ class TrainingState(Enum):
 # some ranks and never on others (a rank waiting for it would reach the end of backward first
 # and reduce this unit after units that the other ranks reduced after it: reductions paired
 # with the wrong units, or ranks waiting for each other). It is a point that every rank reaches:
-# - when the unit's forward had inputs that require grad: once backward has computed their
-#   gradients (a multi-grad hook on them, registered by the forward or, for a reentrant
-#   checkpoint whose forward ran without grad, by its recompute). Autograd runs every node made
+# - when the unit's forward had inputs that require grad: once backward has computed all their
+#   gradients (a hook on each, registered by the forward or, for a reentrant checkpoint whose
+#   forward ran without grad, by its recompute). Autograd runs every node made
 #   during the unit's forward before the node that made its inputs, and a parameter's
 #   AccumulateGrad as soon as it is ready, so the gradients that arrive at all are in by then;
 # - otherwise (the root, whose inputs are data; a unit after frozen layers): the root's
@@ -86,10 +86,14 @@ class TrainingState(Enum):
 # A unit run several times before one backward (two forwards of the model for one loss, a
 # block applied twice) counts its forwards, and its backward ends when the inputs of the last
 # of them have their gradients. The count is cleared where backward ends (the end-of-backward
-# callback), not when the root's forward starts again: a second forward of the model before
-# backward keeps the first one's (tests/fsdp/test_forward_patterns.py). A forward whose output
-# is dropped keeps its count until then, and the unit's backward in that iteration ends at the
-# callback: later, still the same point on every rank.
+# callback); when the root's forward starts again, only the forwards whose graph is gone are
+# forgotten (an evaluation with grad enabled whose output was dropped: each forward's record
+# lives in its graph, in its first input's node metadata and in the hooks, and the unit holds it
+# weakly; nothing in it refers back to the graph, so the graph is freed as soon as it is
+# dropped), so a second forward of the model before backward keeps the first one's
+# (tests/fsdp/test_forward_patterns.py). A forward counted too long, or an input whose gradient
+# this backward does not compute, only moves the unit's end to the callback: later, still the
+# same point on every rank.
 # Each rank then reduces every parameter, with zeros for the ones it got no gradient for, even a
 # unit none of whose gradients arrived here (``expect_gradient``). A parameter that no rank used
 # gets a zero gradient where plain torch leaves None. The direct exchanges that do run while the
@@ -117,7 +121,9 @@ class FSDPUnit:
         self.state = TrainingState.IDLE
         self.recomputing = False  # a forward run during backward (activation checkpointing)
         self.late_grads = False  # gradients arrived in POST_BACKWARD, reduced at the end
-        self._inputs_pending = 0  # forwards whose inputs' gradients backward has not produced
+        # forwards whose inputs' gradients backward has not produced: id -> a weak reference
+        # to the forward's _ForwardInputs, which lives in its graph (see _watch_inputs)
+        self._inputs_pending: dict[int, weakref.ref] = {}
         self._inputs_watched = 0  # forwards of this iteration whose inputs are watched
         self.forward_index = -1  # position of the current call in the forward order
         self.reshard_after_backward = True
@@ -174,7 +180,17 @@ class FSDPUnit:
         """The backward pass is over (the root's callback): back to IDLE."""
         self.state = TrainingState.IDLE
         self.recomputing = self.late_grads = False
-        self._inputs_pending = self._inputs_watched = 0
+        self._inputs_pending.clear()
+        self._inputs_watched = 0
+
+    def forget_dropped_forwards(self) -> None:
+        """Stop counting the forwards whose graph is gone (their output was dropped unused: an
+        evaluation with grad enabled), when a new iteration's forward starts: their inputs'
+        gradients will never come ([Note: where a unit's backward ends])."""
+        pending = self._inputs_pending
+        for key in [k for k, ref in pending.items() if ref() is None]:
+            del pending[key]
+        self._inputs_watched = len(pending)
 
     def needs_gradients(self) -> bool:
         return self.handle is not None and self.handle.requires_grad
@@ -214,6 +230,8 @@ class FSDPUnit:
                     release_free_heap()  # the optimizer's freed pages: [Note: allocator slack]
                 self.root_state.sync_host()  # the peers' rows are written
                 self.root_state.start_forward()
+                for unit in self.root_state.units:
+                    unit.forget_dropped_forwards()
             self.state = TrainingState.FORWARD
             args, kwargs = self._watch_inputs(args, kwargs)
             self.root_state.unshard_for_forward(self, self.forward_prefetch_units)
@@ -229,22 +247,29 @@ class FSDPUnit:
         """Make the gradients of this forward's inputs the end of the unit's backward (see
         [Note: where a unit's backward ends]). Returns the inputs the forward runs with: an
         input that is a leaf requiring grad (data for an input gradient, a parameter passed in)
-        becomes a view of itself, with the same values and gradient, because torch's multi-grad
-        hook cannot watch a leaf inside ``torch.autograd.grad`` (it raises there)."""
+        becomes a view of itself, with the same values and gradient, so that the forward's
+        graph has a node to hold its record."""
         if not torch.is_grad_enabled() or self.handle is None:
             return args, kwargs
         args, kwargs = tree_map(_view_of_leaf, (args, kwargs))
         leaves, _ = tree_flatten((args, kwargs))
         inputs = [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
         if inputs:
-            self._inputs_pending += 1
+            watch = _ForwardInputs(len(inputs))
+            # the graph holds the watch (its first input's node metadata, and the hooks), the
+            # unit only weakly: it dies with the graph, which holds nothing of the unit's back
+            inputs[0].grad_fn.metadata.setdefault(_WATCHES_KEY, []).append(watch)
+            self._inputs_pending[id(watch)] = weakref.ref(watch)
             self._inputs_watched += 1
-            register_multi_grad_hook(inputs, self._on_inputs_grad, mode="all")
+            for index, tensor in enumerate(inputs):
+                tensor.register_hook(partial(self._on_input_grad, watch, index))
         return args, kwargs
 
-    def _on_inputs_grad(self, grads: Any) -> None:
-        self._inputs_pending -= 1
-        if self.state is TrainingState.PRE_BACKWARD and self._inputs_pending <= 0:
+    def _on_input_grad(self, watch: _ForwardInputs, index: int, grad: torch.Tensor) -> None:
+        if not watch.arrived(index):
+            return
+        self._inputs_pending.pop(id(watch), None)
+        if self.state is TrainingState.PRE_BACKWARD and not self._inputs_pending:
             self._post_backward()
 
     def grads_arrived(self) -> bool:
@@ -417,6 +442,25 @@ def _runs_reentrant_checkpoint(args: Any, output: Any) -> bool:
             return True
         todo.extend(n for n, _ in node.next_functions if n is not None and n not in seen)
     return False
+
+
+class _ForwardInputs:
+    """One forward's inputs that require grad, and which of them have their gradient in the
+    backward pass now running."""
+
+    def __init__(self, count: int):
+        self.count, self.backward, self.seen = count, -1, set()
+
+    def arrived(self, index: int) -> bool:
+        """Input ``index`` has its gradient; whether every input has, in this backward."""
+        backward = current_backward()
+        if backward != self.backward:  # another backward through a retained graph
+            self.backward, self.seen = backward, set()
+        self.seen.add(index)
+        return len(self.seen) == self.count
+
+
+_WATCHES_KEY = "shardwise_fsdp_forwards"
 
 
 def _view_of_leaf(x: Any) -> Any:
