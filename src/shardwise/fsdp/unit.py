@@ -78,9 +78,9 @@ class TrainingState(Enum):
 # with the wrong units, or ranks waiting for each other). It is a point that every rank reaches:
 # - when the unit's forward had inputs that require grad: once backward has computed all their
 #   gradients (a hook on each, registered by the forward or, for a reentrant checkpoint whose
-#   forward ran without grad, by its recompute). Autograd runs every node made
-#   during the unit's forward before the node that made its inputs, and a parameter's
-#   AccumulateGrad as soon as it is ready, so the gradients that arrive at all are in by then;
+#   forward ran without grad, by its recompute). Autograd runs every node made during the
+#   unit's forward before the node that made its inputs, and a parameter's AccumulateGrad as
+#   soon as it is ready, so the gradients that arrive at all are in by then;
 # - otherwise (the root, whose inputs are data; a unit after frozen layers): the root's
 #   end-of-backward callback, for these units in the root's order.
 # A unit run several times before one backward (two forwards of the model for one loss, a
@@ -256,8 +256,8 @@ class FSDPUnit:
         inputs = [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
         if inputs:
             watch = _ForwardInputs(len(inputs))
-            # the graph holds the watch (its first input's node metadata, and the hooks), the
-            # unit only weakly: it dies with the graph, which holds nothing of the unit's back
+            # the graph holds the watch (its first input's node metadata, and the hooks) and the
+            # unit holds it weakly; the watch refers to nothing in the graph, so it dies with it
             inputs[0].grad_fn.metadata.setdefault(_WATCHES_KEY, []).append(watch)
             self._inputs_pending[id(watch)] = weakref.ref(watch)
             self._inputs_watched += 1
