@@ -218,14 +218,14 @@ def queue_callback(callback: Callable[[], None]) -> None:
     _ENGINE.queue_callback(callback)
 
 
-def backward_running() -> bool:
-    """Whether autograd's engine is running a backward pass on this thread right now."""
-    return _GRAPH_TASK_ID() != -1
-
-
 def current_backward() -> int:
     """The id of the backward pass running on this thread (-1: none)."""
     return _GRAPH_TASK_ID()
+
+
+def backward_running() -> bool:
+    """Whether autograd's engine is running a backward pass on this thread right now."""
+    return current_backward() != -1
 
 
 def default_store() -> dist.Store:

@@ -55,6 +55,12 @@ class Pending:
             self._done = True
         return True
 
+    def wait_posted(self) -> None:
+        """Wait for the collectives already issued and issue no other: ``wait`` here, whose
+        finish only moves local data; a subclass whose finish issues a collective overrides
+        it."""
+        self.wait()
+
     def is_completed(self) -> bool:
         return self._done
 

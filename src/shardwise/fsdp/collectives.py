@@ -8,10 +8,10 @@ so that each backend gets its fastest equivalent collective (see [Note: fast col
 there), issued asynchronously and waited for only when the data is needed; an all-reduce for
 gradient norms.
 
-Autograd: the pre-backward hook is a tensor hook on a unit's forward outputs (it fires when the
-gradient of an output is computed, i.e. just before the unit's own backward starts); the
-end-of-backward callback is queued on autograd's engine so that it runs once the whole backward
-pass has finished.
+Autograd: the end-of-backward callback is queued on autograd's engine so that it runs once the
+whole backward pass has finished. (The pre-backward hook, a tensor hook on a unit's forward
+outputs that fires just before the unit's own backward starts, is shared with ZeRO stage 2:
+shardwise/dp/output_hooks.py.)
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from shardwise._compat import queue_callback, tree_flatten
+from shardwise._compat import queue_callback
 from shardwise.dp.fast_collectives import Pending, all_gather_flat, reduce_scatter_flat
 from shardwise.fsdp.layout import UnitLayout, chunks_of, copy_from_chunks
 
@@ -116,24 +116,6 @@ def run_eagerly(hook: Callable[..., Any]) -> Callable[..., Any]:
     """``hook`` made opaque to torch.compile: it always runs as plain Python
     (see [Note: FSDP under torch.compile])."""
     return torch.compiler.disable(hook, recursive=True)
-
-
-def register_pre_backward(outputs: Any, hook: Callable[[], None]) -> None:
-    """Call ``hook()`` when the gradient of any tensor in ``outputs`` (any nesting of lists,
-    tuples, dicts) that requires grad is computed. The hook should be idempotent per backward."""
-    if not torch.is_grad_enabled():
-        return
-    leaves, _ = tree_flatten(outputs)
-    for t in leaves:
-        if isinstance(t, torch.Tensor) and t.requires_grad:
-            t.register_hook(_returning_none(hook))
-
-
-def _returning_none(hook: Callable[[], None]) -> Callable[[torch.Tensor], None]:
-    def tensor_hook(grad: torch.Tensor) -> None:
-        hook()
-
-    return tensor_hook
 
 
 def queue_end_of_backward(callback: Callable[[], None]) -> None:

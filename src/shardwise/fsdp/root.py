@@ -188,9 +188,14 @@ class RootState:
                 unit.reduce_gradient()
         self.finish_reductions()
         self.sync_host()  # every rank's backward has read the peers' rows
+        self._reset_units(reshard_all=False)
+
+    def _reset_units(self, reshard_all: bool) -> None:
+        """Reshard every unit (``reshard_all``) or those that reshard after backward, make each
+        ready for the next backward, and clear this backward's state."""
         for unit in self.units:
             if unit.handle is not None:
-                if unit.reshard_after_backward and not self.building_graph:
+                if reshard_all or unit.reshards_after_backward():
                     unit.handle.reshard()
                 unit.handle.arrivals.new_backward()
             unit.end_backward()
@@ -227,21 +232,12 @@ class RootState:
         gradients, reshard and reset every unit; warn. Issues no collective."""
         warnings.warn("FSDP: the previous backward pass raised before it ended; the gradients "
                       "it had not reduced into .grad yet are dropped", stacklevel=4)
-        while self.reductions:
-            pending = self.reductions.popleft()[1].pending
-            # the messages must land before their buffers go; an HSDP reduction's all-reduce
-            # across replicas is issued only by its wait: not issued here
-            getattr(pending, "wait_posted", pending.wait)()
+        while self.reductions:  # the messages must land before their buffers go
+            self.reductions.popleft()[1].pending.wait_posted()
         for unit in self.units:
             if unit.handle is not None:
                 unit.handle.drop_gradients()
-        for unit in self.units:  # no new collective: one rank may be alone here (state_dict)
-            if unit.handle is not None:
-                unit.handle.reshard()
-                unit.handle.arrivals.new_backward()
-            unit.end_backward()
-        self.storage_pool.clear()
-        self.callback_queued = self.building_graph = False
+        self._reset_units(reshard_all=True)  # no collective: one rank may be alone here
 
     # ---- parameters shared on the host ---------------------------------------------------
     def sync_host(self) -> None:

@@ -18,8 +18,9 @@ import torch.distributed as dist
 from torch import nn
 
 from shardwise._compat import current_backward, tree_flatten, tree_map
+from shardwise.dp.output_hooks import register_pre_backward
 from shardwise.fsdp.checks import class_name
-from shardwise.fsdp.collectives import register_pre_backward, run_eagerly
+from shardwise.fsdp.collectives import run_eagerly
 from shardwise.fsdp.flat_param import FlatParamHandle
 from shardwise.fsdp.grad_exchange import unit_tag_bases
 from shardwise.fsdp.mixed_precision import MixedPrecision
@@ -346,7 +347,7 @@ class FSDPUnit:
             if not handle.views_set:  # resharded after forward (e.g. recomputed by checkpointing)
                 handle.use_unsharded_views()
 
-    def _reshards_after_backward(self) -> bool:
+    def reshards_after_backward(self) -> bool:
         """Whether the unit reshards where its backward ends ([Note: backward with
         create_graph])."""
         return self.reshard_after_backward and not self.root_state.building_graph
@@ -372,14 +373,14 @@ class FSDPUnit:
             # this unit's flat gradient is allocated (see [Note: FSDP schedule])
             self.root_state.finish_reductions()
         self.handle.add_param_grad(index, sync=not self.no_sync)
-        if self.release_rows and self._reshards_after_backward() and not self.recomputing:
+        if self.release_rows and self.reshards_after_backward() and not self.recomputing:
             self.handle.release_param_rows(index)  # [Note: releasing a dead parameter's rows]
 
     def _post_backward(self) -> None:
         """The unit's backward is over ([Note: where a unit's backward ends]): reshard, and
         reduce every parameter's gradient (zeros where none arrived here)."""
         self.state = TrainingState.POST_BACKWARD
-        if self._reshards_after_backward():
+        if self.reshards_after_backward():
             self.handle.reshard()  # parameters first: free their buffer before reductions'
         if self.backward_prefetch_units is None:
             self.root_state.prefetch_for_backward(self)

@@ -49,7 +49,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardwise._compat import tree_flatten
 from shardwise.dp.buckets import Bucket, BucketSizes, Waitable
 from shardwise.dp.comm_hooks import CommHook, CommHookSlot
 from shardwise.dp.data_parallel import (
@@ -59,6 +58,7 @@ from shardwise.dp.data_parallel import (
     sync_module_state,
 )
 from shardwise.dp.grad_buckets import GradBucketer, Holding
+from shardwise.dp.output_hooks import register_pre_backward
 from shardwise.zero import collectives as zc
 from shardwise.zero.optimizer import ZeroRedundancyOptimizer
 
@@ -116,8 +116,8 @@ class ZeroDataParallel(nn.Module):
         if self.broadcast_buffers and self.world_size > 1:
             broadcast_buffers(self.module, self.process_group)
         output = self.module(*inputs, **kwargs)
-        if torch.is_grad_enabled():  # a second backward through this output checks too
-            _when_backward_reaches(output, self._check_grads_cleared)
+        # a second backward through this output checks too
+        register_pre_backward(output, self._check_grads_cleared)
         return output
 
     def no_sync(self) -> AbstractContextManager[None]:
@@ -233,14 +233,6 @@ class ZeroDataParallel(nn.Module):
             )
         self._holds_reduced = False
         self._reduced.clear()
-
-
-def _when_backward_reaches(output: Any, check: Callable[[], None]) -> None:
-    """Call ``check()`` when a backward computes the gradient of a tensor in ``output``."""
-    leaves, _ = tree_flatten(output)
-    for tensor in leaves:
-        if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
-            tensor.register_hook(lambda grad: check())
 
 
 def sharded_holding(owner_of: Callable[[nn.Parameter], int],
