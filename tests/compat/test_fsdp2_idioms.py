@@ -251,11 +251,11 @@ def _torch_isinstance_program(ctx):
     model.unshard()  # torch's method names, our implementations
     model.reshard()
     model.set_requires_gradient_sync(True)
-    model.set_reduce_scatter_unused_params(True)  # what our units always do
+    model.set_reduce_scatter_unused_params(True)  # ours: zero gradients for unused parameters
+    model.set_reduce_scatter_unused_params(False)  # and back to None for them, torch's default
     errors = {}
     for name, args in (("set_gradient_divide_factor", (2.0,)), ("_get_fsdp_state", ()),
-                       ("set_custom_all_gather", (None,)),
-                       ("set_reduce_scatter_unused_params", (False,))):
+                       ("set_custom_all_gather", (None,))):
         try:
             getattr(model, name)(*args)
         except NotImplementedError as e:
@@ -271,7 +271,7 @@ def test_our_fsdp_modules_are_torch_fsdp_modules_and_refuse_torch_only_methods()
     assert sliced == "Sequential"
     assert torch_code == [], torch_code
     assert set(errors) == {"set_gradient_divide_factor", "_get_fsdp_state",
-                           "set_custom_all_gather", "set_reduce_scatter_unused_params"}
+                           "set_custom_all_gather"}
     assert "FSDPModule.set_gradient_divide_factor" in errors["set_gradient_divide_factor"]
     assert "average gradients" in errors["set_gradient_divide_factor"]
     assert "pipelining" in errors["_get_fsdp_state"]

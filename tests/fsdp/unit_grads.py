@@ -12,8 +12,8 @@ from tests.harness import assert_rel_close, local_part, shard0_rows
 
 def assert_unit_grads(model: nn.Module, reference: nn.Module, what: str, rtol: float) -> None:
     """Every unit's sharded gradient equals this rank's rows (in its unit's group) of the
-    reference parameter's gradient, zeros where the reference has none (a parameter no rank
-    used: FSDP reduces zeros for it)."""
+    reference parameter's gradient; None where the reference has none (a parameter no rank
+    used), zeros there under ``set_reduce_scatter_unused_params(True)``."""
     ref = dict(reference.named_parameters())
     names = {id(m): n for n, m in model.named_modules()}
     for unit in units_of(model):
@@ -21,6 +21,9 @@ def assert_unit_grads(model: nn.Module, reference: nn.Module, what: str, rtol: f
         rank, world = dist.get_rank(unit.group), dist.get_world_size(unit.group)
         for slot in unit.handle.slots:
             expected = ref[prefix + slot.fqns[0]].grad
+            if expected is None and not unit.reduce_scatter_unused_params:
+                assert slot.shard_param.grad is None, f"{what}: {prefix + slot.fqns[0]} unused"
+                continue
             if expected is None:
                 expected = torch.zeros(slot.shape)
             assert_rel_close(local_part(slot.shard_param.grad), shard0_rows(expected, rank, world),

@@ -33,7 +33,7 @@ def test_json_rows_gain_simulated_figures_and_the_record_the_dry_run_cost(capsys
                         "sent_bytes", "collectives"}
     assert sim["model_state"] == sim["params"] + sim["grads"] + sim["optimizer"]
     assert abs(sim["model_state"] - rows["fsdp"]["model_state"]) <= 0.01 * sim["model_state"]
-    assert set(sim["sent_bytes"]) == {"all_gather", "reduce_scatter"}
+    assert set(sim["sent_bytes"]) == {"all_gather", "reduce_scatter", "all_reduce"}
     assert sim["collectives"] > 0 and sim["peak_gathered"] > 0
     assert rows["ddp"]["simulated"] is None  # --strategy fsdp: only its rows are simulated
     assert record["simulated_rank"] == 5
@@ -64,7 +64,7 @@ def test_the_8192_rank_fsdp_dry_run_of_a_7b_model_holds_the_padded_layout(capsys
     sim = next(r for r in record["rows"] if r["strategy"] == "fsdp")["simulated"]
     assert (sim["params"], sim["grads"]) == (2 * elements, 2 * elements)
     assert sim["optimizer"] == 12 * elements + 4 * len(shapes)
-    assert set(sim["sent_bytes"]) == {"all_gather", "reduce_scatter"}
+    assert set(sim["sent_bytes"]) == {"all_gather", "reduce_scatter", "all_reduce"}
 
 
 @pytest.mark.parametrize("argv, message", [

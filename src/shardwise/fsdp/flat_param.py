@@ -75,6 +75,7 @@ from shardwise.fsdp.grad_exchange import TAG_BASE, DirectGrads
 from shardwise.fsdp.host_params import HostParams, shareable
 from shardwise.fsdp.layout import ParamLayout, UnitLayout, copy_into_chunks, plan_layout
 from shardwise.fsdp.tp_params import TPLayout, local_grad
+from shardwise.fsdp.unused_grads import ReducedSlots
 from shardwise.memory.heap import release_pages
 
 
@@ -163,6 +164,8 @@ class FlatParamHandle:
         self.direct: DirectGrads | None = None  # see [Note: direct gradient reduction]
         self.tag_base = TAG_BASE  # of its direct exchanges; the root sets one per unit
         self.arrivals = GradArrivals()  # which gradients are in: [Note: gradient arrival]
+        # this backward's reductions: [Note: gradients of unused parameters] (unused_grads.py)
+        self.reduced = ReducedSlots(len(self.slots))
         self.state = ShardState.SHARDED
         self.views_set = False
         self._gather: Pending | None = None
@@ -412,6 +415,7 @@ class FlatParamHandle:
         if direct is not None:
             direct.abandon()
         self.arrivals.taken()
+        self.reduced.clear()
 
     def expect_gradient(self) -> None:
         """Make the next ``start_reduction`` issue one although no gradient arrived on this rank:
@@ -435,6 +439,7 @@ class FlatParamHandle:
             pending, out, held = direct.start(self.arrivals.waiting)
         else:
             pending, out, held = self._start_buffer_reduction(self._take_full_grad())
+        self.reduced.reduced([self.arrivals.waiting(i) for i in range(len(self.slots))])
         self.arrivals.taken()
         if self.replicate_group is not None:
             pending = then_average_across(pending, out, self.replicate_group)
@@ -476,15 +481,29 @@ class FlatParamHandle:
         dtype and device)."""
         reduction.pending.wait()
         flat = reduction.out.to(self.shard_device, self.shard_dtype, non_blocking=False)
-        for slot in self.slots:
+        for index, slot in enumerate(self.slots):
             if not slot.requires_grad:
                 continue
             part = self._local_view(flat, slot.layout)
             param = slot.shard_param
             if param.grad is None:
                 param.grad = sharded_like(part, param)
+                self.reduced.grad_made(index)
             else:
                 local_tensor(param.grad).add_(part)
+
+    def drop_grads_of_unused(self, used: list[int]) -> None:
+        """``used[i]``: whether any rank had a gradient for slot i in this backward's
+        reductions. The ``.grad`` they created for a slot no rank used goes back to None
+        ([Note: gradients of unused parameters], unused_grads.py)."""
+        for index in self.reduced.made:
+            if not used[index]:
+                self.slots[index].shard_param.grad = None
+
+    def new_backward(self) -> None:
+        """A backward ended: the next one starts with no arrivals and no reductions."""
+        self.arrivals.new_backward()
+        self.reduced.clear()
 
     # ---- whole parameters (state dicts) --------------------------------------------------
     def gather_full_params(self) -> list[torch.Tensor]:

@@ -88,6 +88,17 @@ class FSDPModule(TorchFSDPModuleBase):
         for unit in self._units(recurse):
             unit.reshard_after_backward = reshard_after_backward
 
+    def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool, *,
+                                         recurse: bool = True) -> None:
+        """True: a parameter that no rank used gets a zero gradient, as with torch's FSDP2
+        under this setting. False (the default): it keeps ``grad is None`` ([Note: gradients of
+        unused parameters], fsdp/unused_grads.py). Either way every rank reduces every
+        parameter of the unit, with zeros for those it got no gradient for, so ranks may use
+        different parameters."""
+        _check_bool("reduce_scatter_unused_params", reduce_scatter_unused_params)
+        for unit in self._units(recurse):
+            unit.reduce_scatter_unused_params = reduce_scatter_unused_params
+
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         """Accepted for torch's API. On CPU every backward already waits for its reductions;
         the flag changes nothing here."""

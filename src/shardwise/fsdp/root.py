@@ -50,6 +50,7 @@ from shardwise._compat import backward_running
 from shardwise.fsdp.buffer_pool import StoragePool
 from shardwise.fsdp.collectives import queue_end_of_backward
 from shardwise.fsdp.flat_param import GradReduction, ShardState
+from shardwise.fsdp.unused_grads import drop_unused_grads
 
 if TYPE_CHECKING:
     from shardwise.fsdp.unit import FSDPUnit
@@ -187,7 +188,9 @@ class RootState:
             elif unit.late_grads or (not unit.backward_done and unit.grads_arrived()):
                 unit.reduce_gradient()
         self.finish_reductions()
-        self.sync_host()  # every rank's backward has read the peers' rows
+        # [Note: gradients of unused parameters]; its all-reduces are barriers too
+        synced = drop_unused_grads(self.units)
+        self.sync_host(skip=synced)  # every rank's backward has read the peers' rows
         self._reset_units(reshard_all=False)
 
     def _reset_units(self, reshard_all: bool) -> None:
@@ -197,7 +200,7 @@ class RootState:
             if unit.handle is not None:
                 if reshard_all or unit.reshards_after_backward():
                     unit.handle.reshard()
-                unit.handle.arrivals.new_backward()
+                unit.handle.new_backward()
             unit.end_backward()
         self.storage_pool.clear()  # [Note: unshard buffer pool]: not held past backward
         self.callback_queued = self.building_graph = False
@@ -240,12 +243,13 @@ class RootState:
         self._reset_units(reshard_all=True)  # no collective: one rank may be alone here
 
     # ---- parameters shared on the host ---------------------------------------------------
-    def sync_host(self) -> None:
+    def sync_host(self, skip: set[int] = frozenset()) -> None:
         """A barrier over each group whose units hold their parameters in one mapping per host
         ([Note: parameters shared on one host], host_params.py): issued before and after the
         root's forward and at the end of backward, so that no rank writes its rows while a peer
-        reads them. Nothing where no unit shares."""
-        seen: set[int] = set()
+        reads them. Nothing where no unit shares, nor over the groups in ``skip`` (ids of
+        groups whose ranks have just met in another collective)."""
+        seen: set[int] = set(skip)
         for unit in self.units:
             handle = unit.handle
             if handle is not None and handle.host is not None and id(handle.group) not in seen:

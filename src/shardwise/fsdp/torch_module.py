@@ -75,16 +75,6 @@ class TorchFSDPModuleBase(_TorchFSDPModule):
         # ours (module.py) calls super()._apply: skip torch's, which reads torch's FSDP state
         return super(_TorchFSDPModule, self)._apply(*args, **kwargs)
 
-    def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool, *,
-                                         recurse: bool = True) -> None:
-        """True is what shardwise's units always do (a parameter without a gradient takes
-        part in the reduce-scatter with zeros); False is refused."""
-        if reduce_scatter_unused_params is not True:
-            raise NotImplementedError(
-                f"{type(self).__name__}.set_reduce_scatter_unused_params(False): shardwise's "
-                "units always reduce-scatter zeros for parameters without a gradient (every "
-                "rank must join the same collective)")
-
 
 for _name, _why in _REFUSED.items():
     setattr(TorchFSDPModuleBase, _name, _refusal(_name, _why))

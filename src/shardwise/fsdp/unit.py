@@ -97,9 +97,9 @@ class TrainingState(Enum):
 # same point on every rank.
 # Each rank then reduces every parameter, with zeros for the ones it got no gradient for, even a
 # unit none of whose gradients arrived here (``expect_gradient``). A parameter that no rank used
-# gets a zero gradient where plain torch leaves None. The direct exchanges that do run while the
-# unit's backward goes on never wait without end for a peer ([Note: direct gradient
-# reduction]). tests/fsdp/test_direct_reduction.py.
+# still keeps ``grad is None`` ([Note: gradients of unused parameters], unused_grads.py). The
+# direct exchanges that do run while the unit's backward goes on never wait without end for a
+# peer ([Note: direct gradient reduction]). tests/fsdp/test_direct_reduction.py.
 
 
 class FSDPUnit:
@@ -119,6 +119,8 @@ class FSDPUnit:
         self.root_state: RootState | None = None
         self.is_root = False
         self.no_sync = False  # keep unsharded gradients, no reduce-scatter (no_sync())
+        # keep zero gradients for parameters no rank used: [Note: gradients of unused parameters]
+        self.reduce_scatter_unused_params = False
         self.state = TrainingState.IDLE
         self.recomputing = False  # a forward run during backward (activation checkpointing)
         self.late_grads = False  # gradients arrived in POST_BACKWARD, reduced at the end
