@@ -41,6 +41,8 @@ def _check_grads(net, reference, model, step):
     for (name, p), (_, q) in zip(net.named_parameters(), reference.named_parameters()):
         if not p.requires_grad:
             assert p.grad is None and q.grad is None
+        elif q.grad is None:  # no rank used it
+            assert p.grad is None, f"step {step}: {name} has a gradient; no rank used it"
         elif any(p is o for o in model.owned_parameters()):
             assert_rel_close(p.grad, q.grad, RTOL, f"step {step}: grad of {name}")
         else:
@@ -342,3 +344,51 @@ def test_gradients_out_of_bucket_order_equal_single_process(world_size, ring):
         assert capacity == min(6 * (64 + 16), ring * 64), capacity
         if ring == 1:  # the first bucket of backward is refused its region in every step
             assert private >= 3, private
+
+
+class _PartlyUsed(torch.nn.Module):
+    """Layers in a row, a branch that the step's ranks run, and a pooler never run."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(4))
+        self.branch, self.pooler = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+
+    def forward(self, x, branch: bool):
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x + self.branch(x) if branch else x
+
+
+def _unused(ctx, shm: bool):
+    torch.manual_seed(0)
+    reference, net = _PartlyUsed(), _PartlyUsed()
+    net.load_state_dict(reference.state_dict())
+    kwargs = {"lr": 0.1, "weight_decay": 0.5}
+    ref_opt = torch.optim.AdamW(reference.parameters(), **kwargs)
+    opt = ZeroRedundancyOptimizer(net.parameters(), optimizer_class=torch.optim.AdamW, **kwargs)
+    os.environ[DISABLE_VAR] = "0" if shm else "1"
+    try:
+        model = ZeroDataParallel(net, opt, bucket_cap_mb=BUCKET_MB, find_unused_parameters=True)
+    finally:
+        del os.environ[DISABLE_VAR]
+    gen = torch.Generator().manual_seed(5)
+    for step in range(3):  # the branch runs on no rank, on the last rank only, on every rank
+        on = [set(), {ctx.world_size - 1}, set(range(ctx.world_size))][step]
+        xs = torch.randn(ctx.world_size, 2, 8, generator=gen)
+        for r, x in enumerate(xs):
+            (reference(x, r in on).square().mean() / ctx.world_size).backward()
+        model(xs[ctx.rank], ctx.rank in on).square().mean().backward()
+        _check_grads(net, reference, model, step)
+        opt.step()
+        opt.zero_grad()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        assert_params_equal(net, reference, f"step {step}")
+
+
+@pytest.mark.parametrize("world_size,shm", [(1, True), (2, True), (4, True), (2, False)])
+def test_parameters_no_rank_used_keep_grad_none_and_adamw_leaves_them(world_size, shm):
+    """With find_unused_parameters=True a parameter no rank used keeps ``grad is None``, as
+    with DDP and one process; its owner got a zero gradient before, and AdamW decayed it."""
+    run_on_ranks(world_size, _unused, shm)

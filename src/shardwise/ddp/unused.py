@@ -7,12 +7,14 @@ issued after the last bucket's collective, tells which parameters no rank used. 
 sees them in ``bucket.unused`` and leaves their ``.grad`` alone (``None`` stays ``None``, so an
 optimizer skips them). A parameter some ranks used gets the average with zeros from the others.
 With a static graph (static_graph.py) the map is computed in the first reduction only and
-reused afterwards, since the graph does not change.
+reused afterwards, since the graph does not change. ZeRO stage 2 (zero/stage2.py) finishes
+buckets while others are still in flight, before the map is known, so it takes the globally
+unused parameters once the reduction is over (``drop``) and sets their ``.grad`` back to None.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.distributed as dist
@@ -24,10 +26,13 @@ from shardwise.dp.grad_buckets import BucketPolicy, GradBucketer
 class UnusedMap(BucketPolicy):
     """The used-map all-reduce over ``group`` (see the module docstring). ``allow_unused``:
     ``find_unused_parameters``; ``static``: the graph is static (set before the first
-    reduction)."""
+    reduction); ``drop``: called with the parameters no rank used once a reduction is over, for
+    a wrapper whose buckets may finish before the map is known."""
 
-    def __init__(self, group: dist.ProcessGroup, allow_unused: bool):
-        self.group, self.allow_unused = group, allow_unused
+    def __init__(self, group: dist.ProcessGroup, allow_unused: bool,
+                 drop: Callable[[list[nn.Parameter]], None] | None = None):
+        self.group, self.allow_unused, self.drop = group, allow_unused, drop
+        self._to_drop: list[nn.Parameter] = []
         self.static = False
         self._size = dist.get_world_size(group)
         self._used: set[nn.Parameter] = set()  # got a gradient outside a ready slot
@@ -35,7 +40,7 @@ class UnusedMap(BucketPolicy):
         self._static_unused: list[frozenset[int]] | None = None  # learned in the first one
 
     def attach(self, bucketer: GradBucketer) -> None:
-        if bucketer.max_in_flight is not None:
+        if bucketer.max_in_flight is not None and self.drop is None:
             raise ValueError("the unused-parameter map needs every bucket finished after its "
                              "all-reduce; it cannot be combined with buckets finished in flight")
         super().attach(bucketer)
@@ -68,10 +73,15 @@ class UnusedMap(BucketPolicy):
         if unused is not None:
             for bucket in self.bucketer.buckets:
                 bucket.unused = unused[bucket.index]
+            if self.drop is not None:
+                self._to_drop = [b.params[i] for b in self.bucketer.buckets for i in b.unused]
 
     def end_reduction(self) -> None:
         self._used.clear()
         self._local = None
+        to_drop, self._to_drop = self._to_drop, []
+        if to_drop:
+            self.drop(to_drop)
 
     def shadow(self) -> None:
         """A joined rank's matching used-map all-reduce: it used nothing (ddp/join.py)."""

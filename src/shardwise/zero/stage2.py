@@ -49,6 +49,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from shardwise.ddp.unused import UnusedMap
 from shardwise.dp.buckets import Bucket, BucketSizes, Waitable
 from shardwise.dp.comm_hooks import CommHook, CommHookSlot
 from shardwise.dp.data_parallel import (
@@ -97,6 +98,9 @@ class ZeroDataParallel(nn.Module):
             self._finish, allow_unused=find_unused_parameters, wrapper="ZeroDataParallel",
             holding=sharded_holding(self._owner.__getitem__, self._slot_for),
         )
+        # no rank used them: their .grad goes back to None once the reduction is over
+        self.reducer.add_policy(UnusedMap(self.process_group, find_unused_parameters,
+                                          drop=self._drop_unused))
         buckets = self.reducer.buckets
         self._parts = [owner_parts(b, self._owner, self.world_size) for b in buckets]
         self._scatter = zc.OwnerScatter(self.process_group, buckets, SHM_RING)
@@ -211,6 +215,12 @@ class ZeroDataParallel(nn.Module):
             param.grad = part[offset : offset + param.numel()].view_as(param)
         self._reduced.append((part, [bucket.params[i] for i in mine]))
         self._holds_reduced = True
+
+    def _drop_unused(self, params: list[nn.Parameter]) -> None:
+        """No rank used ``params`` in this reduction: the owner's zero ``.grad`` goes back to
+        None (others hold none), as DDP and torch leave it, so the optimizer skips them."""
+        for param in params:
+            param.grad = None
 
     def _check_grads_cleared(self) -> None:
         """Reduced gradients must be cleared before the next backward: a rank's reduced sum
