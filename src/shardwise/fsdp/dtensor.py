@@ -5,8 +5,20 @@ Presenting each local shard as a ``DTensor`` is what makes torch's own code work
 model without special cases: ``torch.nn.utils.clip_grad_norm_`` reduces the partial norms across
 ranks, ``full_tensor()`` gathers, DCP's state-dict helpers and ``distribute_tensor`` see global
 shapes, and ``reset_parameters()`` computes fan-in from the global shape. The local tensor of
-each DTensor is a view into the unit's flat shard (see [Note: FSDP layout]), so an optimizer
-stepping the DTensors writes straight into the buffer the all-gather reads.
+each DTensor aliases its rows of the unit's flat shard (see [Note: FSDP layout]), so an
+optimizer stepping the DTensors writes straight into the buffer the all-gather reads.
+
+[Note: a local tensor at the start of its storage]
+torch (since 2.10) gives a DTensor the storage offset of its local tensor, so a DTensor over a
+view that starts inside its storage has a nonzero data pointer although it holds no storage,
+and ``copy.deepcopy`` and ``torch.save`` take the path for tensors with storage and fail
+("Attempted to call copy_() on an invalid python storage"): ``torch.save(model.state_dict(),
+path)`` failed for every parameter after a unit's first. torch's FSDP2 gives each parameter a
+storage of its own. Ours keep one flat buffer per unit, and each local tensor (parameter,
+gradient, state dict entry) is given a storage of its own that starts at its first element: a
+slice of the buffer's storage, the same memory, which keeps the buffer alive. Fake and meta
+tensors (a dry run, deferred initialization) are left as they are.
+tests/fsdp/test_fsdp_state_dict_copies.py.
 """
 
 from __future__ import annotations
@@ -37,8 +49,23 @@ def placements(mesh: DeviceMesh) -> list:
     return [Shard(0)] if mesh.ndim == 1 else [Replicate(), Shard(0)]
 
 
+def at_storage_start(local: torch.Tensor) -> torch.Tensor:
+    """``local`` (contiguous) over a storage of its own that starts at its first element: the
+    same memory ([Note: a local tensor at the start of its storage])."""
+    if (local.storage_offset() == 0 or type(local) is not torch.Tensor
+            or local.device.type == "meta" or not local.is_contiguous()):
+        return local
+    size = local.element_size()
+    start = local.storage_offset() * size
+    storage = local.untyped_storage()[start : start + local.numel() * size]
+    out = torch.empty(0, dtype=local.dtype, device=local.device)
+    with torch.no_grad():
+        return out.set_(storage, 0, local.shape)
+
+
 def sharded_dtensor(local: torch.Tensor, layout: ParamLayout, mesh: DeviceMesh) -> DTensor:
     """``local`` (this rank's rows) as the DTensor of the whole parameter."""
+    local = at_storage_start(local)
     shape = torch.Size(layout.shape)
     stride = _contiguous_stride(layout.shape)
     return DTensor.from_local(local, mesh, placements(mesh), run_check=False, shape=shape,
@@ -48,7 +75,7 @@ def sharded_dtensor(local: torch.Tensor, layout: ParamLayout, mesh: DeviceMesh) 
 def sharded_like(local: torch.Tensor, like: DTensor) -> DTensor:
     """``local`` as a DTensor with ``like``'s global shape, mesh and placements (no checks and no
     autograd: for gradients, made every step)."""
-    return DTensor(local, like._spec, requires_grad=False)
+    return DTensor(at_storage_start(local), like._spec, requires_grad=False)
 
 
 def sharded_parameter(local: torch.Tensor, layout: ParamLayout, mesh: DeviceMesh,
@@ -63,7 +90,7 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
 
 def set_local_tensor(param: nn.Parameter, local: torch.Tensor) -> None:
     """Point a DTensor parameter at a new local tensor (same shape and dtype)."""
-    param._local_tensor = local
+    param._local_tensor = at_storage_start(local)
 
 
 def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
