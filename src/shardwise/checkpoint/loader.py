@@ -23,6 +23,7 @@ from shardwise.checkpoint import boxes, exchange, stateful
 from shardwise.checkpoint.errors import CheckpointError
 from shardwise.checkpoint.flatten import Leaf, flatten, is_tensor_like
 from shardwise.checkpoint.format import checkpoint_dir
+from shardwise.checkpoint.lazy_state import drop_absent_states
 from shardwise.checkpoint.reader import BlockReader, blocks_to_read
 from shardwise.checkpoint.saver import wait_previous
 from shardwise.checkpoint.validate import read_metadata
@@ -47,7 +48,8 @@ def load(state_dict: dict[str, Any], *, checkpoint_id: str | Path,
     process_group = exchange.NO_DIST if no_dist else process_group
     meta = read_metadata(root)
     given, state_dict = state_dict, stateful.expand(state_dict)
-    flat = flatten(state_dict)
+    # [Note: optimizer state a parameter does not have yet]
+    flat = drop_absent_states(state_dict, flatten(state_dict), meta)
     check_request(root, meta, flat, process_group if strict else None, strict)
     reader = BlockReader(root)
     try:

@@ -87,19 +87,22 @@ def param_names(model: nn.Module) -> dict[int, str]:
 
 
 def ensure_state(opt: torch.optim.Optimizer) -> None:
-    """Create the optimizer's state if any trainable parameter lacks it: one step with lr 0
-    and zero gradients. Under ZeRO every rank of its group takes part (one all-reduce to agree,
-    then the collective step)."""
+    """Create the state of an optimizer that has none and no gradients yet (a new one, before a
+    load), as torch's ``get_state_dict`` does: one step with learning rate 0 and zero gradients
+    (parameters unchanged). An optimizer that holds any state, or any gradient, is left as it
+    is: stepping it again would advance its moments and step counts, so saving would change the
+    run; a parameter that never got a gradient keeps no state, as in a run that never saved, and
+    its state is created at its first step. Under ZeRO the ranks agree (one all-reduce): any
+    rank's state or gradients count."""
     group = opt.process_group if isinstance(opt, ZeroRedundancyOptimizer) else None
     local = opt.optim if isinstance(opt, ZeroRedundancyOptimizer) else opt
-    lacking = any(p.requires_grad and not opt.state.get(p) for g in local.param_groups
-                  for p in g["params"])
+    params = [p for g in opt.param_groups for p in g["params"]]
+    started = bool(local.state) or any(p.grad is not None for p in params)
     if group is not None:
-        lacking = exchange.any_true(lacking, group)
-    if not lacking:
+        started = exchange.any_true(started, group)
+    if started:
         return
-    params = [p for g in opt.param_groups for p in g["params"] if p.requires_grad]
-    made = [p for p in params if p.grad is None]
+    made = [p for p in params if p.requires_grad]
     for p in made:
         p.grad = torch.zeros_like(p)
     lrs = [g["lr"] for g in opt.param_groups]
@@ -168,6 +171,7 @@ def _load_optim(opt, names: dict[int, str], saved: dict[str, Any], offset: int) 
             if k != "params":
                 g[k] = tuple(v) if isinstance(g.get(k), tuple) and isinstance(v, list) else v
     known = {_name(names, p) for g in opt.param_groups for p in g["params"]}
+    saved_params = {n for sg in groups for n in sg["params"]}
     unexpected = sorted(set(saved["state"]) - _all_names(saved, known))
     if unexpected:
         raise KeyError(f"optim_state_dict has state for unknown parameters {unexpected}")
@@ -177,6 +181,10 @@ def _load_optim(opt, names: dict[int, str], saved: dict[str, Any], offset: int) 
             entry = saved["state"].get(_name(names, p))
             if target and entry:
                 _copy_entry(_name(names, p), target, entry)
+            elif target and _name(names, p) in saved_params:
+                # it had no state when saved (it never got a gradient): it gets its state at
+                # its first step, as in the run that saved
+                del opt.state[p]
     return offset + len(opt.param_groups)
 
 
