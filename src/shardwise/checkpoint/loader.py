@@ -48,7 +48,8 @@ def load(state_dict: dict[str, Any], *, checkpoint_id: str | Path,
     process_group = exchange.NO_DIST if no_dist else process_group
     meta = read_metadata(root)
     given, state_dict = state_dict, stateful.expand(state_dict)
-    # [Note: optimizer state a parameter does not have yet]
+    # state that a parameter did not have when saved is absent, not missing: see
+    # [Note: optimizer state a parameter does not have yet] in lazy_state.py
     flat = drop_absent_states(state_dict, flatten(state_dict), meta)
     check_request(root, meta, flat, process_group if strict else None, strict)
     reader = BlockReader(root)
