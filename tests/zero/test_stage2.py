@@ -49,6 +49,16 @@ def _check_grads(net, reference, model, step):
             assert p.grad is None, f"step {step}: {name} is not owned but kept its gradient"
 
 
+def _check_and_step(net, reference, model, opt, ref_opt, step):
+    """Gradients against the reference's, then both optimizers step; parameters equal."""
+    _check_grads(net, reference, model, step)
+    opt.step()
+    opt.zero_grad()
+    ref_opt.step()
+    ref_opt.zero_grad()
+    assert_params_equal(net, reference, f"step {step}")
+
+
 def _hook(name: str | None):
     """``"torch.fp16_compress_hook"`` or ``"ours.allreduce_hook"``... -> the hook."""
     if name is None:
@@ -319,12 +329,7 @@ def _out_of_order(ctx, ring):
         x = torch.randn(8, 8, generator=gen)
         model(rank_slice(x, ctx.rank, ctx.world_size)).pow(2).sum().backward()
         (reference(x).pow(2).sum() / ctx.world_size).backward()  # the average of rank sums
-        _check_grads(net, reference, model, step)
-        opt.step()
-        opt.zero_grad()
-        ref_opt.step()
-        ref_opt.zero_grad()
-        assert_params_equal(net, reference, f"step {step}")
+        _check_and_step(net, reference, model, opt, ref_opt, step)
     ring = model._scatter.ring
     return None if ring is None else (ring.capacity, ring.private_fills)
 
@@ -379,12 +384,7 @@ def _unused(ctx, shm: bool):
         for r, x in enumerate(xs):
             (reference(x, r in on).square().mean() / ctx.world_size).backward()
         model(xs[ctx.rank], ctx.rank in on).square().mean().backward()
-        _check_grads(net, reference, model, step)
-        opt.step()
-        opt.zero_grad()
-        ref_opt.step()
-        ref_opt.zero_grad()
-        assert_params_equal(net, reference, f"step {step}")
+        _check_and_step(net, reference, model, opt, ref_opt, step)
 
 
 @pytest.mark.parametrize("world_size,shm", [(1, True), (2, True), (4, True), (2, False)])
