@@ -15,20 +15,9 @@ from torch import nn
 from shardwise import DistributedDataParallel, ZeroDataParallel, ZeroRedundancyOptimizer
 from shardwise.dp.shm_reduce import DISABLE_VAR
 from tests.harness import WORLD_SIZES, assert_rel_close, run_on_ranks
+from tests.harness.failures import Injected, raise_in_backward
 
 RTOL = 1e-5
-
-
-class Injected(RuntimeError):
-    pass
-
-
-def _raise(grad):
-    raise Injected("raised by a hook in the middle of backward")
-
-
-def _raise_in_backward(module, args, output):
-    output.register_hook(_raise)
 
 
 def _net() -> nn.Sequential:
@@ -59,7 +48,7 @@ def _steps(ctx, kind: str, shm: bool):
     for step in range(4):
         xs = torch.randn(ctx.world_size, 3, 16, generator=gen)
         if step == 1:  # every rank raises once the middle layer's output has its gradient
-            hook = net[2].register_forward_hook(_raise_in_backward)
+            hook = net[2].register_forward_hook(raise_in_backward)
             with pytest.raises(Injected):
                 model(xs[ctx.rank]).square().mean().backward()
             hook.remove()

@@ -20,13 +20,10 @@ from shardwise.distributed import init_device_mesh
 from shardwise.fsdp.flat_param import FlatParamHandle
 from tests.fsdp.unit_grads import assert_unit_grads
 from tests.harness import WORLD_SIZES, local_part, run_on_ranks, shard0_rows
+from tests.harness.failures import Injected, raise_in_backward
 
 WIDTH = 512  # large enough for the direct exchange at world size 4 (see test_direct_reduction)
 RTOL = 1e-5
-
-
-class Injected(RuntimeError):
-    pass
 
 
 class Net(nn.Module):
@@ -41,16 +38,8 @@ class Net(nn.Module):
         return self.head(x)
 
 
-def _raise(grad):
-    raise Injected("raised by a hook in the middle of backward")
-
-
 def _raise_in_forward(module, args, output):
     raise Injected("raised by a forward hook")
-
-
-def _raise_in_backward(module, args, output):
-    output.register_hook(_raise)  # returns None: the output stays as it is
 
 
 def _steps(ctx, mode: str, fail_at: int, save_in_handler: bool = False, where="backward"):
@@ -87,7 +76,7 @@ def _run_steps(ctx, mode: str, fail_at: int, save_in_handler: bool, where: str) 
     for step in range(4):
         xs = torch.randn(ctx.world_size, 2, WIDTH, generator=gen)
         if step == 1:
-            raiser = _raise_in_forward if where == "forward" else _raise_in_backward
+            raiser = _raise_in_forward if where == "forward" else raise_in_backward
             hook = model.blocks[fail_at].register_forward_hook(raiser)
             with pytest.raises(Injected):
                 model(xs[ctx.rank]).square().mean().backward()
