@@ -68,6 +68,12 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh | None = None,
     while the current unit computes its forward, one unit more of memory; False gathers each
     unit when its forward starts, see [Note: FSDP schedule]).
     """
+    if isinstance(module, (list, tuple)):
+        raise NotImplementedError(
+            "fully_shard of a list of modules (one unit over several modules, torch's FSDP2 form "
+            "for tied parameters) is not supported by shardwise: shard a module that holds them "
+            "all instead; for an embedding tied to the output head, leave both to the root's "
+            "fully_shard(model), which holds the tied parameter once")
     if not isinstance(module, nn.Module):
         raise TypeError(f"fully_shard needs an nn.Module, got {type(module).__name__}")
     checks.check_not_wrapped(module, UNIT_ATTR)
