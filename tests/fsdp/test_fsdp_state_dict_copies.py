@@ -1,8 +1,9 @@
-"""``torch.save(model.state_dict(), path)`` and ``copy.deepcopy(model.state_dict())`` on a model
-sharded by ``fully_shard``, as users write them (a checkpoint per rank, the best weights kept
-for early stopping). Both failed for every parameter after a unit's first ("Attempted to call
-copy_() on an invalid python storage"): see [Note: a local tensor at the start of its storage],
-fsdp/dtensor.py. torch's FSDP2 does both."""
+"""``torch.save(model.state_dict(), path)``, ``copy.deepcopy(model.state_dict())`` and torch DCP's
+``async_save(model.state_dict())`` on a model sharded by ``fully_shard``, as users write them (a
+checkpoint per rank, the best weights kept for early stopping, a checkpoint staged while
+training goes on). All three failed for every parameter after a unit's first ("Attempted to
+call copy_() on an invalid python storage"): see [Note: a local tensor at the start of its
+storage], fsdp/dtensor.py. torch's FSDP2 does all three."""
 
 import contextlib
 import copy
@@ -78,3 +79,20 @@ def test_torch_save_and_deepcopy_of_the_state_dict(world_size, tmp_path):
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_the_same_where_units_gather(world_size, tmp_path):
     run_on_ranks(world_size, _copies, True, str(tmp_path))
+
+
+def _dcp_async_save(ctx, path: str) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    model = _sharded(False, seed=0)
+    dcp.async_save({"model": model.state_dict()}, checkpoint_id=path).result()
+    fresh = _sharded(False, seed=1)
+    state = fresh.state_dict()
+    dcp.load({"model": state}, checkpoint_id=path)
+    fresh.load_state_dict(state)
+    for (key, value), mine in zip(model.state_dict().items(), fresh.state_dict().values()):
+        assert torch.equal(_local(mine), _local(value)), key
+
+
+def test_torch_dcp_async_save_of_the_state_dict_as_it_is(tmp_path):
+    run_on_ranks(2, _dcp_async_save, str(tmp_path / "ckpt"))

@@ -13,7 +13,8 @@ torch (since 2.10) gives a DTensor the storage offset of its local tensor, so a 
 view that starts inside its storage has a nonzero data pointer although it holds no storage,
 and ``copy.deepcopy`` and ``torch.save`` take the path for tensors with storage and fail
 ("Attempted to call copy_() on an invalid python storage"): ``torch.save(model.state_dict(),
-path)`` failed for every parameter after a unit's first. torch's FSDP2 gives each parameter a
+path)``, and torch DCP's ``async_save`` of it (its staging deep-copies), failed for every
+parameter after a unit's first. torch's FSDP2 gives each parameter a
 storage of its own. Ours keep one flat buffer per unit, and each local tensor (parameter,
 gradient, state dict entry) is given a storage of its own that starts at its first element: a
 slice of the buffer's storage, the same memory, which keeps the buffer alive. Fake and meta
