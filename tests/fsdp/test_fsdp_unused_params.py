@@ -13,9 +13,10 @@ from torch import nn
 
 from shardwise import fully_shard
 from shardwise.distributed import init_device_mesh
-from shardwise.fsdp import units_of, unsharded_bytes, unsharded_grad_bytes
+from shardwise.fsdp import unsharded_bytes, unsharded_grad_bytes
 from tests.fsdp.gathering import gathering_units
-from tests.harness import WORLD_SIZES, assert_rel_close, local_part, run_on_ranks, shard0_rows
+from tests.fsdp.unit_grads import assert_unit_grads
+from tests.harness import WORLD_SIZES, assert_rel_close, run_on_ranks
 
 RTOL = 1e-5
 WIDTH = 8
@@ -62,22 +63,6 @@ def _branch_ranks(step: int, world: int) -> set[int]:
     return [set(), {world - 1}, set(range(world))][step % 3]
 
 
-def _check_grads(model: nn.Module, reference: nn.Module, rank: int, what: str) -> None:
-    ref = dict(reference.named_parameters())
-    for unit in units_of(model):
-        prefix = "first." if unit.module is model.first else ""
-        rank_in, world = dist.get_rank(unit.group), dist.get_world_size(unit.group)
-        for slot in unit.handle.slots:
-            name = prefix + slot.fqns[0]
-            expected, actual = ref[name].grad, slot.shard_param.grad
-            if expected is None:
-                assert actual is None, f"{what}: {name} has a gradient; no rank used it"
-                continue
-            assert actual is not None, f"{what}: {name} lost its gradient"
-            assert_rel_close(local_part(actual), shard0_rows(expected, rank_in, world), RTOL,
-                             f"{what}: {name}")
-
-
 def _train(ctx, mode: str, zero_grad: bool) -> None:
     torch.manual_seed(0)
     reference, model = Net(), Net()
@@ -96,7 +81,7 @@ def _train(ctx, mode: str, zero_grad: bool) -> None:
             (reference(x, r in branch).square().mean() / ctx.world_size).backward()
         model(xs[ctx.rank], ctx.rank in branch).square().mean().backward()
         assert unsharded_bytes(model) == 0 and unsharded_grad_bytes(model) == 0
-        _check_grads(model, reference, ctx.rank, f"{mode}, step {step}")
+        assert_unit_grads(model, reference, f"{mode}, step {step}", RTOL)
         ref_opt.step()
         opt.step()
     mine = dict(model.named_parameters())

@@ -26,5 +26,6 @@ def assert_unit_grads(model: nn.Module, reference: nn.Module, what: str, rtol: f
                 continue
             if expected is None:
                 expected = torch.zeros(slot.shape)
+            assert slot.shard_param.grad is not None, f"{what}: {prefix + slot.fqns[0]} lost it"
             assert_rel_close(local_part(slot.shard_param.grad), shard0_rows(expected, rank, world),
                              rtol, f"{what}: {prefix + slot.fqns[0]}")

@@ -415,7 +415,6 @@ class FlatParamHandle:
         if direct is not None:
             direct.abandon()
         self.arrivals.taken()
-        self.reduced.clear()
 
     def expect_gradient(self) -> None:
         """Make the next ``start_reduction`` issue one although no gradient arrived on this rank:

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import warnings
 from collections import deque
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 import torch
@@ -243,7 +244,7 @@ class RootState:
         self._reset_units(reshard_all=True)  # no collective: one rank may be alone here
 
     # ---- parameters shared on the host ---------------------------------------------------
-    def sync_host(self, skip: set[int] = frozenset()) -> None:
+    def sync_host(self, skip: Iterable[int] = ()) -> None:
         """A barrier over each group whose units hold their parameters in one mapping per host
         ([Note: parameters shared on one host], host_params.py): issued before and after the
         root's forward and at the end of backward, so that no rank writes its rows while a peer
