@@ -30,7 +30,7 @@ EXPECTED = {"DTensor", "tree_flatten", "tree_map", "TorchDispatchMode",
             "_compute_local_shape_and_global_offset", "_get_default_store",
             "_resolve_process_group", "FSDPModule", "fully_shard",
             "all_gather_single", "reduce_scatter_single", "FakeTensorMode", "FakeTensor",
-            "FakeStore", "_current_graph_task_id"}
+            "FakeStore", "_current_graph_task_id", "_storage_Use_Count"}
 
 
 def _release() -> tuple[int, ...]:
@@ -147,6 +147,7 @@ _RESOLVED = {
     "reduce_scatter_single": _compat.dist_reduce_scatter,
     "FakeTensorMode": _compat.FakeTensorMode, "FakeTensor": _compat.FakeTensor,
     "FakeStore": _compat.FakeStore, "_current_graph_task_id": _compat._GRAPH_TASK_ID,
+    "_storage_Use_Count": _compat.storage_use_count,
 }
 
 

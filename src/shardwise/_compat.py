@@ -182,6 +182,10 @@ FakeStore = _name(
     "FakeStore", "the dry run's process group: torch's fake backend (registered when its "
     "module is imported), whose collectives complete without moving data",
     "torch.testing._internal.distributed.fake_pg:FakeStore", essential=False)
+storage_use_count = _name(
+    "_storage_Use_Count", "FSDP reuses a unit's reduced-gradient buffer from step to step only "
+    "when nothing else holds its storage (optional: without it, each step allocates)",
+    "torch._C:_storage_Use_Count", essential=False)
 # torch 2.13 added all_gather_single / reduce_scatter_single, deprecating the older names
 dist_all_gather = _name(
     "all_gather_single", "the flat all-gather of ZeRO and FSDP (the older name warns from 2.13)",
@@ -238,6 +242,14 @@ def concatenate_meshes(meshes: list[Any]) -> Any:
     from torch.distributed.device_mesh import DeviceMesh
 
     return DeviceMesh._concatenate(meshes)
+
+
+def storage_uses(t: torch.Tensor) -> int | None:
+    """References to ``t``'s storage right now (tensors, views, storage slices, each one); None
+    where torch cannot count them."""
+    if not storage_use_count:
+        return None
+    return int(storage_use_count(t.untyped_storage()._cdata))
 
 
 def storage_id(storage: torch.UntypedStorage) -> int:

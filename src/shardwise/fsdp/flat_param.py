@@ -77,6 +77,7 @@ from shardwise.fsdp.layout import ParamLayout, UnitLayout, copy_into_chunks, pla
 from shardwise.fsdp.tp_params import TPLayout, local_grad
 from shardwise.fsdp.unused_grads import ReducedSlots
 from shardwise.memory.heap import release_pages
+from shardwise.memory.kept_buffer import KeptBuffer
 
 
 class ShardState(Enum):
@@ -166,6 +167,9 @@ class FlatParamHandle:
         self.arrivals = GradArrivals()  # which gradients are in: [Note: gradient arrival]
         # this backward's reductions: [Note: gradients of unused parameters] (unused_grads.py)
         self.reduced = ReducedSlots(len(self.slots))
+        # where reductions write this rank's reduced shard: [Note: a reduced-gradient buffer
+        # kept across steps] (memory/kept_buffer.py)
+        self.reduced_buffer = KeptBuffer()
         self.state = ShardState.SHARDED
         self.views_set = False
         self._gather: Pending | None = None
@@ -389,7 +393,11 @@ class FlatParamHandle:
 
     def _new_direct(self) -> DirectGrads:
         return DirectGrads(self.layout, self.rank, self.global_ranks, self.group,
-                           self.reduce_dtype, self.compute_device, self.tag_base)
+                           self._reduced_out(self.compute_device), self.tag_base)
+
+    def _reduced_out(self, device: torch.device) -> torch.Tensor:
+        """The buffer a reduction writes this rank's reduced shard into (1D, reduce dtype)."""
+        return self.reduced_buffer.take(self.layout.shard_numel, self.reduce_dtype, device)
 
     def _direct_allowed(self, sync: bool, grad: torch.Tensor) -> bool:
         return (sync and self.world > 1 and self.comm_hook is None
@@ -470,8 +478,7 @@ class FlatParamHandle:
             return Pending([]), out, [full_grad]
         if self.world == 1:
             return Pending([]), full_grad, [full_grad]
-        out = torch.empty(self.layout.shard_numel, dtype=self.reduce_dtype,
-                          device=full_grad.device)
+        out = self._reduced_out(full_grad.device)
         return start_reduce_scatter(out, full_grad, self.group), out, [full_grad]
 
     def finish_grad_reduction(self, reduction: GradReduction) -> None:

@@ -8,12 +8,15 @@ rows of a parameter that rank r owns are contiguous in its gradient (``Shard(0)`
 [Note: FSDP layout]). So the large ("direct") parameters skip the buffer, and each is sent as
 soon as autograd has made its gradient: each rank sends every other rank r the rows r owns,
 straight out of the gradient, and receives the other ranks' copies of its own rows: the lowest
-other rank's into the unit's reduced shard itself (allocated at the unit's first gradient), any
-further ones into a workspace. When the next direct gradient of the unit arrives, the exchange
-before it is waited for: this rank's own rows and the further copies are added into the
-reduced shard (the same order as ``reduce_scatter_flat``) and the gradient is let go. So a unit
-holds its reduced shard plus one or two gradients in flight, not all of its gradients until its
-backward ends. Dividing by the world size waits for the unit's reduction to be finished. The
+other rank's into the unit's reduced shard itself (taken at the unit's first gradient, [Note: a
+reduced-gradient buffer kept across steps] in memory/kept_buffer.py), any further ones into a
+workspace. As soon as an exchange's messages are in, the unit's exchange thread (``_Waiter``)
+adds this rank's own rows and the further copies into the reduced shard (the same order as
+``reduce_scatter_flat``) and lets the gradient go, so the compute thread does not do those adds
+itself; when the next direct gradient of the unit arrives, the compute thread waits for the
+exchange before it to be finished. So a unit holds its reduced shard plus one or two gradients
+in flight, not all of its gradients until its backward ends. Dividing by the world size waits
+for the unit's reduction to be finished. The
 small ("packed") parameters still go through a rank-major buffer, only as large as the packed
 region, and one ``reduce_scatter_flat`` issued where the unit's backward ends, as the gather
 packs them too.
@@ -68,14 +71,15 @@ def unit_tag_bases(slot_counts: Sequence[int]) -> list[int]:
 
 
 class _Exchange:
-    """One direct parameter's sends and receives in flight, and what finishing adds to its rows
-    of the reduced shard. Its works are waited for by the unit's ``_Waiter`` thread, never here:
-    gloo's point-to-point works cannot be polled (``is_completed`` stays False until a wait) and
-    a wait that times out closes the connection."""
+    """One direct parameter's sends and receives in flight, and what completing it adds to its
+    rows of the reduced shard. The unit's ``_Waiter`` thread waits for its works and completes
+    it, never the compute thread: gloo's point-to-point works cannot be polled
+    (``is_completed`` stays False until a wait) and a wait that times out closes the
+    connection."""
 
     def __init__(self, works: list, dest: torch.Tensor | None, pieces: list[torch.Tensor]):
         self.works, self.dest, self.pieces = works, dest, pieces
-        self.arrived = threading.Event()  # set by the waiter once every work is done
+        self.arrived = threading.Event()  # set by the waiter once it is complete (or failed)
         self.error: BaseException | None = None
         self.deferred = False  # waited for in vain: left to the unit's reduction
 
@@ -85,21 +89,27 @@ class _Exchange:
     def done(self) -> bool:
         return self.arrived.is_set()
 
-    def finish(self) -> None:
-        """Wait for the messages, then add this rank's rows and any further copies into
-        ``dest`` (the lowest other rank's copy was received straight into it)."""
-        self.arrived.wait()
-        if self.error is not None:
-            raise self.error
+    def complete(self) -> None:
+        """On the waiter thread, once every work is done: add this rank's rows and any further
+        copies into ``dest`` (the lowest other rank's copy was received straight into it), and
+        let the gradient and workspaces go."""
         if self.dest is not None:
             for piece in self.pieces:
                 self.dest.add_(piece)
         self.works, self.pieces = [], []
 
+    def finish(self) -> None:
+        """Wait until the waiter has completed this exchange; raise what its wait met."""
+        self.arrived.wait()
+        if self.error is not None:
+            raise self.error
+        self.works, self.pieces = [], []
+
 
 class _Waiter:
-    """A thread that waits for one reduction's exchanges, in the order they were posted, and
-    marks each done: the compute thread can then ask, or wait with a timeout."""
+    """A thread that waits for one reduction's exchanges, in the order they were posted,
+    completes each (``_Exchange.complete``) and marks it done: the compute thread can then ask,
+    or wait with a timeout."""
 
     _END = None
 
@@ -126,6 +136,7 @@ class _Waiter:
             try:
                 for work in exchange.works:
                     work.wait()
+                exchange.complete()
             except BaseException as err:  # handed to the compute thread by finish()
                 exchange.error = err
             exchange.arrived.set()
@@ -136,14 +147,14 @@ class DirectGrads:
     """One unit's reduction in direct mode, from its first gradient until it is issued."""
 
     def __init__(self, layout: UnitLayout, rank: int, global_ranks: Sequence[int],
-                 group: dist.ProcessGroup, reduce_dtype: torch.dtype, device: torch.device,
-                 tag_base: int = TAG_BASE):
+                 group: dist.ProcessGroup, out: torch.Tensor, tag_base: int = TAG_BASE):
         self.layout, self.rank, self.world = layout, rank, len(global_ranks)
         self.tag_base = tag_base  # this unit's first tag: see unit_tag_bases
         self.global_ranks, self.group = global_ranks, group
-        self.reduce_dtype, self.device = reduce_dtype, device
-        # the reduced shard (1D, shard_numel): the direct parameters' rows are received into it
-        self.out = torch.empty(layout.shard_numel, dtype=reduce_dtype, device=device)
+        self.reduce_dtype, self.device = out.dtype, out.device
+        # the reduced shard (1D, shard_numel, the reduce dtype): the direct parameters' rows are
+        # received into it, and the waiter adds the rest
+        self.out = out
         self.inflight: list[_Exchange] = []  # issued, not yet waited for (oldest first)
         self.sent: set[int] = set()  # direct parameters whose exchange was issued
         self.packed: torch.Tensor | None = None  # (world, packed_numel), rank-major
@@ -171,11 +182,8 @@ class DirectGrads:
         one: an exchange not done in time is left to the unit's reduction, and so are the ones
         after it (the waiter thread finishes them in order)."""
         older = self.inflight[:-1]
-        if not older or older[0].deferred:
-            return
-        if not older[0].arrived.wait(PATIENCE_S):
+        if older and not older[0].deferred and not older[0].arrived.wait(PATIENCE_S):
             older[0].deferred = True
-            return
         while len(self.inflight) > 1 and self.inflight[0].done():
             self.inflight.pop(0).finish()
 
