@@ -144,13 +144,12 @@ def _heap_releases(ctx):
     return counts, len(units_of(model))
 
 
-def test_free_heap_is_released_once_per_step_when_forward_starts():
+def test_free_heap_is_released_once_per_forward_and_once_per_unit_backward():
     counts, n_units = run_on_ranks(2, _heap_releases)[0]
-    # one release when the root's forward starts (the optimizer's freed pages), none in backward,
-    # where the freed pages are the next unit's gradients' ([Note: allocator slack]); not per
-    # unit, gradient or hook call
-    assert n_units > 1
-    assert counts == [1, 2]
+    # one release when the root's forward starts (the optimizer's freed pages) and one per unit
+    # and backward ([Note: allocator slack]): before its parameters are gathered and its
+    # gradients made, not per gradient or per hook call
+    assert counts == [n_units + 1, 2 * (n_units + 1)]
 
 
 WIDE = 512  # a 512 x 512 weight has chunks of 131072 elements at world size 2: sent directly

@@ -336,6 +336,8 @@ class FSDPUnit:
         self.state = TrainingState.PRE_BACKWARD
         if self.handle is not None:
             handle = self.handle
+            if handle.compute_device.type == "cpu":
+                release_free_heap()  # before the gathers: [Note: allocator slack] (memory/heap.py)
             handle.start_unshard()
             if self.backward_prefetch_units is None:
                 self.root_state.prefetch_for_backward(self)

@@ -12,13 +12,11 @@ whatever free, resident heap is not reused at that moment: on the FSDP benchmark
 
 ``malloc_trim(0)`` releases every whole free page of every arena (``MADV_DONTNEED``): the
 pages leave the resident set and come back, zero-filled, only when a request touches them.
-FSDP calls it on the CPU once a step, when the root unit's forward starts (the optimizer
-step's temporaries and the last backward's gradients left their pages), so that forward builds
-its activations on a heap holding no free resident pages. It does not call it in backward: the
-pages a unit's backward frees (its activations, its gradients once sent) are the ones the next
-unit's gradients take again, and handing them back only made the kernel fault and clear them
-again, every step, at no saving of peak memory worth that. It changes no value, only which
-pages are resident. Where the C library has no ``malloc_trim`` (not glibc) it does nothing.
+FSDP calls it on the CPU when the root unit's forward starts (the optimizer step and the freed
+gradients left their pages) and when each unit's backward starts (unit.py), just before the
+unit gathers its parameters and its gradients are made, so that the forward and backward peaks
+are built on a heap holding no free resident pages. It changes no value, only which pages are
+resident. Where the C library has no ``malloc_trim`` (not glibc) it does nothing.
 
 ``release_pages`` does the same for pages of memory that is still allocated but whose contents
 are dead: ``madvise(MADV_DONTNEED)`` on the whole pages inside a tensor (Linux only); they read
