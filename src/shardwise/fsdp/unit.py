@@ -229,8 +229,6 @@ class FSDPUnit:
                 args, kwargs = self._watch_inputs(args, kwargs)
         else:
             if self.is_root:
-                if self.handle is not None and self.handle.compute_device.type == "cpu":
-                    release_free_heap()  # the optimizer's freed pages: [Note: allocator slack]
                 self.root_state.sync_host()  # the peers' rows are written
                 self.root_state.start_forward()
                 for unit in self.root_state.units:

@@ -12,11 +12,14 @@ whatever free, resident heap is not reused at that moment: on the FSDP benchmark
 
 ``malloc_trim(0)`` releases every whole free page of every arena (``MADV_DONTNEED``): the
 pages leave the resident set and come back, zero-filled, only when a request touches them.
-FSDP calls it on the CPU when the root unit's forward starts (the optimizer step and the freed
-gradients left their pages) and when each unit's backward starts (unit.py), just before the
-unit gathers its parameters and its gradients are made, so that the forward and backward peaks
-are built on a heap holding no free resident pages. It changes no value, only which pages are
-resident. Where the C library has no ``malloc_trim`` (not glibc) it does nothing.
+FSDP calls it on the CPU when each unit's backward starts (unit.py), just before the unit
+gathers its parameters and its gradients are made, so that the backward peak is built on a heap
+holding no free resident pages. Not when forward starts: since each unit keeps its reduced
+gradients' buffer across steps ([Note: a reduced-gradient buffer kept across steps],
+kept_buffer.py), the free heap then is what forward's activations take again at once, so
+handing it back only made the kernel clear those pages again, every step, for no lower peak. It
+changes no value, only which pages are resident. Where the C library has no ``malloc_trim``
+(not glibc) it does nothing.
 
 ``release_pages`` does the same for pages of memory that is still allocated but whose contents
 are dead: ``madvise(MADV_DONTNEED)`` on the whole pages inside a tensor (Linux only); they read
