@@ -14,8 +14,8 @@ tensor but the keeper's, that is when every gradient made from it was dropped; e
 allocates a new one and keeps that instead. A gradient somebody still holds
 (``zero_grad(set_to_none=False)``, accumulation over several backwards, a reference kept by
 the user) is never written over. Between steps the buffer stays resident: 1/world of the
-unit's gradient, which the step's sharded gradients occupy at the backward peak anyway, so the
-peak does not rise (docs/fsdp.md accounts for it).
+unit's gradient. The backward peak held those sharded gradients anyway; the forward peak, lower
+before, now holds them too and comes up to about the backward one (docs/fsdp.md).
 
 CPU only: on CUDA the caching allocator already reuses freed blocks without clearing them, and
 only it knows whether a stream still reads one. Where torch has no storage use count
