@@ -393,11 +393,13 @@ class FlatParamHandle:
 
     def _new_direct(self) -> DirectGrads:
         return DirectGrads(self.layout, self.rank, self.global_ranks, self.group,
-                           self._reduced_out(self.compute_device), self.tag_base)
+                           self._reduced_out(), self.tag_base)
 
-    def _reduced_out(self, device: torch.device) -> torch.Tensor:
-        """The buffer a reduction writes this rank's reduced shard into (1D, reduce dtype)."""
-        return self.reduced_buffer.take(self.layout.shard_numel, self.reduce_dtype, device)
+    def _reduced_out(self) -> torch.Tensor:
+        """The buffer a reduction writes this rank's reduced shard into (1D, the reduce dtype,
+        on the compute device, where the gradients are)."""
+        return self.reduced_buffer.take(self.layout.shard_numel, self.reduce_dtype,
+                                        self.compute_device)
 
     def _direct_allowed(self, sync: bool, grad: torch.Tensor) -> bool:
         return (sync and self.world > 1 and self.comm_hook is None
@@ -478,7 +480,7 @@ class FlatParamHandle:
             return Pending([]), out, [full_grad]
         if self.world == 1:
             return Pending([]), full_grad, [full_grad]
-        out = self._reduced_out(full_grad.device)
+        out = self._reduced_out()
         return start_reduce_scatter(out, full_grad, self.group), out, [full_grad]
 
     def finish_grad_reduction(self, reduction: GradReduction) -> None:

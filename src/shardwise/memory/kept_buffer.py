@@ -28,7 +28,7 @@ import sys
 
 import torch
 
-from shardwise._compat import storage_uses
+from shardwise._compat import storage_use_count, storage_uses
 
 
 class KeptBuffer:
@@ -36,25 +36,26 @@ class KeptBuffer:
 
     def __init__(self) -> None:
         self._kept: torch.Tensor | None = None
-        self._alone: tuple[int | None, int, int] = (None, 0, 0)  # _holders() when kept alone
+        self._alone: tuple[int | None, int, int] = (0, 0, 0)  # _holders() when kept alone
 
     def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """A 1D tensor of ``numel`` elements whose values are unspecified: the kept one if it
         fits and nothing else uses it, else a new one (kept from now on, on the CPU)."""
-        fits = self._kept is not None and self._fits(numel, dtype, device)
-        if fits and self._holders() == self._alone:
+        kept = self._kept is not None and self._fits(numel, dtype, device)
+        if kept and self._holders() == self._alone:  # nothing but self._kept holds it
             return self._kept
         self._kept = torch.empty(numel, dtype=dtype, device=device)
-        self._alone = self._holders()
-        if self._kept.device.type != "cpu" or self._alone[0] is None:
+        if self._kept.device.type != "cpu" or not storage_use_count:
             fresh, self._kept = self._kept, None
             return fresh
+        # measured while only self._kept refers to it, as the check above measures it
+        self._alone = self._holders()
         return self._kept
 
     def _fits(self, numel: int, dtype: torch.dtype, device: torch.device) -> bool:
         kept = self._kept
-        return kept.numel() == numel and kept.dtype == dtype and kept.device == torch.device(
-            device)
+        return (kept.numel() == numel and kept.dtype == dtype
+                and kept.device == torch.device(device))
 
     def _holders(self) -> tuple[int | None, int, int]:
         """Who holds the kept buffer: its storage's C++ users (views and storage slices each
@@ -63,12 +64,3 @@ class KeptBuffer:
         kept = self._kept
         storage = kept.untyped_storage()
         return storage_uses(kept), sys.getrefcount(kept), sys.getrefcount(storage)
-
-    def release(self) -> None:
-        """Stop keeping the buffer (its memory goes when its last user drops it)."""
-        self._kept = None
-
-    def kept_bytes(self) -> int:
-        """Bytes of the kept buffer (0 when none is kept)."""
-        kept = self._kept
-        return 0 if kept is None else kept.untyped_storage().nbytes()
