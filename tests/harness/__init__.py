@@ -35,6 +35,7 @@ _HOMES = {
     "WORLD_SIZES": "pool", "RankContext": "pool", "RankFailure": "pool", "TestTimeout": "pool",
     "run_on_ranks": "pool", "shutdown_pools": "pool",
     "reference_train": "reference",
+    "peer_reads_permitted": "procs",
 }
 
 
@@ -56,6 +57,7 @@ __all__ = [
     "TestTimeout",
     "run_on_ranks",
     "shutdown_pools",
+    "peer_reads_permitted",
     "rank_slice",
     "token_batch",
     "reference_train",
