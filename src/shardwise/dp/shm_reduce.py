@@ -67,7 +67,7 @@ import torch.distributed as dist
 
 from shardwise.distributed.env import flag_var, int_var
 from shardwise.distributed.timeouts import default_timeout
-from shardwise.dp.shm_segment import SharedSegment, room_for
+from shardwise.dp.shm_segment import SharedSegment, process_alive, room_for
 
 DISABLE_VAR = "SHARDWISE_NO_SHM_REDUCE"
 Step = Callable[[torch.Tensor], object]  # element-wise work on a part of the result, in place
@@ -314,7 +314,7 @@ class ShmReducer:
     def _check_alive(self, column: torch.Tensor, seq: int, index: int) -> None:
         """Fail fast, as a reset connection would on gloo, when a rank waited for is gone."""
         dead = [k for k in range(self.world)
-                if int(column[k]) < seq and not _alive(int(self._words[k, _PID]))]
+                if int(column[k]) < seq and not process_alive(int(self._words[k, _PID]))]
         if dead:
             raise RuntimeError(f"shared-memory gradient reduction: rank(s) {dead} of the group "
                                f"exited while the others waited for them at bucket {index}")
@@ -322,21 +322,6 @@ class ShmReducer:
     def wait_read(self, work: ShmWork) -> None:
         """Until every rank has finished reading ``work``'s bucket (its slots may change)."""
         self._await(_READ, work.seq, work.index)
-
-
-def _alive(pid: int) -> bool:
-    """Whether process ``pid`` (on this host) exists and is not a zombie."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[-1].split()[0] != b"Z"
-    except OSError:
-        return False
 
 
 class ShmWork:

@@ -88,3 +88,18 @@ class SharedSegment:
 def _unlink(path: str) -> None:
     with suppress(FileNotFoundError):
         os.unlink(path)
+
+
+def process_alive(pid: int) -> bool:
+    """Whether process ``pid`` (on this host) exists and is not a zombie."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[-1].split()[0] != b"Z"
+    except OSError:
+        return False
