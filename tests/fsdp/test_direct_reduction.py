@@ -3,20 +3,49 @@ parameters are reduce-scattered straight from autograd's gradients. Checked agai
 one-process reference where it is easy to get wrong: a large parameter whose gradient arrives on
 some ranks only (data-dependent control flow), a unit mixing large and packed parameters,
 accumulation without sync (which must fall back to the flat buffer), and that the direct path is
-really the one taken."""
+really the one taken. Each runs with both transports of the exchanges: reads of the peers'
+memory ([Note: gradient rows read from the peers]) and gloo's messages."""
+
+import os
 
 import pytest
 import torch
 from torch import nn
 
 from shardwise import fully_shard
-from shardwise.fsdp import grad_exchange
+from shardwise.dp.peer_read import DISABLE_VAR
+from shardwise.fsdp import grad_exchange, peer_exchange
 from shardwise.fsdp.flat_param import FlatParamHandle
 from tests.fsdp.unit_grads import assert_unit_grads
-from tests.harness import WORLD_SIZES, run_on_ranks
+from tests.harness import WORLD_SIZES, peer_reads_permitted, run_on_ranks
 
 RTOL = 1e-5
 WIDTH = 512  # a 512 x 512 weight has chunks of at least 65536 elements at world size 4: direct
+TRANSPORTS = [pytest.param("peer-read", marks=pytest.mark.skipif(
+    not peer_reads_permitted(), reason="this host forbids reading a sibling's memory")), "gloo"]
+
+
+def _with_transport(ctx, transport: str, fn, *args):
+    """``fn(ctx, *args)`` with the exchanges' rows read from the peers or sent through gloo;
+    checks that the transport asked for is the one taken."""
+    reads = []
+    original = peer_exchange.PulledExchange.read
+
+    def counting(self):
+        reads.append(1)
+        return original(self)
+
+    peer_exchange.PulledExchange.read = counting
+    if transport == "gloo":
+        os.environ[DISABLE_VAR] = "1"
+    try:
+        result = fn(ctx, *args)
+    finally:
+        os.environ.pop(DISABLE_VAR, None)
+        peer_exchange.PulledExchange.read = original
+    if ctx.world_size > 1:
+        assert bool(reads) == (transport == "peer-read"), (transport, len(reads))
+    return result
 
 
 class Block(nn.Module):
@@ -82,9 +111,10 @@ def _train(ctx, accumulate: int):
         grad_exchange.DirectGrads.start = original
 
 
+@pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
-def test_direct_reduction_matches_reference_with_rank_dependent_branches(world_size):
-    calls = run_on_ranks(world_size, _train, 1)
+def test_direct_reduction_matches_reference_with_rank_dependent_branches(world_size, transport):
+    calls = run_on_ranks(world_size, _with_transport, transport, _train, 1)
     if world_size > 1:  # two units, three steps, every reduction direct
         assert calls == [6] * world_size
 
@@ -141,12 +171,15 @@ def _two_units_steps(ctx, steps: int):
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
-@pytest.mark.parametrize("direct", [True, False], ids=["direct", "flat-buffer"])
-def test_a_gradient_missing_on_some_ranks_does_not_stall_the_units_after_it(world_size, direct):
+@pytest.mark.parametrize("path", [*TRANSPORTS, "flat-buffer"])
+def test_a_gradient_missing_on_some_ranks_does_not_stall_the_units_after_it(world_size, path):
     """The later unit cannot wait for its whole set of gradients on the ranks that miss one:
     those ranks would move on to the earlier unit, and the ranks' reductions would pair up
     the wrong units (seen: gradients 0.6 of their scale off) or wait for each other."""
-    run_on_ranks(world_size, _train_two_units, direct, timeout=60)
+    if path == "flat-buffer":
+        run_on_ranks(world_size, _train_two_units, False, timeout=60)
+    else:
+        run_on_ranks(world_size, _with_transport, path, _train_two_units, True, timeout=60)
 
 
 class DeepBlock(nn.Module):
@@ -176,10 +209,12 @@ def _train_deep_unit(ctx):
     assert_unit_grads(model, reference, "deep unit", RTOL)
 
 
+@pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("world_size", [2, 4])
-def test_a_rank_without_a_gradient_does_not_deadlock_the_exchanges_after_it(world_size):
+def test_a_rank_without_a_gradient_does_not_deadlock_the_exchanges_after_it(world_size,
+                                                                            transport):
     """Rank 0 sends the branch's rows first and, when the next gradient arrives, waits for that
     exchange, which the other ranks complete (with zeros) only where the unit's backward ends;
     they, meanwhile, wait for exchanges that rank 0 posts after its wait. Waiting without end
     there would hang every rank."""
-    run_on_ranks(world_size, _train_deep_unit, timeout=60)
+    run_on_ranks(world_size, _with_transport, transport, _train_deep_unit, timeout=60)

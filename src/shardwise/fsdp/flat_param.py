@@ -58,6 +58,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from shardwise._compat import DTensor
 from shardwise.distributed.groups import rank_table
 from shardwise.dp.fast_collectives import Pending, uses_fast_path
+from shardwise.dp.shm_reduce import on_one_host
 from shardwise.fsdp.arrivals import GradArrivals
 from shardwise.fsdp.buffer_pool import StoragePool
 from shardwise.fsdp.collectives import (
@@ -74,6 +75,7 @@ from shardwise.fsdp.dtensor import (
 from shardwise.fsdp.grad_exchange import TAG_BASE, DirectGrads
 from shardwise.fsdp.host_params import HostParams, shareable
 from shardwise.fsdp.layout import ParamLayout, UnitLayout, copy_into_chunks, plan_layout
+from shardwise.fsdp.peer_exchange import PeerRows, peer_rows
 from shardwise.fsdp.tp_params import TPLayout, local_grad
 from shardwise.fsdp.unused_grads import ReducedSlots
 from shardwise.memory.heap import release_pages
@@ -160,6 +162,9 @@ class FlatParamHandle:
         # on one host] (host_params.py); then `shard` is None and each slot's local rows live
         # in that mapping
         self.host: HostParams | None = self._share_on_host()
+        # where direct exchanges read the peers' gradient rows ([Note: gradient rows read from
+        # the peers], peer_exchange.py), else None
+        self.peer_rows: PeerRows | None = self._peer_rows()
         self._make_full()
         self.grad_buffer: torch.Tensor | None = None  # 1D, world * shard_numel, compute dtype
         self.direct: DirectGrads | None = None  # see [Note: direct gradient reduction]
@@ -222,6 +227,17 @@ class FlatParamHandle:
             set_local_tensor(slot.shard_param, rows)
         self.shard = None
         return host
+
+    def _peer_rows(self) -> PeerRows | None:
+        """Collective over the group where direct exchanges may run on gloo on the CPU (every
+        rank decides that alike): whether the ranks share this host and may read each other."""
+        probe = torch.empty(0, device=self.compute_device)
+        if (self.world < 2 or not any(True for _ in self.layout.direct())
+                or not uses_fast_path(self.group, probe, "auto")):
+            return None
+        if not on_one_host(self.group, self.compute_device, lambda: True):
+            return None
+        return peer_rows(self.group, len(self.layout.params))
 
     def _make_full(self) -> None:
         if self.host is not None:  # the shared mapping, for the unit's life
@@ -393,7 +409,7 @@ class FlatParamHandle:
 
     def _new_direct(self) -> DirectGrads:
         return DirectGrads(self.layout, self.rank, self.global_ranks, self.group,
-                           self._reduced_out(), self.tag_base)
+                           self._reduced_out(), self.tag_base, self.peer_rows)
 
     def _reduced_out(self) -> torch.Tensor:
         """The buffer a reduction writes this rank's reduced shard into (1D, the reduce dtype,

@@ -37,6 +37,11 @@ A gradient that arrives twice in one reduction (used inside and outside a reentr
 checkpoint) is sent twice, its second copies received into a workspace and added: the same
 sum, in another order.
 
+Where the unit's ranks run on one host and may read each other's memory, the rows move by reads
+instead of gloo's messages (``PulledExchange``, [Note: gradient rows read from the peers] in
+peer_exchange.py): the same pieces, added in the same order, so the same bits; such an exchange
+has two phases, each on its own thread (``_Waiter`` runs one phase of every exchange, in order).
+
 Taken only where it is exact and simple: gloo on CPU, more than one rank, no communication hook,
 gradient sync on, and no gradient left over from a backward without sync (those accumulate in
 the flat buffer, which then reduces everything).
@@ -53,6 +58,7 @@ import torch.distributed as dist
 
 from shardwise.dp.fast_collectives import Pending, reduce_scatter_flat
 from shardwise.fsdp.layout import UnitLayout, chunks_of, copy_into_chunks
+from shardwise.fsdp.peer_exchange import PeerRows, PulledExchange
 
 TAG_BASE = 1 << 20  # point-to-point tags of direct exchanges start here
 _TAG_END = 1 << 31  # gloo's tags are 31-bit
@@ -77,6 +83,8 @@ class _Exchange:
     (``is_completed`` stays False until a wait) and a wait that times out closes the
     connection."""
 
+    PHASES = 1  # ``run``, on the waiter thread
+
     def __init__(self, works: list, dest: torch.Tensor | None, pieces: list[torch.Tensor]):
         self.works, self.dest, self.pieces = works, dest, pieces
         self.arrived = threading.Event()  # set by the waiter once it is complete (or failed)
@@ -86,8 +94,21 @@ class _Exchange:
     def held_bytes(self) -> int:
         return sum(t.untyped_storage().nbytes() for t in self.pieces)
 
+    def held(self) -> list[torch.Tensor]:
+        return list(self.pieces)
+
     def done(self) -> bool:
         return self.arrived.is_set()
+
+    def run(self) -> None:
+        """On the waiter thread: wait for every work, then complete."""
+        for work in self.works:
+            work.wait()
+        self.complete()
+
+    def phase_done(self, error: BaseException | None) -> None:
+        self.error = error
+        self.arrived.set()
 
     def complete(self) -> None:
         """On the waiter thread, once every work is done: add this rank's rows and any further
@@ -107,13 +128,15 @@ class _Exchange:
 
 
 class _Waiter:
-    """A thread that waits for one reduction's exchanges, in the order they were posted,
-    completes each (``_Exchange.complete``) and marks it done: the compute thread can then ask,
-    or wait with a timeout."""
+    """A thread that runs one phase of each of one reduction's exchanges, in the order they
+    were posted (``_Exchange.run``, or ``PulledExchange.read`` or ``.release``) and tells the
+    exchange (``phase_done``), which is done once all its phases have run: the compute thread
+    can then ask, or wait with a timeout."""
 
     _END = None
 
-    def __init__(self) -> None:
+    def __init__(self, phase: str) -> None:
+        self.phase = phase
         self.queue: queue.SimpleQueue = queue.SimpleQueue()
         self.thread = threading.Thread(target=self._run, name="shardwise-fsdp-exchange",
                                        daemon=True)
@@ -133,21 +156,21 @@ class _Waiter:
 
     def _run(self) -> None:
         while (exchange := self.queue.get()) is not self._END:
+            error = None
             try:
-                for work in exchange.works:
-                    work.wait()
-                exchange.complete()
+                getattr(exchange, self.phase)()
             except BaseException as err:  # handed to the compute thread by finish()
-                exchange.error = err
-            exchange.arrived.set()
-            exchange = work = None  # noqa: F841  (no reference kept while waiting for more)
+                error = err
+            exchange.phase_done(error)
+            exchange = error = None  # no reference kept while waiting for more
 
 
 class DirectGrads:
     """One unit's reduction in direct mode, from its first gradient until it is issued."""
 
     def __init__(self, layout: UnitLayout, rank: int, global_ranks: Sequence[int],
-                 group: dist.ProcessGroup, out: torch.Tensor, tag_base: int = TAG_BASE):
+                 group: dist.ProcessGroup, out: torch.Tensor, tag_base: int = TAG_BASE,
+                 peer_rows: PeerRows | None = None):
         self.layout, self.rank, self.world = layout, rank, len(global_ranks)
         self.tag_base = tag_base  # this unit's first tag: see unit_tag_bases
         self.global_ranks, self.group = global_ranks, group
@@ -155,10 +178,14 @@ class DirectGrads:
         # the reduced shard (1D, shard_numel, the reduce dtype): the direct parameters' rows are
         # received into it, and the waiter adds the rest
         self.out = out
-        self.inflight: list[_Exchange] = []  # issued, not yet waited for (oldest first)
+        # issued, not yet waited for (oldest first)
+        self.inflight: list[_Exchange | PulledExchange] = []
         self.sent: set[int] = set()  # direct parameters whose exchange was issued
         self.packed: torch.Tensor | None = None  # (world, packed_numel), rank-major
-        self.waiter: _Waiter | None = None  # started by the first exchange
+        # where the ranks read each other's rows ([Note: gradient rows read from the peers],
+        # peer_exchange.py), else None: gloo carries the rows
+        self.peer_rows = peer_rows
+        self.waiters: list[_Waiter] = []  # one per phase, started by the first exchange
 
     def add(self, index: int, grad: torch.Tensor, accumulate: bool) -> None:
         """Take parameter ``index``'s gradient: a direct one is sent at once and the older
@@ -215,10 +242,10 @@ class DirectGrads:
             if index not in self.sent:  # never arrived here: this rank contributes zeros
                 zeros = torch.zeros(param.numel, dtype=self.reduce_dtype, device=self.device)
                 self.inflight.append(self._exchange(zeros, index, param, into_dest=True))
-        waiter = self.waiter
-        if waiter is not None:
+        waiters = self.waiters
+        for waiter in waiters:
             waiter.close()
-        inflight, self.inflight, self.sent, self.waiter = self.inflight, [], set(), None
+        inflight, self.inflight, self.sent, self.waiters = self.inflight, [], set(), []
         out, world, direct_end = self.out, self.world, layout.packed_offset
         works = []
         packed_work = self._start_packed(out, arrived)
@@ -228,44 +255,49 @@ class DirectGrads:
         def finish() -> None:
             for exchange in inflight:
                 exchange.finish()
-            if waiter is not None:
+            for waiter in waiters:
                 waiter.join()
             out[:direct_end].div_(world)
 
-        held = [t for e in inflight for t in e.pieces]
+        held = [t for e in inflight for t in e.held()]
         return Pending(works, finish), out, held
 
     def abandon(self) -> None:
         """Wait for the exchanges posted so far and drop them, issuing nothing more (the
         backward raised: [Note: a backward that raised], root.py). Raises the first error a
         wait met (a peer that did not post the same exchanges fails at the group's timeout)."""
-        inflight, waiter = self.inflight, self.waiter
-        self.inflight, self.sent, self.waiter, self.packed = [], set(), None, None
-        if waiter is None:
-            return
-        waiter.close()
+        inflight, waiters = self.inflight, self.waiters
+        self.inflight, self.sent, self.waiters, self.packed = [], set(), [], None
+        for waiter in waiters:
+            waiter.close()
         for exchange in inflight:
             exchange.arrived.wait()
-        waiter.join()
+        for waiter in waiters:
+            waiter.join()
         errors = [e.error for e in inflight if e.error is not None]
         if errors:
             raise errors[0]
 
-    def _exchange(self, flat: torch.Tensor, index: int, param, into_dest: bool) -> _Exchange:
+    def _exchange(self, flat: torch.Tensor, index: int, param, into_dest: bool
+                  ) -> _Exchange | PulledExchange:
         """Post one parameter's sends and receives, tagged with its index so that ranks whose
         gradients arrive in different orders still pair them up. ``into_dest``: the first
         exchange of this parameter in the reduction receives the lowest other rank's rows
         straight into its rows of ``out``; a later one receives into a workspace."""
         tag = self.tag_base + index
-        works = []
         chunks = dict(chunks_of(flat, param))
+        own = chunks.get(self.rank)
+        dest = None if own is None else self.out[param.shard_offset :
+                                                 param.shard_offset + own.numel()]
+        if self.peer_rows is not None:
+            return self._submit(PulledExchange(flat, chunks, self.rank, self.peer_rows, index,
+                                               dest, into_dest))
+        works = []
         for r, rows in chunks.items():
             if r != self.rank:
                 works.append(dist.isend(rows, self.global_ranks[r], group=self.group, tag=tag))
-        own = chunks.get(self.rank)
         if own is None:  # this rank owns none of its rows: only the sends, kept alive
             return self._submit(_Exchange(works, None, [flat]))
-        dest = self.out[param.shard_offset : param.shard_offset + own.numel()]
         others = [r for r in range(self.world) if r != self.rank]
         pieces = [own]
         for k, r in enumerate(others):
@@ -275,10 +307,12 @@ class DirectGrads:
             works.append(dist.irecv(buf, self.global_ranks[r], group=self.group, tag=tag))
         return self._submit(_Exchange(works, dest, pieces))
 
-    def _submit(self, exchange: _Exchange) -> _Exchange:
-        if self.waiter is None:
-            self.waiter = _Waiter()
-        self.waiter.submit(exchange)
+    def _submit(self, exchange: _Exchange | PulledExchange) -> _Exchange | PulledExchange:
+        if not self.waiters:
+            phases = ["run"] if self.peer_rows is None else ["read", "release"]
+            self.waiters = [_Waiter(phase) for phase in phases]
+        for waiter in self.waiters:
+            waiter.submit(exchange)
         return exchange
 
     def _start_packed(self, out: torch.Tensor, arrived: Callable[[int], bool]):
