@@ -32,7 +32,7 @@ ALLOWED: dict[str, set[str]] = {
     "ddp": {"distributed", "dp"},
     # zero raises the C heap's thresholds so freed gradients' pages stay resident (memory/heap.py)
     "zero": {"distributed", "dp", "ddp", "memory"},
-    # fsdp returns the C heap's free pages to the OS at each unit's backward (memory/heap.py)
+    # fsdp returns the C heap's free pages to the OS once per backward (memory/heap.py)
     "fsdp": {"distributed", "dp", "memory", "sharded_tensor"},
     "pipeline": {"distributed", "rpc", "ddp", "fsdp"},
     "checkpoint": {"distributed", "ddp", "zero", "fsdp", "sharded_tensor"},

@@ -145,11 +145,11 @@ def _heap_releases(ctx):
     return counts, len(units_of(model))
 
 
-def test_free_heap_is_released_once_per_unit_backward():
+def test_free_heap_is_released_once_per_backward_where_it_starts():
     counts, n_units = run_on_ranks(2, _heap_releases)[0]
-    # one release per unit and backward ([Note: allocator slack]): before its parameters are
-    # gathered and its gradients made; none when forward starts, not per gradient or hook call
-    assert counts == [n_units, 2 * n_units]
+    # one release per backward ([Note: allocator slack]): at its first unit, before anything
+    # is gathered or a gradient made; none when forward starts, not per unit, gradient or hook
+    assert n_units > 1 and counts == [1, 2]
 
 
 WIDE = 512  # a 512 x 512 weight has chunks of 131072 elements at world size 2: sent directly

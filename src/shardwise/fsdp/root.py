@@ -126,12 +126,15 @@ class RootState:
         the end-of-backward callback)."""
         return self.callback_queued
 
-    def enter_backward(self) -> None:
-        """First pre-backward of a backward pass: queue the end-of-backward callback."""
-        if not self.callback_queued:
-            self.callback_queued = True
-            self.building_graph = torch.is_grad_enabled()  # [Note: backward with create_graph]
-            queue_end_of_backward(self.end_of_backward)
+    def enter_backward(self) -> bool:
+        """Every unit's pre-backward: on the first of a backward pass, queue the end-of-backward
+        callback and return True."""
+        if self.callback_queued:
+            return False
+        self.callback_queued = True
+        self.building_graph = torch.is_grad_enabled()  # [Note: backward with create_graph]
+        queue_end_of_backward(self.end_of_backward)
+        return True
 
     def prefetch_for_backward(self, unit: FSDPUnit) -> None:
         """Prefetch the first unit after ``unit`` in backward order (reverse forward order)

@@ -328,14 +328,14 @@ class FSDPUnit:
 
     # ---- backward -----------------------------------------------------------------------
     def _pre_backward(self) -> None:
-        self.root_state.enter_backward()
+        first = self.root_state.enter_backward()
+        if first and self.handle is not None and self.handle.compute_device.type == "cpu":
+            release_free_heap()  # where backward starts: [Note: allocator slack] (memory/heap.py)
         if self.state in (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD):
             return  # another output of the unit, or a recomputed one: already done
         self.state = TrainingState.PRE_BACKWARD
         if self.handle is not None:
             handle = self.handle
-            if handle.compute_device.type == "cpu":
-                release_free_heap()  # before the gathers: [Note: allocator slack] (memory/heap.py)
             handle.start_unshard()
             if self.backward_prefetch_units is None:
                 self.root_state.prefetch_for_backward(self)

@@ -12,14 +12,17 @@ whatever free, resident heap is not reused at that moment: on the FSDP benchmark
 
 ``malloc_trim(0)`` releases every whole free page of every arena (``MADV_DONTNEED``): the
 pages leave the resident set and come back, zero-filled, only when a request touches them.
-FSDP calls it on the CPU when each unit's backward starts (unit.py), just before the unit
-gathers its parameters and its gradients are made, so that the backward peak is built on a heap
-holding no free resident pages. Not when forward starts: since each unit keeps its reduced
-gradients' buffer across steps ([Note: a reduced-gradient buffer kept across steps],
-kept_buffer.py), the free heap then is what forward's activations take again at once, so
-handing it back only made the kernel clear those pages again, every step, for no lower peak. It
-changes no value, only which pages are resident. Where the C library has no ``malloc_trim``
-(not glibc) it does nothing.
+FSDP calls it on the CPU once per backward, where backward starts (the first unit's
+pre-backward, unit.py): every activation is alive then, so that is about where the step's peak
+is built, and the free resident heap at that moment is pure slack (what the last step freed and
+forward did not take again). Not at every unit's backward start: from there on backward frees
+activations as fast as it makes gradients, which take those freed blocks again, so releasing
+them made the kernel clear the same pages once more for each unit, three times the page faults
+of one release per step, for a peak only a little lower (docs/benchmarks-history.md). Not when
+forward starts: since each unit keeps its reduced gradients' buffer across steps ([Note: a
+reduced-gradient buffer kept across steps], kept_buffer.py), the free heap then is what
+forward's activations take again at once. It changes no value, only which pages are resident.
+Where the C library has no ``malloc_trim`` (not glibc) it does nothing.
 
 ``release_pages`` does the same for pages of memory that is still allocated but whose contents
 are dead: ``madvise(MADV_DONTNEED)`` on the whole pages inside a tensor (Linux only); they read

@@ -6,7 +6,7 @@ becomes the sharded parameters' ``.grad`` (their local tensors are views of it).
 ``zero_grad()`` sets them to None the buffer is freed, and the next step allocates one of the
 same size. On the CPU its pages then come back from the OS zero-filled: the kernel clears
 1/world of the model's gradient bytes every step and takes a fault per page, mostly inside the
-gloo receive that copies a peer's rows into it (the heap's free pages were handed back by
+gloo receive that copies a peer's rows into it (the heap's free pages had been handed back by
 [Note: allocator slack], memory/heap.py).
 
 So each unit keeps its last buffer. ``take`` hands it out again when its storage is used by no
