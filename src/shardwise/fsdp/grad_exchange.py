@@ -57,6 +57,7 @@ import torch
 import torch.distributed as dist
 
 from shardwise.dp.fast_collectives import Pending, reduce_scatter_flat
+from shardwise.fsdp.exchange_phases import PhasedExchange, receive_buffers
 from shardwise.fsdp.layout import UnitLayout, chunks_of, copy_into_chunks
 from shardwise.fsdp.peer_exchange import PeerRows, PulledExchange
 
@@ -76,54 +77,29 @@ def unit_tag_bases(slot_counts: Sequence[int]) -> list[int]:
     return [TAG_BASE + k * stride for k in range(len(slot_counts))]
 
 
-class _Exchange:
+class _Exchange(PhasedExchange):
     """One direct parameter's sends and receives in flight, and what completing it adds to its
     rows of the reduced shard. The unit's ``_Waiter`` thread waits for its works and completes
-    it, never the compute thread: gloo's point-to-point works cannot be polled
-    (``is_completed`` stays False until a wait) and a wait that times out closes the
+    it (its one phase, ``run``), never the compute thread: gloo's point-to-point works cannot
+    be polled (``is_completed`` stays False until a wait) and a wait that times out closes the
     connection."""
 
-    PHASES = 1  # ``run``, on the waiter thread
-
     def __init__(self, works: list, dest: torch.Tensor | None, pieces: list[torch.Tensor]):
+        super().__init__()
         self.works, self.dest, self.pieces = works, dest, pieces
-        self.arrived = threading.Event()  # set by the waiter once it is complete (or failed)
-        self.error: BaseException | None = None
-        self.deferred = False  # waited for in vain: left to the unit's reduction
-
-    def held_bytes(self) -> int:
-        return sum(t.untyped_storage().nbytes() for t in self.pieces)
 
     def held(self) -> list[torch.Tensor]:
         return list(self.pieces)
 
-    def done(self) -> bool:
-        return self.arrived.is_set()
-
     def run(self) -> None:
-        """On the waiter thread: wait for every work, then complete."""
-        for work in self.works:
-            work.wait()
-        self.complete()
-
-    def phase_done(self, error: BaseException | None) -> None:
-        self.error = error
-        self.arrived.set()
-
-    def complete(self) -> None:
-        """On the waiter thread, once every work is done: add this rank's rows and any further
+        """On the waiter thread: wait for every work, then add this rank's rows and any further
         copies into ``dest`` (the lowest other rank's copy was received straight into it), and
         let the gradient and workspaces go."""
+        for work in self.works:
+            work.wait()
         if self.dest is not None:
             for piece in self.pieces:
                 self.dest.add_(piece)
-        self.works, self.pieces = [], []
-
-    def finish(self) -> None:
-        """Wait until the waiter has completed this exchange; raise what its wait met."""
-        self.arrived.wait()
-        if self.error is not None:
-            raise self.error
         self.works, self.pieces = [], []
 
 
@@ -298,19 +274,14 @@ class DirectGrads:
                 works.append(dist.isend(rows, self.global_ranks[r], group=self.group, tag=tag))
         if own is None:  # this rank owns none of its rows: only the sends, kept alive
             return self._submit(_Exchange(works, None, [flat]))
-        others = [r for r in range(self.world) if r != self.rank]
-        pieces = [own]
-        for k, r in enumerate(others):
-            buf = dest if k == 0 and into_dest else torch.empty_like(own)
-            if buf is not dest:
-                pieces.append(buf)
+        reads, pieces = receive_buffers(own, dest, into_dest, self.rank, self.world)
+        for r, buf in reads:
             works.append(dist.irecv(buf, self.global_ranks[r], group=self.group, tag=tag))
         return self._submit(_Exchange(works, dest, pieces))
 
     def _submit(self, exchange: _Exchange | PulledExchange) -> _Exchange | PulledExchange:
-        if not self.waiters:
-            phases = ["run"] if self.peer_rows is None else ["read", "release"]
-            self.waiters = [_Waiter(phase) for phase in phases]
+        if not self.waiters:  # every exchange of a reduction is of one kind
+            self.waiters = [_Waiter(phase) for phase in exchange.PHASES]
         for waiter in self.waiters:
             waiter.submit(exchange)
         return exchange

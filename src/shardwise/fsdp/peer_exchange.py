@@ -32,7 +32,6 @@ the peer.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Sequence
 
 import torch
@@ -41,6 +40,7 @@ import torch.distributed as dist
 from shardwise.dp import shm_notes
 from shardwise.dp.peer_read import DISABLE_VAR, peer_pids, read_into
 from shardwise.dp.shm_notes import NoteBoard
+from shardwise.fsdp.exchange_phases import PhasedExchange, receive_buffers
 
 _PURPOSE = "FSDP gradient exchange"
 DEPTH = 4  # slots per parameter: exchanges of one parameter that may be in flight at once
@@ -71,21 +71,18 @@ def peer_rows(group: dist.ProcessGroup, params: int) -> PeerRows | None:
     return None if pids is None else PeerRows(group, pids, params)
 
 
-class PulledExchange:
+class PulledExchange(PhasedExchange):
     """One direct parameter's exchange by reads of the peers' memory (see the Note): two
     phases, ``read`` on the unit's exchange thread and ``release`` on its release thread; it
     is done once both have run."""
 
-    PHASES = 2
+    PHASES = ("read", "release")
 
     def __init__(self, flat: torch.Tensor, chunks: dict[int, torch.Tensor], rank: int,
                  rows: PeerRows, index: int, dest: torch.Tensor | None, into_dest: bool):
+        super().__init__()
         self.rows, self.index = rows, index
         self.slot, self.seq = rows.next_seq(index)
-        self.arrived = threading.Event()  # set once both phases have run (or failed)
-        self.error: BaseException | None = None
-        self.deferred = False  # waited for in vain: left to the unit's reduction
-        self._lock, self._phases_left = threading.Lock(), self.PHASES
         self.flat: torch.Tensor | None = flat  # peers read from it until they acknowledge
         self.offered = [r for r in chunks if r != rank]
         for r in self.offered:
@@ -94,26 +91,17 @@ class PulledExchange:
                 rows.board.wait_ack(self.slot, r, self.seq - DEPTH, self._what())
             rows.board.post(self.slot, r, self.seq, piece.data_ptr(),
                             piece.numel() * piece.element_size())
-        self.dest, self.pieces = dest, []
-        self.reads: list[tuple[int, torch.Tensor]] = []  # (peer, where its copy goes)
+        self.dest = dest
+        # (peer, where its copy goes), and what is added into dest once they are in
+        self.reads: list[tuple[int, torch.Tensor]] = []
+        self.pieces: list[torch.Tensor] = []
         own = chunks.get(rank)
         if own is not None and dest is not None:
-            self.pieces.append(own)
-            for k, r in enumerate(r for r in range(len(rows.pids)) if r != rank):
-                buf = dest if k == 0 and into_dest else torch.empty_like(own)
-                if buf is not dest:
-                    self.pieces.append(buf)
-                self.reads.append((r, buf))
-
-    def held_bytes(self) -> int:
-        held = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in self.held()}
-        return sum(held.values())
+            self.reads, self.pieces = receive_buffers(own, dest, into_dest, rank,
+                                                      len(rows.pids))
 
     def held(self) -> list[torch.Tensor]:
         return [t for t in [*self.pieces, self.flat] if t is not None]
-
-    def done(self) -> bool:
-        return self.arrived.is_set()
 
     def _what(self) -> str:
         return f"gradient rows of parameter {self.index}, exchange {self.seq}"
@@ -142,18 +130,3 @@ class PulledExchange:
         for r in self.offered:
             self.rows.board.wait_ack(self.slot, r, self.seq, self._what())
         self.flat = None
-
-    def phase_done(self, error: BaseException | None) -> None:
-        with self._lock:
-            if error is not None and self.error is None:
-                self.error = error
-            self._phases_left -= 1
-            last = self._phases_left == 0
-        if last:
-            self.arrived.set()
-
-    def finish(self) -> None:
-        """Wait until both phases have run; raise what either met."""
-        self.arrived.wait()
-        if self.error is not None:
-            raise self.error
