@@ -235,7 +235,8 @@ class FlatParamHandle:
         if (self.world < 2 or not any(True for _ in self.layout.direct())
                 or not uses_fast_path(self.group, probe, "auto")):
             return None
-        if not on_one_host(self.group, self.compute_device, lambda: True):
+        # shared parameters already established that every rank runs on this host
+        if self.host is None and not on_one_host(self.group, self.compute_device, lambda: True):
             return None
         return peer_rows(self.group, len(self.layout.params))
 
