@@ -27,7 +27,6 @@ notes (different backward passes): an error, not a silent pairing of the wrong n
 from __future__ import annotations
 
 import ctypes
-import platform
 import sys
 import time
 from collections.abc import Sequence
@@ -37,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from shardwise.distributed.timeouts import default_timeout
-from shardwise.dp.shm_segment import SharedSegment, process_alive, room_for
+from shardwise.dp.shm_segment import SharedSegment, process_alive, room_for, stores_in_order
 
 _SEQ, _A, _B, _ACK = range(4)  # the words of one (slot, sender, receiver)
 _LIVENESS_S = 0.05
@@ -50,7 +49,7 @@ class _Timespec(ctypes.Structure):
 
 
 def _bind_syscall():
-    if not sys.platform.startswith("linux") or not _x86_64():
+    if not sys.platform.startswith("linux") or not stores_in_order():
         return None
     try:
         fn = ctypes.CDLL(None, use_errno=True).syscall
@@ -58,10 +57,6 @@ def _bind_syscall():
         return None
     fn.restype = ctypes.c_long
     return fn
-
-
-def _x86_64() -> bool:
-    return platform.machine().lower() in ("x86_64", "amd64")
 
 
 _SYSCALL = _bind_syscall()  # ctypes releases the GIL for the call

@@ -54,7 +54,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import platform
 import queue
 import socket
 import threading
@@ -67,7 +66,7 @@ import torch.distributed as dist
 
 from shardwise.distributed.env import flag_var, int_var
 from shardwise.distributed.timeouts import default_timeout
-from shardwise.dp.shm_segment import SharedSegment, process_alive, room_for
+from shardwise.dp.shm_segment import SharedSegment, process_alive, room_for, stores_in_order
 
 DISABLE_VAR = "SHARDWISE_NO_SHM_REDUCE"
 Step = Callable[[torch.Tensor], object]  # element-wise work on a part of the result, in place
@@ -108,7 +107,7 @@ def usable(group: dist.ProcessGroup, device: torch.device,
     and every rank on this host.
     """
     return on_one_host(group, device, lambda: (
-        platform.machine().lower() in ("x86_64", "amd64") and not flag_var(DISABLE_VAR)
+        stores_in_order() and not flag_var(DISABLE_VAR)
         and room_for(segment_bytes(layouts, dist.get_world_size(group)))))
 
 

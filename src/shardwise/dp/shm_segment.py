@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import platform
 import secrets
 import shutil
 from contextlib import suppress
@@ -103,3 +104,10 @@ def process_alive(pid: int) -> bool:
             return f.read().rsplit(b")", 1)[-1].split()[0] != b"Z"
     except OSError:
         return False
+
+
+def stores_in_order() -> bool:
+    """Whether this machine keeps stores in program order as other cores see them (x86-64),
+    so that a peer that sees a flag word in a shared mapping also sees what was written
+    before it: what the shared-memory paths that signal with plain stores need."""
+    return platform.machine().lower() in ("x86_64", "amd64")
