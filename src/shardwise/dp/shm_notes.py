@@ -5,10 +5,10 @@ Where ranks read each other's memory ([Note: reading a peer's memory], peer_read
 still have to tell each other is small: "the bytes for you are at this address" and "I am done
 with them". Sent through gloo, each note is a message that wakes gloo's event loop on both
 sides, and with every core busy computing that loop can spin on a lock a preempted thread holds
-(measured: thousands of ``epoll_wait`` calls in 20 ms, several percent of a training step). A
-``NoteBoard`` carries them in one shared mapping instead: for each subject (``slot``) and each
-ordered pair of ranks, four 8-byte words: the sequence number of the sender's last note, the
-note's two values, and the receiver's acknowledgement of it.
+(docs/benchmarks-history.md has the measurement). A ``NoteBoard`` carries them in one shared
+mapping instead: for each subject (``slot``) and each ordered pair of ranks, four 8-byte
+words: the sequence number of the sender's last note, the note's two values, and the receiver's
+acknowledgement of it.
 
 - ``post`` (the sender) writes the two values, then the sequence number, then wakes any waiter
   on that word (``FUTEX_WAKE``: one system call, whether or not someone waits);
