@@ -27,9 +27,9 @@ allocated while another unit's reduction still holds its own: the flat gradients
 root's (whose head receives the first gradient of backward) and at most one other unit's.
 With no per-parameter gradients kept next to the flat one, and a reduce-scatter that receives
 straight into its output on two ranks (fast_collectives.py), no unit's gradients are alive twice
-at the backward peak (what the peak holds: docs/fsdp.md). torch's FSDP2 reduces synchronously,
-so it has no reduction in flight, but it copies each unit's gradients into a reduce-scatter
-input while they are alive.
+at the backward peak (what the peak holds: docs/fsdp.md). torch's FSDP2 on the CPU reduces
+synchronously (its streams are no-ops there), so it has no reduction in flight, but it
+copies each unit's gradients into a reduce-scatter input while they are alive.
 A callback queued on autograd's engine ends the backward of the units that backward reached
 but whose forward had no input requiring grad (the root among them), in the root's order, and
 reduces their gradients; reduces any gradient that arrived after its unit's reduction ([Note:

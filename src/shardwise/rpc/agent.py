@@ -394,7 +394,8 @@ class RpcAgent:
             f"({type(exc).__name__}: {exc})"))
 
     def shutdown(self, graceful: bool = True, timeout: float | None = None) -> None:
-        """Leave the group ([Note: shutdown]); ``timeout`` 0 or None: no limit."""
+        """Leave the group ([Note: shutdown]). ``timeout`` None: ``options.shutdown_timeout``;
+        0 (given or from the options): no limit."""
         if self.state is AgentState.CLOSED:
             return
         timeout = self.options.shutdown_timeout if timeout is None else float(timeout)
