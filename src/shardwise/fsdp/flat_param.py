@@ -29,8 +29,9 @@ rows sit in them is [Note: FSDP layout], layout.py):
   when the unit's first gradient of a backward arrives; each leaf's post-accumulate-grad hook
   copies (or, when accumulating, adds) that leaf's gradient into its chunks and drops the
   leaf's ``.grad`` at once. So the unit's gradient costs one flat buffer plus one parameter's
-  gradient in flight, never the per-parameter gradients and their concatenation together. The
-  last expected gradient marks the end of the unit's backward. Where the direct reduction
+  gradient in flight, never the per-parameter gradients and their concatenation together.
+  Where the unit's backward ends is not decided here ([Note: where a unit's backward ends],
+  unit.py): a rank may never get some gradients. Where the direct reduction
   applies (gloo, see [Note: direct gradient reduction]) the large parameters' gradients are
   sent as they arrive instead and only the packed ones take a (smaller) rank-major buffer; and
   a large parameter's rows of ``full_data`` are given back to the OS once its gradient is in
