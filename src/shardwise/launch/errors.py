@@ -9,6 +9,11 @@ a *consequence*: a closed or reset connection or a timeout) before it exits, in 
 launcher then reports the root cause: the earliest failure that is not a consequence. A timed-out
 rank also records which ranks never reached the collective it waited in (see progress.py), so
 that when every failure is a consequence, the ranks that never arrived are the ones named.
+Two more rules (launch/blame.py): a rank that wrote no record (it died before it could) is
+judged by the last traceback on its stderr, at the time the launcher saw it exit, and with
+no traceback at all it is a failure of its own; and when every failure is a consequence, a
+rank that left on its own with exit code 0 while the others still needed it is named first,
+the consequences after it.
 
 The file is JSON in torchrun's layout (``message.message``, ``message.extraInfo.py_callstack``,
 ``message.extraInfo.timestamp``) with shardwise's fields under ``"shardwise"``.
