@@ -371,9 +371,6 @@ class RpcAgent:
     }
 
     # ----------------------------------------------------------------- serialization hooks
-    def is_rref(self, obj: Any) -> bool:
-        return self.rrefs.is_rref(obj)
-
     def reduce_rref(self, rref: Any, dest: int) -> tuple:
         return self.rrefs.reduce(rref, dest)
 

@@ -191,11 +191,6 @@ class RRefContext:
             return len(self._table)
 
     # ---------------------------------------------------------------- pickling
-    def is_rref(self, obj: Any) -> bool:
-        from shardwise.rpc.rref import RRef
-
-        return isinstance(obj, RRef)
-
     def reduce(self, rref, dest: int) -> tuple:
         from shardwise.rpc.rref import rebuild_rref
 
