@@ -39,6 +39,7 @@ from shardwise.ddp.paths import (
 )
 from shardwise.ddp.powersgd import BucketPowerSGD
 from shardwise.ddp.static_graph import StaticGraph
+from shardwise.ddp.torch_ddp import TorchDDPBase
 from shardwise.ddp.unused import UnusedMap
 from shardwise.distributed.collectives import broadcast_coalesced
 from shardwise.dp.agree import check_same_model
@@ -53,7 +54,7 @@ SECOND_GRAD_HINT = (" If every backward pass uses the parameters the same way, c
                     "_set_static_graph() before training).")
 
 
-class DistributedDataParallel(nn.Module, Joinable):
+class DistributedDataParallel(TorchDDPBase):
     """Data parallelism over ``process_group`` (default: the world group).
 
     Arguments keep torch's names. ``bucket_cap_mb`` caps each gradient bucket (default 25 MiB;
@@ -67,6 +68,11 @@ class DistributedDataParallel(nn.Module, Joinable):
     then allowed, and a parameter whose gradient arrives several times in one backward
     (reentrant checkpointing) is reduced once complete. ``check_reduction`` is accepted for
     torch's signature (torch ignores it too).
+
+    The class derives from ``torch.nn.parallel.DistributedDataParallel`` (through
+    ``TorchDDPBase``, torch_ddp.py) so that frameworks' ``isinstance`` checks hold; torch's
+    constructor never runs, and torch's methods that this class does not implement raise
+    ``NotImplementedError`` naming what to use instead.
     """
 
     def __init__(
@@ -85,7 +91,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         static_graph: bool = False,
         device_mesh: DeviceMesh | None = None,
     ):
-        super().__init__()
+        nn.Module.__init__(self)  # not torch DDP's __init__: see torch_ddp.py
         Joinable.__init__(self)
         process_group = resolve_group(process_group, device_mesh, "DistributedDataParallel")
         _check_module(module, device_ids)
@@ -163,6 +169,37 @@ class DistributedDataParallel(nn.Module, Joinable):
     @require_backward_grad_sync.setter
     def require_backward_grad_sync(self, value: bool) -> None:
         self.reducer.enabled = bool(value)
+
+    @property
+    def require_forward_param_sync(self) -> bool:
+        """torch's flag: whether the next forward broadcasts buffers (the last forward ran
+        with gradients to reduce)."""
+        return self._sync_buffers_next
+
+    @require_forward_param_sync.setter
+    def require_forward_param_sync(self, value: bool) -> None:
+        self._sync_buffers_next = bool(value)
+
+    def will_sync_module_buffers(self) -> bool:
+        """Whether the next forward broadcasts the module's buffers from rank 0."""
+        return self._will_sync_buffers()
+
+    def _get_ddp_logging_data(self) -> dict[str, Any]:
+        """The settings torch's DDP logs under the same keys (frameworks read it to give
+        hints); torch's runtime statistics are not collected, so their keys are absent."""
+        params = list(self.module.parameters())
+        return {
+            "module_name": type(self.module).__name__,
+            "world_size": self.world_size,
+            "rank": dist.get_rank(self.process_group),
+            "backend_name": str(dist.get_backend(self.process_group)),
+            "broadcast_buffers": int(self.broadcast_buffers),
+            "find_unused_parameters": int(self.find_unused_parameters),
+            "gradient_as_bucket_view": int(self.gradient_as_bucket_view),
+            "static_graph": int(self.static_graph),
+            "num_parameter_tensors": len(params),
+            "total_parameter_size_bytes": sum(p.numel() * p.element_size() for p in params),
+        }
 
     # ------------------------------------------------------------------ torch's extras
     def register_comm_hook(self, state: object, hook: CommHook) -> None:
@@ -339,6 +376,11 @@ def _check_module(module: nn.Module, device_ids: list | None) -> None:
         )
     if not any(p.requires_grad for p in module.parameters()):
         raise ValueError("DistributedDataParallel: the module has no parameter that requires grad")
+    if hasattr(module, "_ddp_params_and_buffers_to_ignore"):
+        raise NotImplementedError(
+            "the module has parameters marked to be ignored (torch's DistributedDataParallel."
+            "_set_params_and_buffers_to_ignore_for_model); shardwise's DDP reduces every "
+            "parameter: wrap only the part to replicate, or use torch's DDP")
     if device_ids is not None and len(device_ids) != 1:
         raise ValueError(f"device_ids must name exactly one device per process, got {device_ids}")
 
