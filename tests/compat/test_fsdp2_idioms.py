@@ -254,7 +254,7 @@ def _torch_isinstance_program(ctx):
     model.set_reduce_scatter_unused_params(True)  # ours: zero gradients for unused parameters
     model.set_reduce_scatter_unused_params(False)  # and back to None for them, torch's default
     errors = {}
-    for name, args in (("set_gradient_divide_factor", (2.0,)), ("_get_fsdp_state", ()),
+    for name, args in (("set_all_reduce_hook", (None,)), ("_get_fsdp_state", ()),
                        ("set_custom_all_gather", (None,))):
         try:
             getattr(model, name)(*args)
@@ -270,9 +270,9 @@ def test_our_fsdp_modules_are_torch_fsdp_modules_and_refuse_torch_only_methods()
     assert held == [True, True, True]
     assert sliced == "Sequential"
     assert torch_code == [], torch_code
-    assert set(errors) == {"set_gradient_divide_factor", "_get_fsdp_state",
+    assert set(errors) == {"set_all_reduce_hook", "_get_fsdp_state",
                            "set_custom_all_gather"}
-    assert "FSDPModule.set_gradient_divide_factor" in errors["set_gradient_divide_factor"]
-    assert "average gradients" in errors["set_gradient_divide_factor"]
+    assert "FSDPModule.set_all_reduce_hook" in errors["set_all_reduce_hook"]
+    assert "own collectives" in errors["set_all_reduce_hook"]
     assert "pipelining" in errors["_get_fsdp_state"]
     assert loss == loss  # a number: the module still runs

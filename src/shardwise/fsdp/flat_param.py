@@ -171,6 +171,9 @@ class FlatParamHandle:
         self.direct: DirectGrads | None = None  # see [Note: direct gradient reduction]
         self.tag_base = TAG_BASE  # of its direct exchanges; the root sets one per unit
         self.arrivals = GradArrivals()  # which gradients are in: [Note: gradient arrival]
+        # torch FSDP2's gradient divide factor: None divides the sum over the data-parallel
+        # ranks by their number (the mean every reduction path computes)
+        self.divide_factor: float | None = None
         # this backward's reductions: [Note: gradients of unused parameters] (unused_grads.py)
         self.reduced = ReducedSlots(len(self.slots))
         # where reductions write this rank's reduced shard: [Note: a reduced-gradient buffer
@@ -507,6 +510,8 @@ class FlatParamHandle:
         dtype and device)."""
         reduction.pending.wait()
         flat = reduction.out.to(self.shard_device, self.shard_dtype, non_blocking=False)
+        if self.divide_factor is not None:  # the mean, times ranks / factor: sum / factor
+            flat.mul_(self.data_parallel_size() / self.divide_factor)
         for index, slot in enumerate(self.slots):
             if not slot.requires_grad:
                 continue
@@ -517,6 +522,13 @@ class FlatParamHandle:
                 self.reduced.grad_made(index)
             else:
                 local_tensor(param.grad).add_(part)
+
+    def data_parallel_size(self) -> int:
+        """The ranks whose gradients a reduction averages: the shard group's, times the
+        replicas' with hybrid sharding."""
+        replicas = 1 if self.replicate_group is None else dist.get_world_size(
+            self.replicate_group)
+        return self.world * replicas
 
     def drop_grads_of_unused(self, used: list[int]) -> None:
         """``used[i]``: whether any rank had a gradient for slot i in this backward's

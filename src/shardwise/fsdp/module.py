@@ -11,6 +11,8 @@ meta-device initialisation (build on ``meta``, ``fully_shard``, ``to_empty``,
 
 from __future__ import annotations
 
+import math
+import warnings
 from collections.abc import Iterable
 from typing import Any, NoReturn
 
@@ -98,6 +100,34 @@ class FSDPModule(TorchFSDPModuleBase):
         _check_bool("reduce_scatter_unused_params", reduce_scatter_unused_params)
         for unit in self._units(recurse):
             unit.reduce_scatter_unused_params = reduce_scatter_unused_params
+
+    def set_gradient_divide_factor(self, factor: float) -> None:
+        """This unit's gradients become the sum over its data-parallel ranks divided by
+        ``factor`` instead of their mean (torch FSDP2's method; e.g. ``1.0`` where the loss is
+        already divided by the global token count). The collectives are unchanged: the mean
+        they give is scaled once by ``ranks / factor`` when it lands in ``.grad``. As in torch,
+        it sets this module's own unit only; call it on each ``FSDPModule`` to cover a model."""
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not (
+                math.isfinite(factor) and factor > 0):
+            raise ValueError(f"set_gradient_divide_factor: factor must be a finite number "
+                             f"above 0, got {factor!r}")
+        unit = self._fsdp_unit()
+        if unit.handle is not None:
+            unit.handle.divide_factor = float(factor)
+
+    def set_reduce_scatter_divide_factor(self, factor: float) -> None:
+        """torch's older name of ``set_gradient_divide_factor``."""
+        self.set_gradient_divide_factor(factor)
+
+    def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
+        """Accepted for torch's API; it changes nothing here. torch uses it to make NCCL reduce
+        with SUM and scale separately; shardwise's units already pick each backend's fastest
+        equivalent collective, and the gradients' values do not depend on that choice."""
+        _check_bool("enable", enable)
+        if enable:
+            warnings.warn("set_force_sum_reduction_for_comms(True) has no effect on modules "
+                          "sharded by shardwise.fully_shard (their collectives are chosen per "
+                          "backend; gradients are the same)", stacklevel=2)
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         """Accepted for torch's API. On CPU every backward already waits for its reductions;

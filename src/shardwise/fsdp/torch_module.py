@@ -15,8 +15,6 @@ from typing import Any, NoReturn
 
 from shardwise._compat import TorchFSDPModule as _TorchFSDPModule
 
-_AVERAGED = ("shardwise's units always average gradients over their group; scale the loss "
-             "instead")
 _STREAMS = ("it tunes the CUDA streams or communication memory of torch's implementation, "
             "which shardwise's units do not use; leave it out")
 _HOOK = ("shardwise's units run their own collectives; FullyShardedDataParallel's "
@@ -35,9 +33,6 @@ _REFUSED = {
     "set_custom_reduce_scatter": _HOOK,
     "set_all_reduce_hook": _HOOK,
     "set_post_optim_event": _STREAMS,
-    "set_reduce_scatter_divide_factor": _AVERAGED,
-    "set_gradient_divide_factor": _AVERAGED,
-    "set_force_sum_reduction_for_comms": _AVERAGED,
     "set_reduce_scatter_max_input_buffers": _STREAMS,
     "set_separate_reduce_scatter_group": _STREAMS,
     "set_unshard_in_backward": "a unit is gathered again in backward unless "
