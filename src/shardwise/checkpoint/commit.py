@@ -21,6 +21,7 @@ from shardwise.checkpoint.atomic import create_exclusive
 from shardwise.checkpoint.errors import CheckpointError
 from shardwise.checkpoint.format import FORMAT, METADATA, VERSION, fsync_dir, tmp_dir
 from shardwise.checkpoint.plan import SavePlan
+from shardwise.checkpoint.safe_open import open_regular
 from shardwise.checkpoint.validate import DIGEST, digest_of
 
 
@@ -75,8 +76,8 @@ def check_failures(tmp: Path, plan: SavePlan) -> None:
         return
     for path in recorded:
         try:
-            failed = json.loads(path.read_text())
-        except (OSError, ValueError):
+            failed = _read_json(path)
+        except (OSError, ValueError, CheckpointError):
             continue
         if failed.get("token") == plan.token:
             rank = int(path.stem.split("_")[1])
@@ -92,7 +93,7 @@ def wait_for_parts(tmp: Path, plan: SavePlan, timeout_s: float) -> list[dict]:
         check_failures(tmp, plan)
         for r in range(plan.world):
             if r not in parts and part_file(tmp, r).is_file():
-                part = json.loads(part_file(tmp, r).read_text())
+                part = _read_json(part_file(tmp, r))
                 if part["token"] == plan.token:
                     parts[r] = part
         if len(parts) < plan.world:
@@ -149,11 +150,19 @@ def wait_for_final(final: Path, plan: SavePlan, timeout_s: float) -> None:
     while True:
         check_failures(tmp_dir(final), plan)
         try:
-            if json.loads(meta_file.read_text()).get("token") == token:
+            if _read_json(meta_file).get("token") == token:
                 return
-        except (OSError, json.JSONDecodeError):
+        except (OSError, ValueError, CheckpointError):
             pass
         if time.monotonic() > deadline:
             raise CheckpointError(f"async save: {final} was not committed by rank 0 within "
                                   f"{timeout_s:g} s")
         time.sleep(0.02)
+
+
+def _read_json(path: Path) -> Any:
+    """A record a save left (a part, a failure, the committed metadata), read as every
+    checkpoint file is ([Note: opening checkpoint files] in safe_open.py: nothing in its place
+    can block the reader)."""
+    with open_regular(path, "checkpoint record") as f:
+        return json.loads(f.read())

@@ -8,8 +8,6 @@ read, and no more than one block is held beyond the destination tensors.
 
 from __future__ import annotations
 
-import os
-import stat
 import zlib
 from pathlib import Path
 from typing import Any
@@ -19,22 +17,18 @@ import torch
 from shardwise.checkpoint import boxes
 from shardwise.checkpoint.errors import CheckpointError
 from shardwise.checkpoint.format import dtype_from
+from shardwise.checkpoint.safe_open import open_regular
 from shardwise.sharded_tensor.metadata import intersect
 
 
 def open_data_file(path: Path):
-    """A data file opened for reading without following a link (the validator refused links;
-    this closes the window between its check and the open)."""
+    """A data file opened for reading: a regular file, reached without a link and opened without
+    blocking ([Note: opening checkpoint files] in safe_open.py; the validator checked it too,
+    and this closes the window between its check and the open)."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
-    except OSError as err:
-        raise CheckpointError(f"cannot open checkpoint file {path} (a symbolic link is "
-                              f"refused): {err}") from None
-    f = os.fdopen(fd, "rb")
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        f.close()
-        raise CheckpointError(f"checkpoint file {path} is not a regular file")
-    return f
+        return open_regular(path, "checkpoint data file")
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint data file {path} is missing") from None
 
 
 def blocks_to_read(rec: dict, want: boxes.Box) -> tuple[boxes.Box | None, range]:

@@ -15,6 +15,7 @@ complete checkpoint. Nothing here unpickles: the record is JSON inside the JSON 
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 from pathlib import Path
@@ -22,12 +23,14 @@ from typing import Any
 
 from shardwise.checkpoint.atomic import atomic_write_text
 from shardwise.checkpoint.errors import CheckpointError
+from shardwise.checkpoint.safe_open import read_bounded
 from shardwise.checkpoint.validate import read_metadata
 
 LATEST = "latest"
 TRAIN_KEY = "train"  # the values entry holding the run's record
 METADATA = "metadata.json"
 _STEP_DIR = re.compile(r"step_\d+")
+_POINTER_BYTES = 4096  # ``latest`` holds one directory name
 # the record's required fields and their types
 _META_FIELDS = {"model": dict, "strategy": str, "world_size": int, "step": int}
 
@@ -49,19 +52,29 @@ def latest_checkpoint(directory: str | Path) -> Path:
     loads state from outside the checkpoint directory.
     """
     pointer = Path(directory) / LATEST
-    if not pointer.is_file():
+    name = _pointer_name(pointer)
+    if name is None:
         raise CheckpointError(f"no checkpoint to resume from in {directory} (no '{LATEST}' file)")
-    try:
-        name = pointer.read_text().strip()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise CheckpointError(f"cannot read {pointer}: {exc}") from None
     if not _STEP_DIR.fullmatch(name):
         raise CheckpointError(f"{pointer} names {name!r}, which is not a checkpoint directory "
                               f"inside {directory} (expected step_NNNNNN)")
     path = Path(directory) / name
-    if not (path / METADATA).is_file():
+    if not os.path.lexists(path / METADATA):  # what it is, if not a file: read_metadata says
         raise CheckpointError(f"checkpoint {path} is incomplete (no {METADATA})")
     return path
+
+
+def _pointer_name(pointer: Path) -> str | None:
+    """The name ``latest`` holds (None: there is no ``latest``); read as every checkpoint file
+    is (safe_open.py: a FIFO or a link in its place is refused by name, not waited on)."""
+    try:
+        raw = read_bounded(pointer, _POINTER_BYTES, "checkpoint pointer")
+    except FileNotFoundError:
+        return None
+    try:
+        return raw.decode().strip()
+    except UnicodeDecodeError as exc:
+        raise CheckpointError(f"cannot read {pointer}: {exc}") from None
 
 
 def read_meta(path: str | Path) -> dict[str, Any]:
@@ -111,7 +124,10 @@ def prune(directory: str | Path, keep: int) -> list[Path]:
     steps = sorted(p for p in Path(directory).iterdir()
                    if p.is_dir() and _STEP_DIR.fullmatch(p.name))
     pointer = Path(directory) / LATEST
-    current = pointer.read_text().strip() if pointer.is_file() else None
+    try:
+        current = _pointer_name(pointer)
+    except CheckpointError:
+        current = None
     removed = []
     for path in steps[:-keep]:
         if path.name != current:

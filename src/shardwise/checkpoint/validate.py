@@ -7,7 +7,9 @@ The metadata says where every byte goes, so a reader that trusted it could be ma
 outside the checkpoint, fill a tensor twice or not at all, or allocate what the disk does not
 hold. Before anything is read beyond ``metadata.json`` (docs/checkpoint.md, "Validation"):
 
-1. The step directory and ``metadata.json`` are not symbolic links (lstat, ``O_NOFOLLOW``).
+1. The step directory is not a symbolic link (lstat); ``metadata.json`` is a regular file,
+   opened without following a link and without blocking ([Note: opening checkpoint files]
+   in safe_open.py).
 2. The digest: ``"sha256:<hex>"`` over the canonical JSON of the metadata without it
    (``sort_keys``, no spaces, ``allow_nan``); a mismatch is accidental damage, named.
 3. The schema: every key present with its type and range (ints are never bools; sizes,
@@ -23,9 +25,9 @@ hold. Before anything is read beyond ``metadata.json`` (docs/checkpoint.md, "Val
 8. Every tensor's chunk boxes lie inside its shape and tile it exactly (``boxes.check_cover``).
 
 Only then does a reader allocate (at most what the files hold, by 5 and 7) and read; data
-files are opened with ``O_NOFOLLOW`` (reader.py). The digest catches damage, not an attacker:
-one who can rewrite the metadata can also rewrite the data and its CRCs, and so choose the
-values loaded, but never where they are read from or how much is allocated.
+files are opened as the metadata is (safe_open.py, from reader.py). The digest catches damage,
+not an attacker: one who can rewrite the metadata can also rewrite the data and its CRCs, and
+so choose the values loaded, but never where they are read from or how much is allocated.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from typing import Any
 from shardwise.checkpoint import boxes
 from shardwise.checkpoint.errors import CheckpointError
 from shardwise.checkpoint.format import FORMAT, METADATA, VERSION, dtype_from, tmp_dir
+from shardwise.checkpoint.safe_open import describe, open_regular
 
 DIGEST = "digest"
 _TOP = {"format", "version", "token", "world_size", "files", "tensors", "values", "paths",
@@ -94,19 +97,11 @@ def _check_root(root: Path) -> None:
 
 def _load_json(meta_file: Path) -> Any:
     try:
-        fd = os.open(meta_file, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
+        with open_regular(meta_file, "checkpoint metadata") as f:
+            raw = f.read()
     except FileNotFoundError:
         raise CheckpointError(f"checkpoint {meta_file.parent} is incomplete or not a sharded "
                               f"checkpoint: it has no {METADATA}") from None
-    except OSError as err:
-        if os.path.islink(meta_file):
-            raise CheckpointError(f"{meta_file} is a symbolic link; the metadata must be a "
-                                  "regular file of the checkpoint") from None
-        raise CheckpointError(f"cannot read {meta_file}: {err}") from None
-    with os.fdopen(fd, "rb") as f:
-        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
-            raise CheckpointError(f"{meta_file} is not a regular file")
-        raw = f.read()
     try:
         meta = json.loads(raw)
     except RecursionError:
@@ -233,11 +228,9 @@ def _on_disk(root: Path, files: dict[str, int], tensors: dict) -> None:
             st = os.lstat(path)
         except FileNotFoundError:
             raise _Invalid(f"data file {path} (holding {held}) is missing") from None
-        if stat.S_ISLNK(st.st_mode):
-            raise _Invalid(f"data file {path} is a symbolic link; data files must be regular "
-                           "files inside the checkpoint")
         if not stat.S_ISREG(st.st_mode):
-            raise _Invalid(f"data file {path} is not a regular file")
+            raise _Invalid(f"data file {path} is {describe(path)}, not a regular file; data "
+                           "files must be regular files inside the checkpoint")
         if st.st_size != size:
             raise _Invalid(f"checkpoint file {path} (holding tensor {held}) is truncated or "
                            f"damaged: it has {st.st_size} bytes on disk, the metadata declares "

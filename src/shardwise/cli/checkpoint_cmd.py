@@ -11,11 +11,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 from typing import Any
-
-from shardwise.checkpoint import CheckpointError, export_safetensors, inspect, latest_checkpoint
-from shardwise.checkpoint.train_state import LATEST, METADATA
 
 _VALUE_CHARS = 120  # a long value (a JSON record, param_groups) is cut to this in the listing
 
@@ -34,6 +32,8 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> str:
     """What to print; CheckpointError or ValueError when the checkpoint cannot be read."""
+    from shardwise.checkpoint import export_safetensors, inspect
+
     path = resolve(args.dir)
     if args.action == "export":
         names = export_safetensors(path, args.out, prefix=args.prefix)
@@ -43,8 +43,11 @@ def run(args: argparse.Namespace) -> str:
 
 def resolve(directory: str) -> Path:
     """A checkpoint directory as given, or the latest one of a training run's directory."""
-    path = Path(directory)
-    if not (path / METADATA).is_file() and (path / LATEST).is_file():
+    from shardwise.checkpoint import latest_checkpoint
+    from shardwise.checkpoint.train_state import LATEST, METADATA
+
+    path = Path(directory)  # lexists: a FIFO or link in either place is refused by its reader
+    if not os.path.lexists(path / METADATA) and os.path.lexists(path / LATEST):
         return latest_checkpoint(path)
     return path
 
@@ -80,6 +83,8 @@ def sharding(tensor: dict[str, Any]) -> str:
 
 
 def main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    from shardwise.checkpoint import CheckpointError
+
     try:
         print(run(args))
     except (CheckpointError, ValueError, OSError) as exc:
