@@ -42,8 +42,12 @@ ALLOWED: dict[str, set[str]] = {
     # a tool beside the CLI (`shardwise plan --simulate`): dry runs of the mechanisms
     "sim": {"distributed", "dp", "models", "memory", "sharded_tensor", "ddp", "zero", "fsdp",
             "checkpoint"},
+    # glue for training frameworks (optional extras): the public API ("" is the package's
+    # __init__) and the mechanisms; nothing in src imports it (test below)
+    "integrations": {"", "distributed", "dp", "ddp", "zero", "fsdp", "checkpoint"},
 }
-MECHANISMS = set(ALLOWED) - {"distributed", "launch", "models", "data", "bench", "sim"}
+MECHANISMS = set(ALLOWED) - {"distributed", "launch", "models", "data", "bench", "sim",
+                             "integrations"}
 ENTRY_POINT = "__main__.py"  # `python -m shardwise` is the command: it may import the CLI
 
 
@@ -81,7 +85,7 @@ def _violations(root: Path = SRC) -> list[str]:
                 bad.append(f"{where} (use absolute imports)")
                 continue
             target = _package(module)
-            if target is None or target == here or target == "_compat":  # torch's names, for all
+            if target is None or target == here or target in ("_compat", "_lazy"):  # for all
                 continue
             if target == "cli" and str(rel) != ENTRY_POINT:
                 bad.append(f"{where}: nothing imports the CLI")
@@ -125,7 +129,7 @@ def test_the_graph_has_no_cycle_and_no_mechanism_uses_models_or_data():
 
     def visit(pkg: str, path: tuple[str, ...]) -> None:
         assert pkg not in path, f"cycle: {' -> '.join(path + (pkg,))}"
-        for dep in ALLOWED[pkg]:
+        for dep in ALLOWED.get(pkg, ()):  # "" (the public API) is above the graph
             visit(dep, path + (pkg,))
 
     for pkg in ALLOWED:
@@ -173,3 +177,25 @@ def test_the_core_check_sees_a_mechanism_import(tmp_path):
     path = tmp_path / "m.py"
     path.write_text("def f():\n    from shardwise.ddp.unused import UnusedMap\n")
     assert [_package(m) for _, m in _imports(path)] == ["ddp"]
+
+
+def test_nothing_in_src_imports_the_integrations():
+    """shardwise.integrations.* import optional frameworks; the library never reaches them."""
+    bad = [f"{path.relative_to(SRC).as_posix()}:{line} imports {module}"
+           for path in sorted(SRC.rglob("*.py")) if path.relative_to(SRC).parts[0] !=
+           "integrations" for line, module in _imports(path)
+           if _package(module) == "integrations"]
+    assert bad == []
+
+
+@pytest.mark.parametrize("line,allowed", [
+    ("import shardwise", True),
+    ("from shardwise.ddp.data_parallel import DistributedDataParallel", True),
+    ("from shardwise.cli.main import main", False),
+    ("from shardwise.bench import ddp", False),
+    ("from shardwise.models import GPT", False),
+])
+def test_the_integrations_use_the_public_api_and_mechanisms_only(tmp_path, line, allowed):
+    (tmp_path / "integrations").mkdir()
+    (tmp_path / "integrations" / "m.py").write_text(f"def f():\n    {line}\n")
+    assert (_violations(tmp_path) == []) == allowed

@@ -47,7 +47,10 @@ PRELOAD = ("torch", "torch.distributed", "torch.distributed.rpc", "torch.distrib
            "torch.distributed.tensor", "torch.optim",
            "torch._dynamo",  # what an optimizer's first construction imports
            "torch.testing._internal.common_distributed",  # the vendored ZeRO tests' ranks
-           "shardwise", "shardwise.distributed", "tests.harness.pool")
+           # shardwise's package names its API lazily: the mechanisms, imported here
+           "shardwise", "shardwise.ddp", "shardwise.zero", "shardwise.fsdp", "shardwise.rpc",
+           "shardwise.sharded_tensor", "shardwise.distributed.init", "shardwise.distributed.mesh",
+           "shardwise.distributed.comm_counter", "tests.harness.pool")
 _server_started = False
 
 

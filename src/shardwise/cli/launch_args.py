@@ -15,9 +15,7 @@ from pathlib import Path
 
 from shardwise.cli.ranges import COUNT0, float_arg, int_arg
 from shardwise.distributed.timeouts import default_timeout
-from shardwise.launch import launch
-from shardwise.launch.launcher import DEFAULT_GRACE_SECONDS
-from shardwise.launch.nodes import NodeError, parse_endpoint
+from shardwise.launch.preemption import DEFAULT_GRACE_SECONDS
 
 GRACE = float_arg(0.0, 24 * 3600.0, above=True)
 NODES = int_arg(1, 2**16)
@@ -55,6 +53,8 @@ def endpoint_problem(args: argparse.Namespace) -> str | None:
     """With ``--nnodes`` above 1: ``--rdzv-endpoint`` must be host:port, and a node other than
     node 0 waits (up to the rendezvous timeout, ``$SHARDWISE_TIMEOUT``) until something answers
     there, so that an unreachable endpoint is one error naming it rather than a silent wait."""
+    from shardwise.launch.nodes import NodeError, parse_endpoint
+
     endpoint = args.rdzv_endpoint
     if args.nnodes <= 1 or endpoint is None:
         return None
@@ -117,7 +117,17 @@ def _module_problem(name: str) -> str | None:
     return f"-m {name}: no module named {name!r} (looked in the working directory and sys.path)"
 
 
+def launch(nproc: int, argv: Sequence[str], **options) -> int:
+    """``shardwise.launch.launch``, imported when a job starts: the launcher hosts the
+    rendezvous store (c10d's TCPStore), so it is the first thing here that imports torch."""
+    from shardwise.launch import launch as start
+
+    return start(nproc, argv, **options)
+
+
 def run_launcher(prog: str, nproc: int, argv: Sequence[str], args: argparse.Namespace) -> int:
+    from shardwise.launch.nodes import NodeError
+
     problem = endpoint_problem(args)
     if problem:
         print(f"{prog}: error: {problem}", file=sys.stderr)

@@ -19,8 +19,7 @@ from shardwise.cli.launch_args import (
 )
 from shardwise.cli.ranges import COUNT, Parser, bench_problem, ranks_problem
 from shardwise.cli.train_args import ConfigError, build_parser, config_from_args, validate
-from shardwise.distributed import launched
-from shardwise.launch.launcher import python_command
+from shardwise.distributed.env import launched
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -60,7 +59,7 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("-m", dest="module", action="store_true", help="run a module, as python -m")
     run.add_argument("script", help="the script (or module with -m) to run")
     run.add_argument("script_args", nargs=argparse.REMAINDER)
-    from shardwise.cli.plan import build_parser as plan_parser
+    from shardwise.cli.plan_args import build_parser as plan_parser
 
     plan_parser(sub.add_parser("plan", help="memory per rank of each strategy, before a run"))
     plot = sub.add_parser("plot", help="several --log-dir runs' loss curves on one chart")
@@ -78,6 +77,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _train(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: list[str]) -> int:
+    from shardwise.launch.launcher import python_command
+
     cfg = config_from_args(args)
     if launched():
         from shardwise.cli.rank_main import train_rank
@@ -95,6 +96,8 @@ def _train(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: list
 
 
 def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    from shardwise.launch.launcher import python_command
+
     if args.nproc < 1:
         parser.exit(2, f"shardwise run: error: --nproc must be at least 1, got {args.nproc}\n")
     problem = (ranks_problem(args.nproc) or check_launch_args(args)

@@ -10,9 +10,11 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
-from torch import nn
+if TYPE_CHECKING:  # the strategies' names and descriptions cost no torch import
+    import torch
+    from torch import nn
 
 
 @dataclass

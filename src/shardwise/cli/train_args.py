@@ -7,8 +7,8 @@ import os
 import tempfile
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from shardwise.checkpoint import CheckpointError, latest_checkpoint, read_meta
 from shardwise.cli.mesh_args import add_mesh_args, mesh_problem
 from shardwise.cli.ranges import (
     COUNT,
@@ -22,7 +22,9 @@ from shardwise.cli.ranges import (
     ranks_problem,
 )
 from shardwise.cli.strategies import STRATEGIES, check_strategy, strategy_names
-from shardwise.models import GPTConfig
+
+if TYPE_CHECKING:
+    from shardwise.models import GPTConfig
 
 
 @dataclass(frozen=True)
@@ -61,6 +63,8 @@ class TrainConfig:
     transport: str = "p2p"
 
     def model_config(self) -> GPTConfig:
+        from shardwise.models import GPTConfig
+
         return GPTConfig(seq_len=self.seq_len, n_layer=self.n_layer, n_head=self.n_head,
                          d_model=self.d_model)
 
@@ -228,6 +232,8 @@ def validate(cfg: TrainConfig, world_size: int, nnodes: int = 1) -> None:
 def check_resumable(cfg: TrainConfig, world_size: int) -> None:
     """Refuse a resume whose run differs from the checkpoint's (every difference listed) unless
     ``--override`` allows it; and one that cannot work at all."""
+    from shardwise.checkpoint import CheckpointError, latest_checkpoint, read_meta
+
     try:
         path = latest_checkpoint(cfg.checkpoint_dir)
         meta = read_meta(path)

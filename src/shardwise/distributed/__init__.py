@@ -6,12 +6,25 @@ It imports no other shardwise package: not the launcher (``shardwise.launch``, w
 and imports this one) and no mechanism (DDP, ZeRO, FSDP, RPC, ...); tests/test_layering.py checks.
 """
 
-from shardwise.distributed.comm_counter import CommCounter, CommStats
-from shardwise.distributed.env import LaunchEnv, launched, read_env
-from shardwise.distributed.init import RendezvousTimeout, destroy, init, pick_backend
-from shardwise.distributed.mesh import DeviceMesh, init_device_mesh
-from shardwise.distributed.timeouts import as_timedelta, default_timeout
-from shardwise.distributed.topology import InvalidMeshError
+from shardwise._lazy import lazy_names
+
+_WHERE = {
+    "CommCounter": "shardwise.distributed.comm_counter",
+    "CommStats": "shardwise.distributed.comm_counter",
+    "DeviceMesh": "shardwise.distributed.mesh",
+    "InvalidMeshError": "shardwise.distributed.topology",
+    "LaunchEnv": "shardwise.distributed.env",
+    "RendezvousTimeout": "shardwise.distributed.init",
+    "as_timedelta": "shardwise.distributed.timeouts",
+    "default_timeout": "shardwise.distributed.timeouts",
+    "destroy": "shardwise.distributed.init",
+    "init": "shardwise.distributed.init",
+    "init_device_mesh": "shardwise.distributed.mesh",
+    "launched": "shardwise.distributed.env",
+    "pick_backend": "shardwise.distributed.init",
+    "read_env": "shardwise.distributed.env",
+}
+lazy_names(__name__, _WHERE)  # each imported on first use: env readers cost no torch import
 
 __all__ = [
     "CommCounter",

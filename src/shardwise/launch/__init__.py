@@ -7,6 +7,10 @@ records, private files), the standard library and torch; tests/test_layering.py 
 docs/launcher.md.
 """
 
-from shardwise.launch.launcher import launch, python_command
+from shardwise._lazy import lazy_names
+
+# imported on first use: the launcher's flags and readers cost no torch import
+lazy_names(__name__, {"launch": "shardwise.launch.launcher",
+                      "python_command": "shardwise.launch.launcher"})
 
 __all__ = ["launch", "python_command"]

@@ -37,18 +37,7 @@ import torch
 from torch import nn
 
 from shardwise.memory.accounting import StateBytes
-
-STRATEGIES = ("ddp", "zero1", "zero2", "fsdp")
-PRECISIONS = ("fp32", "bf16", "mixed")
-
-# optimizer name -> (bytes of state per parameter element in fp32, bytes of per-tensor state)
-OPTIMIZER_STATE = {
-    "adamw": (8, 4),  # exp_avg, exp_avg_sq; a float32 `step` tensor per parameter
-    "adam": (8, 4),
-    "sgd-momentum": (4, 0),  # momentum_buffer
-    "sgd": (0, 0),
-    "adagrad": (4, 4),  # sum; step
-}
+from shardwise.memory.tables import OPTIMIZER_STATE, PRECISIONS, STRATEGIES
 
 
 def parameter_sizes(module: nn.Module) -> list[int]:
