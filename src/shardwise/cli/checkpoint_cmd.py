@@ -24,7 +24,7 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     export.add_argument("dir", help="a checkpoint, or a --checkpoint-dir (its latest)")
     export.add_argument("out", help="the .safetensors file to write")
     export.add_argument("--prefix", default="model.",
-                        help="export the tensors under this prefix, without it (default model.)")
+                        help="export the tensors under this prefix, without it")
     show = sub.add_parser("inspect", help="each tensor's shape, dtype and sharding")
     show.add_argument("dir", help="a checkpoint, or a --checkpoint-dir (its latest)")
     return parser

@@ -8,8 +8,10 @@ set), it is one rank: it joins the process group and trains.
 from __future__ import annotations
 
 import argparse
+import difflib
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
 from shardwise.cli.launch_args import (
     add_launch_args,
@@ -18,7 +20,13 @@ from shardwise.cli.launch_args import (
     target_problem,
 )
 from shardwise.cli.ranges import COUNT, Parser, bench_problem, ranks_problem
-from shardwise.cli.train_args import ConfigError, build_parser, config_from_args, validate
+from shardwise.cli.train_args import (
+    ConfigError,
+    TrainConfig,
+    build_parser,
+    config_from_args,
+    validate,
+)
 from shardwise.distributed.env import launched
 
 
@@ -33,7 +41,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
         return bench_main(argv[1:])
     parser = _parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        _unknown(parser, args.command, extra)
     if args.command == "train":
         return _train(parser, args, argv)
     if args.command == "plan":
@@ -54,7 +64,8 @@ def _parser() -> argparse.ArgumentParser:
     train = build_parser(sub.add_parser("train", help="train the demo GPT on the stdlib corpus"))
     add_launch_args(train)
     run = sub.add_parser("run", help="run a script as N ranks per node (like torchrun)")
-    run.add_argument("--nproc", "--nproc-per-node", dest="nproc", type=COUNT, default=2)
+    run.add_argument("--nproc", "--nproc-per-node", dest="nproc", type=COUNT,
+                     default=TrainConfig.nproc, help="ranks to start on this node")
     add_launch_args(run)
     run.add_argument("-m", dest="module", action="store_true", help="run a module, as python -m")
     run.add_argument("script", help="the script (or module with -m) to run")
@@ -65,7 +76,7 @@ def _parser() -> argparse.ArgumentParser:
     plot = sub.add_parser("plot", help="several --log-dir runs' loss curves on one chart")
     plot.add_argument("log_dirs", nargs="+", metavar="LOG_DIR", help="shardwise train --log-dir")
     plot.add_argument("--out", default="loss_curves.png", help="the PNG to write")
-    plot.add_argument("--title", default="training loss")
+    plot.add_argument("--title", default="training loss", help="the chart's title")
     bench = sub.add_parser("bench", add_help=False,
                            help="ours and torch's side by side: table, JSON record, PNG plot")
     bench.add_argument("bench_args", nargs=argparse.REMAINDER,
@@ -74,6 +85,18 @@ def _parser() -> argparse.ArgumentParser:
 
     checkpoint_parser(sub.add_parser("checkpoint", help="export or inspect a checkpoint"))
     return parser
+
+
+def _unknown(parser: argparse.ArgumentParser, command: str, extra: list[str]) -> NoReturn:
+    """Refuse unknown arguments as the subcommand (``shardwise train: error: ...``), naming
+    the flag that was probably meant (a long flag is never taken from a prefix of it)."""
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    command_parser = sub.choices[command]
+    flags = [f for a in command_parser._actions for f in a.option_strings if f.startswith("--")]
+    near = [m for x in extra if x.startswith("--")
+            for m in difflib.get_close_matches(x.split("=")[0], flags, n=1)]
+    hint = f" (did you mean {', '.join(near)}?)" if near else ""
+    command_parser.error(f"unrecognized arguments: {' '.join(extra)}{hint}")
 
 
 def _train(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: list[str]) -> int:

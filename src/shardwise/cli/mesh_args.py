@@ -16,11 +16,12 @@ from typing import Any
 from shardwise.cli.ranges import COUNT, COUNT0
 
 
-def add_mesh_args(parser: argparse.ArgumentParser) -> None:
+def add_mesh_args(parser: argparse.ArgumentParser, replicas: int, tp: int) -> None:
+    """The two flags, with TrainConfig's defaults (``replicas`` 0: one per node)."""
     add = parser.add_argument
-    add("--replicas", type=COUNT0, default=0,
-        help="hsdp only: replicas of the sharded model (default: one per node)")
-    add("--tp", type=COUNT, default=1,
+    add("--replicas", type=COUNT0, default=replicas,
+        help="hsdp only: replicas of the sharded model (0: one per node)")
+    add("--tp", type=COUNT, default=tp,
         help="fsdp only: tensor-parallel degree (FSDP x TP on a (world/T, T) mesh)")
 
 

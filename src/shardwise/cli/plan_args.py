@@ -57,7 +57,7 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="plan for a Hugging Face causal LM's config.json (no weights)")
     for name in GPT_FLAGS:
         add("--" + name.replace("_", "-"), type=GPT_RANGES[name], default=None,
-            help=f"demo GPT (default {getattr(GPTConfig(), name)})")
+            help=f"demo GPT (default: {getattr(GPTConfig(), name)})")
     add("--tie-weights", action="store_true", help="demo GPT: head tied to the embedding")
     add("--seq-len", type=SIZE, default=None,
         help=f"tokens per sequence (default: the demo GPT's {GPTConfig().seq_len})")
@@ -67,7 +67,8 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="count activations as with every layer checkpointed")
     add("--precision", default="fp32", choices=PRECISIONS,
         help="mixed: 16-bit params and grads, fp32 master copy and optimizer state")
-    add("--optimizer", default="adamw", choices=sorted(OPTIMIZER_STATE))
+    add("--optimizer", default="adamw", choices=sorted(OPTIMIZER_STATE),
+        help="whose state to count")
     add("--memory-gib", type=MEMORY_GIB, default=None,
         help="memory per rank in GiB: mark what fits, name the cheapest strategy that fits")
     add("--units", default="gib", choices=sorted(UNITS), help="GiB (2^30 bytes) or GB (10^9)")

@@ -14,6 +14,7 @@ command checks their numbers first with :func:`bench_parser`.
 from __future__ import annotations
 
 import argparse
+import copy
 import math
 import os
 import resource
@@ -28,9 +29,36 @@ RANKS_PER_CORE = 16
 MIN_RANK_LIMIT = 32  # a small machine still runs every test's and example's world size
 
 
+class DefaultsFormatter(argparse.HelpFormatter):
+    """Help that ends each flag's line with its default, ``(default: X)``, where it has one
+    worth showing (not None, not an off switch, not an empty list); choices show in the flag's
+    metavar, ``{a,b}``."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        shown = (default not in (None, argparse.SUPPRESS, (), [])
+                 and not isinstance(default, bool) and action.option_strings
+                 and "%(default)" not in text)
+        return f"{text} (default: %(default)s)".lstrip() if shown else text
+
+    def _expand_help(self, action: argparse.Action) -> str:
+        if isinstance(action.default, tuple) and action.default:
+            action = copy.copy(action)
+            action.default = ",".join(map(str, action.default))  # as the flag is written
+        return super()._expand_help(action)
+
+
 class Parser(argparse.ArgumentParser):
     """argparse's parser, whose errors are one line: ``PROG: error: MESSAGE``, exit code 2; a
-    range error reads ``--flag must be ...`` rather than ``argument --flag: must be ...``."""
+    range error reads ``--flag must be ...`` rather than ``argument --flag: must be ...``. Its
+    help shows every flag's default (:class:`DefaultsFormatter`), and a long flag is taken
+    only as written: ``--step 2`` is an error, not ``--steps 2`` (``allow_abbrev=False``)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("formatter_class", DefaultsFormatter)
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:
         flag, sep, rest = message.removeprefix("argument ").partition(": ")

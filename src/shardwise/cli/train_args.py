@@ -91,22 +91,25 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     add("--strategy", default=d.strategy,
         help="; ".join(f"{k}: {v[1]}" for k, v in sorted(STRATEGIES.items())))
     add("--device", default=d.device, choices=["cpu", "cuda"], help="cuda uses NCCL")
-    add("--n-layer", type=LAYERS, default=d.n_layer)
-    add("--n-head", type=COUNT, default=d.n_head)
-    add("--d-model", type=COUNT, default=d.d_model)
-    add("--seq-len", type=COUNT, default=d.seq_len)
+    add("--n-layer", type=LAYERS, default=d.n_layer, help="demo GPT: transformer blocks")
+    add("--n-head", type=COUNT, default=d.n_head,
+        help="demo GPT: attention heads (must divide --d-model)")
+    add("--d-model", type=COUNT, default=d.d_model, help="demo GPT: embedding width")
+    add("--seq-len", type=COUNT, default=d.seq_len, help="tokens per training window")
     add("--steps", type=COUNT, default=d.steps,
         help="train until this step (counting resumed ones)")
     add("--batch-size", type=COUNT, default=d.batch_size, help="global batch, split across ranks")
-    add("--lr", type=LR, default=d.lr)
+    add("--lr", type=LR, default=d.lr, help="AdamW's learning rate (constant after --warmup)")
     add("--warmup", type=COUNT0, default=d.warmup, help="linear warm-up steps")
-    add("--seed", type=SEED, default=d.seed)
+    add("--seed", type=SEED, default=d.seed, help="model initialisation and data order")
     add("--eval-batches", type=COUNT, default=d.eval_batches,
         help="validation batches at start/end")
-    add("--log-every", type=COUNT, default=d.log_every)
+    add("--log-every", type=COUNT, default=d.log_every,
+        help="steps between throughput and memory updates (and lines with --no-progress)")
     add("--corpus-bytes", type=CORPUS_BYTES, default=d.corpus_bytes,
         help="bytes of stdlib source to read")
-    add("--checkpoint-dir", default=None)
+    add("--checkpoint-dir", default=d.checkpoint_dir,
+        help="save checkpoints here (default: none are saved)")
     add("--checkpoint-every", type=COUNT0, default=d.checkpoint_every, help="0: only at the end")
     add("--resume", action="store_true", help="continue from --checkpoint-dir's latest checkpoint")
     add("--override", type=_override_list, default=(),
@@ -120,7 +123,7 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     add("--cpu-offload", action="store_true", help=f"{' and '.join(FSDP_ONLY_STRATEGIES)} only")
     add("--no-progress", dest="progress", action="store_false", help="no progress bar")
     _add_log_args(parser)
-    add_mesh_args(parser)
+    add_mesh_args(parser, d.replicas, d.tp)
     add_pipeline_args(parser)
     return parser
 
