@@ -25,8 +25,9 @@ from shardwise._compat import (
     local_box_at,
 )
 from shardwise._compat import StridedShard as _StridedShard
+from shardwise.checkpoint.tiling import tiling_fault
 from shardwise.sharded_tensor import ShardedTensor
-from shardwise.sharded_tensor.metadata import Box, tiling_fault
+from shardwise.sharded_tensor.metadata import Box
 
 
 @dataclass
@@ -90,7 +91,8 @@ def numel(sizes: Sequence[int]) -> int:
 
 def check_cover(name: str, shape: Sequence[int], boxes: Sequence[Box]) -> None:
     """Raise ValueError unless ``boxes`` lie inside ``shape`` and tile the whole tensor without
-    overlapping (no gap, no element twice)."""
+    overlapping (no gap, no element twice); O(n log n) in the number of boxes
+    ([Note: exact tiling by corner counts] in tiling.py)."""
     fault = tiling_fault(shape, boxes)
     if fault is None:
         return
@@ -99,10 +101,16 @@ def check_cover(name: str, shape: Sequence[int], boxes: Sequence[Box]) -> None:
                          f"global shape {tuple(shape)}")
     if fault.kind == "overlap":
         raise ValueError(f"{name}: ranks hold overlapping but different chunks "
-                         f"{boxes[fault.first]} and {boxes[fault.second]}; the checkpoint cannot "
-                         "tell which one to keep")
-    raise ValueError(f"{name}: the ranks' chunks cover {fault.covered} of the {fault.total} "
-                     f"elements of its global shape {tuple(shape)}")
+                         f"{boxes[fault.first]} and {boxes[fault.second]} (both hold the "
+                         f"element at {fault.point}); the checkpoint cannot tell which one to "
+                         "keep")
+    if fault.covered < fault.total:
+        raise ValueError(f"{name}: the ranks' chunks cover {fault.covered} of the {fault.total} "
+                         f"elements of its global shape {tuple(shape)} (none holds the element "
+                         f"at {fault.point})")
+    raise ValueError(f"{name}: the chunks overlap: their sizes add up to {fault.covered} "
+                     f"elements, its global shape {tuple(shape)} has {fault.total}, and none "
+                     f"holds the element at {fault.point}")
 
 
 def rows_and_row_numel(sizes: Sequence[int]) -> tuple[int, int]:

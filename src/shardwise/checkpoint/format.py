@@ -18,12 +18,17 @@ from pathlib import Path
 import torch
 
 from shardwise.checkpoint.errors import CheckpointError
+from shardwise.distributed.env import EnvError, int_var
 
 FORMAT = "shardwise-checkpoint"
 VERSION = 2  # 2: the metadata carries its digest (validate.py)
 METADATA = "metadata.json"
 BLOCK_BYTES = 8 * 1024 * 1024
 TMP_SUFFIX = ".tmp"
+# A reader refuses a metadata.json larger than this before parsing it (docs/checkpoint.md,
+# "Validation"); the environment variable sets another bound.
+MAX_METADATA_BYTES = 64 * 1024 * 1024
+MAX_METADATA_VAR = "SHARDWISE_CHECKPOINT_MAX_METADATA_BYTES"
 
 _DTYPES = {str(d).removeprefix("torch."): d for d in (
     torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,
@@ -42,6 +47,15 @@ def dtype_from(name: str) -> torch.dtype:
     if name not in _DTYPES:
         raise CheckpointError(f"checkpoint metadata names an unknown dtype {name!r}")
     return _DTYPES[name]
+
+
+def max_metadata_bytes() -> int:
+    """The bound on ``metadata.json``'s size: ``$SHARDWISE_CHECKPOINT_MAX_METADATA_BYTES`` when
+    set, else ``MAX_METADATA_BYTES``."""
+    try:
+        return int_var(MAX_METADATA_VAR, MAX_METADATA_BYTES, minimum=1)
+    except EnvError as err:
+        raise CheckpointError(str(err)) from None
 
 
 def rank_file(rank: int) -> str:

@@ -1,5 +1,5 @@
-"""Opening a checkpoint's files for reading: no file can block a reader or stand in for another.
-[Note: opening checkpoint files]
+"""Opening a checkpoint's files for reading: no file in the place of one can block a reader or
+stand in for it. [Note: opening checkpoint files]
 
 [Note: opening checkpoint files]
 Every file a reader opens (``metadata.json``, the data files, a run's ``latest``, the records a

@@ -9,7 +9,8 @@ hold. Before anything is read beyond ``metadata.json`` (docs/checkpoint.md, "Val
 
 1. The step directory is not a symbolic link (lstat); ``metadata.json`` is a regular file,
    opened without following a link and without blocking ([Note: opening checkpoint files]
-   in safe_open.py).
+   in safe_open.py), of at most ``format.max_metadata_bytes()`` bytes by ``fstat``, before
+   it is read or parsed.
 2. The digest: ``"sha256:<hex>"`` over the canonical JSON of the metadata without it
    (``sort_keys``, no spaces, ``allow_nan``); a mismatch is accidental damage, named.
 3. The schema: every key present with its type and range (ints are never bools; sizes,
@@ -22,7 +23,8 @@ hold. Before anything is read beyond ``metadata.json`` (docs/checkpoint.md, "Val
 7. Every chunk: ``nbytes`` equals its box's elements times the dtype's size, one CRC per
    block of ``block_rows`` rows, and its bytes lie inside its file's declared size; no two
    chunks share a byte of a file. So the tensors together hold no more bytes than the files.
-8. Every tensor's chunk boxes lie inside its shape and tile it exactly (``boxes.check_cover``).
+8. Every tensor's chunk boxes lie inside its shape and tile it exactly (``boxes.check_cover``,
+   O(n log n) in the number of chunks: [Note: exact tiling by corner counts] in tiling.py).
 
 Only then does a reader allocate (at most what the files hold, by 5 and 7) and read; data
 files are opened as the metadata is (safe_open.py, from reader.py). The digest catches damage,
@@ -43,8 +45,16 @@ from typing import Any
 
 from shardwise.checkpoint import boxes
 from shardwise.checkpoint.errors import CheckpointError
-from shardwise.checkpoint.format import FORMAT, METADATA, VERSION, dtype_from, tmp_dir
-from shardwise.checkpoint.safe_open import describe, open_regular
+from shardwise.checkpoint.format import (
+    FORMAT,
+    MAX_METADATA_VAR,
+    METADATA,
+    VERSION,
+    dtype_from,
+    max_metadata_bytes,
+    tmp_dir,
+)
+from shardwise.checkpoint.safe_open import describe, read_bounded
 
 DIGEST = "digest"
 _TOP = {"format", "version", "token", "world_size", "files", "tensors", "values", "paths",
@@ -96,9 +106,9 @@ def _check_root(root: Path) -> None:
 
 
 def _load_json(meta_file: Path) -> Any:
-    try:
-        with open_regular(meta_file, "checkpoint metadata") as f:
-            raw = f.read()
+    try:  # the size bound is checked (fstat) before anything is read or parsed
+        raw = read_bounded(meta_file, max_metadata_bytes(), "checkpoint metadata",
+                           f" (the environment variable {MAX_METADATA_VAR} sets another)")
     except FileNotFoundError:
         raise CheckpointError(f"checkpoint {meta_file.parent} is incomplete or not a sharded "
                               f"checkpoint: it has no {METADATA}") from None
