@@ -27,6 +27,7 @@ from shardwise.cli.train_args import (
     config_from_args,
     validate,
 )
+from shardwise.cli.train_plan import plan_line
 from shardwise.distributed.env import launched
 
 
@@ -114,6 +115,7 @@ def _train(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: list
         validate(cfg, cfg.nproc * args.nnodes, args.nnodes)
     except ConfigError as exc:
         parser.exit(2, f"shardwise train: error: {exc}\n")
+    print(plan_line(cfg, args.nnodes), flush=True)  # at once: ranks take seconds to start
     return run_launcher("shardwise train", cfg.nproc,
                         python_command("shardwise", argv, module=True), args)
 
