@@ -55,6 +55,7 @@ ATTRIBUTE_CHECKS = {
     # optional: torch 2.11.0 lacks it, and FSDP's buffer pool then lets each gather allocate
     ("UntypedStorage", "_swap_data_ptr_"):
         lambda: hasattr(torch.UntypedStorage, "_swap_data_ptr_") or _release() < (2, 13),
+    ("DeviceMesh", "_flatten"): lambda: callable(getattr(DeviceMesh, "_flatten", None)),
     ("ProcessGroup", "_get_sequence_number_for_group"):
         lambda: hasattr(dist.ProcessGroup, "_get_sequence_number_for_group"),
     ("nn.Module", "_parameters / _buffers / _non_persistent_buffers_set"):
@@ -66,7 +67,7 @@ ATTRIBUTE_CHECKS = {
 
 # Private names reached as attributes (not imports) that only _compat may touch.
 PRIVATE_ATTRS = {"_execution_engine", "_get_default_store", "_get_sequence_number_for_group",
-                 "_concatenate", "_mesh_dim_names", "_cdata"}
+                 "_concatenate", "_mesh_dim_names", "_cdata", "_flatten"}
 # Public names that older torch releases lack (or kept under a private module): through _compat.
 NEWER_PUBLIC = {("torch.distributed.tensor", None), ("torch.distributed.fsdp", "fully_shard"),
                 ("torch.distributed.fsdp", "FSDPModule")}

@@ -204,6 +204,8 @@ PRIVATE_ATTRIBUTES: list[tuple[str, str, str]] = [
      "names from_group requires (2.6.0: the plain attribute mesh_dim_names)"),
     ("DeviceMesh", "_concatenate", "FSDP over TP joins a dp and a tp slice into one 2D mesh "
      "when they come from one mesh (optional: without it, from the groups; 2.6.0 lacks it)"),
+    ("DeviceMesh", "_flatten", "fully_shard's dp_mesh_dims joins several data-parallel mesh "
+     "dimensions into one, as torch's fully_shard does"),
     ("ProcessGroup", "_get_sequence_number_for_group", "the launcher's progress records count "
      "the collectives a rank has entered"),
     ("nn.Module", "_parameters / _buffers / _non_persistent_buffers_set", "FSDP swaps "
@@ -242,6 +244,11 @@ def concatenate_meshes(meshes: list[Any]) -> Any:
     from torch.distributed.device_mesh import DeviceMesh
 
     return DeviceMesh._concatenate(meshes)
+
+
+def flatten_mesh(mesh: Any) -> Any:
+    """``mesh._flatten()``: one dimension over all of ``mesh``'s ranks, made once per mesh."""
+    return mesh._flatten()
 
 
 def storage_uses(t: torch.Tensor) -> int | None:

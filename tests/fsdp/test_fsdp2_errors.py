@@ -52,10 +52,8 @@ def _errors(ctx):
         model.set_reshard_after_backward(1)
     with pytest.raises(TypeError, match="cannot be deep-copied"):
         copy.deepcopy(model)
-    emb, head = nn.Embedding(4, 2), nn.Linear(2, 4, bias=False)
-    head.weight = emb.weight  # torch's FSDP2 takes fully_shard([emb, head]) for this
-    with pytest.raises(NotImplementedError, match="leave both to the root's fully_shard"):
-        fully_shard([emb, head])
+    with pytest.raises(ValueError, match="a module appears in it twice"):
+        fully_shard([nn.Linear(2, 2)] * 2)  # the list form itself: tests/fsdp/test_module_list.py
     with pytest.raises(TypeError, match="needs an nn.Module, got int"):
         fully_shard(3)
 

@@ -17,9 +17,10 @@ def assert_unit_grads(model: nn.Module, reference: nn.Module, what: str, rtol: f
     ref = dict(reference.named_parameters())
     names = {id(m): n for n, m in model.named_modules()}
     for unit in units_of(model):
-        prefix = f"{names[id(unit.module)]}." if names[id(unit.module)] else ""
         rank, world = dist.get_rank(unit.group), dist.get_world_size(unit.group)
         for slot in unit.handle.slots:
+            home = unit.modules[slot.homes[0] if slot.homes else 0]  # the module naming it
+            prefix = f"{names[id(home)]}." if names[id(home)] else ""
             expected = ref[prefix + slot.fqns[0]].grad
             if expected is None and not unit.reduce_scatter_unused_params:
                 assert slot.shard_param.grad is None, f"{what}: {prefix + slot.fqns[0]} unused"

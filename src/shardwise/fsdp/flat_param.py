@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum, auto
 from typing import Any
 
@@ -94,9 +94,17 @@ class ParamSlot:
     """One original parameter (possibly held by several modules: tied weights)."""
 
     aliases: list[tuple[nn.Module, str]]  # every (module, attribute name) that holds it
-    fqns: list[str]  # names relative to the unit's module, one per alias
+    fqns: list[str]  # names relative to the unit's module that holds it, one per alias
     layout: ParamLayout
     shard_param: nn.Parameter  # DTensor, Shard(0); local: this rank's rows, a view of `shard`
+    # per alias, the index of that module in the unit's modules (all 0 for a unit of one
+    # module): [Note: one unit over several modules], unit.py
+    homes: list[int] = field(default_factory=list)
+
+    def names_in(self, home: int) -> list[str]:
+        """The names of the aliases held under the unit's module number ``home``."""
+        homes = self.homes or [0] * len(self.fqns)
+        return [fqn for fqn, h in zip(self.fqns, homes, strict=True) if h == home]
 
     @property
     def shape(self) -> torch.Size:

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from shardwise._compat import flatten_mesh
 from shardwise.dp.agree import check_same_model
 from shardwise.fsdp import checks, tp_params
 from shardwise.fsdp.dtensor import local_tensor, mesh_for_group
@@ -40,7 +41,7 @@ from shardwise.fsdp.unit import UNIT_ATTR, FSDPUnit, get_unit
 GLOO_DIRECT_MIN_NUMEL = 1 << 16
 
 
-def fully_shard(module: nn.Module, *, mesh: DeviceMesh | None = None,
+def fully_shard(module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None = None,
                 reshard_after_forward: bool | None = None,
                 shard_placement_fn: Callable[[nn.Parameter], Any] | None = None,
                 mp_policy: Any = None, offload_policy: Any = None,
@@ -49,10 +50,14 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh | None = None,
                 mixed_precision: MixedPrecision | None = None,
                 cpu_offload: CPUOffload | None = None,
                 auto_wrap_policy: WrapPolicy | None = None,
-                forward_prefetch: bool = True) -> FSDPModule:
+                forward_prefetch: bool = True,
+                dp_mesh_dims: Any = None) -> FSDPModule:
     """Shard ``module``'s parameters over a group and gather them around its forward and
     backward (one all-gather before each, one reduce-scatter of the gradients after backward);
-    returns ``module``, now an ``FSDPModule``.
+    returns ``module``, now an ``FSDPModule``. A list of modules makes one unit of all of them
+    (torch FSDP2's form for modules that run together or share parameters, e.g. a final norm
+    and the output head): each becomes an ``FSDPModule`` of that unit, and the list is
+    returned ([Note: one unit over several modules], unit.py).
 
     torch FSDP2's arguments: ``mesh`` (a 1D ``DeviceMesh`` to shard over, default: the world
     group; or a 2D one for hybrid sharding, HSDP: parameters sharded and gathered along dim 1,
@@ -61,50 +66,142 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh | None = None,
     gather again in backward; False keeps them, one all-gather per step instead of two, more
     memory), ``shard_placement_fn`` (only ``Shard(0)``, or None, is supported), ``mp_policy``
     (``MixedPrecisionPolicy``), ``offload_policy`` (``CPUOffloadPolicy``), ``ignored_params``
-    (left unsharded and unreduced). Ours as well: ``process_group`` instead of ``mesh``,
+    (left unsharded and unreduced), ``dp_mesh_dims`` (a ``DataParallelMeshDims`` naming the
+    data-parallel dimensions of ``mesh``: see ``_data_parallel_mesh``). Ours as well:
+    ``process_group`` instead of ``mesh``,
     ``mixed_precision`` / ``cpu_offload`` (FSDP1's names), ``auto_wrap_policy`` (apply
     ``fully_shard`` with the same options to the submodules it picks first) and
     ``forward_prefetch`` (read on the root; default True: issue the next unit's all-gather
     while the current unit computes its forward, one unit more of memory; False gathers each
     unit when its forward starts, see [Note: FSDP schedule]).
     """
-    if isinstance(module, (list, tuple)):
-        raise NotImplementedError(
-            "fully_shard of a list of modules (one unit over several modules, torch's FSDP2 form "
-            "for tied parameters) is not supported by shardwise: shard a module that holds them "
-            "all instead; for an embedding tied to the output head, leave both to the root's "
-            "fully_shard(model), which holds the tied parameter once")
-    if not isinstance(module, nn.Module):
-        raise TypeError(f"fully_shard needs an nn.Module, got {type(module).__name__}")
-    checks.check_not_wrapped(module, UNIT_ATTR)
-    group, replicate, mesh = _groups_and_mesh(mesh, process_group)
+    modules = _modules_of(module)
+    for each in modules:
+        checks.check_not_wrapped(each, UNIT_ATTR)
+    group, replicate, mesh = _groups_and_mesh(_data_parallel_mesh(mesh, dp_mesh_dims),
+                                              process_group)
     reshard = _reshard_flag(reshard_after_forward)
     mp = _one_of("mp_policy", mp_policy, "mixed_precision", mixed_precision)
     offload = _one_of("offload_policy", offload_policy, "cpu_offload", cpu_offload)
     mp = as_mixed_precision(mp)
     ignored = set(ignored_params or ())
     if auto_wrap_policy is not None:
-        for sub in modules_to_wrap(module, auto_wrap_policy):
+        for sub in [s for each in modules for s in modules_to_wrap(each, auto_wrap_policy)]:
             fully_shard(sub, mesh=mesh, reshard_after_forward=reshard,
                         shard_placement_fn=shard_placement_fn, mp_policy=mp,
                         offload_policy=offload, ignored_params=ignored,
                         forward_prefetch=forward_prefetch)
-    check_same_model(module, group, what="fully_shard")  # before any collective relies on it
-    children = list(_child_units(module))
-    params = [(p, h) for p, h in _unit_params(module, children) if p not in ignored]
+    for each in modules:  # before any collective relies on it
+        check_same_model(each, group, what="fully_shard")
+    children = list(dict.fromkeys(u for each in modules for u in _child_units(each)))
+    params, homes = _group_params(modules, children, ignored)
     tp = tp_params.tp_layouts(params)  # parameters that tensor parallelism laid out
     _check_placements(params, shard_placement_fn)
-    handle = _make_handle(module, params, (group, replicate), mesh, mp, offloads_params(offload),
-                          tp)
+    handle = _make_handle(modules[0], params, (group, replicate), mesh, mp,
+                          offloads_params(offload), tp)
+    if handle is not None:
+        for slot, slot_homes in zip(handle.slots, homes):
+            slot.homes = slot_homes
     names = [holders[0][2] for _, holders in params]
     tp_params.present_2d(handle, tp, names, mesh, replicate)  # see [Note: FSDP x TP]
-    _cast_buffers(module, mp)
-    unit = FSDPUnit(module, handle, group, reshard, mp, children)
+    for each in modules:
+        _cast_buffers(each, mp)
+    unit = FSDPUnit(modules[0], handle, group, reshard, mp, children, modules=modules)
     unit.forward_prefetch = forward_prefetch
-    setattr(module, UNIT_ATTR, unit)
+    for each in modules:
+        setattr(each, UNIT_ATTR, unit)
+        make_fsdp_class(each)
     register_state_dict_hooks(unit)
-    make_fsdp_class(module)
     return module  # type: ignore[return-value]
+
+
+def _modules_of(module: nn.Module | list[nn.Module]) -> list[nn.Module]:
+    """The modules of one unit: ``module`` itself, or the modules of torch FSDP2's list form
+    ([Note: one unit over several modules], unit.py), checked to be distinct modules none of
+    which contains another."""
+    if not isinstance(module, (list, tuple)):
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"fully_shard needs an nn.Module, got {type(module).__name__}")
+        return [module]
+    modules = list(module)
+    if not modules:
+        raise ValueError("fully_shard of an empty list of modules: give at least one module")
+    for each in modules:
+        if not isinstance(each, nn.Module):
+            raise TypeError(f"fully_shard of a list needs nn.Modules, got "
+                            f"{type(each).__name__} in it")
+    if len({id(m) for m in modules}) != len(modules):
+        raise ValueError("fully_shard of a list: a module appears in it twice")
+    for outer in modules:
+        for inner in modules:
+            if inner is not outer and any(sub is inner for sub in outer.modules()):
+                raise ValueError(
+                    f"fully_shard of a list: {type(inner).__name__} is inside "
+                    f"{type(outer).__name__}, also in the list; list modules that do not "
+                    "contain each other (a module's parameters belong to one unit)")
+    return modules
+
+
+def _group_params(modules: list[nn.Module], children: list[FSDPUnit], ignored: set
+                  ) -> tuple[list, list[list[int]]]:
+    """The unit's parameters over all its modules (each shared parameter once, with every
+    place that holds it, names relative to the module of the list that holds it), and for
+    each parameter the index in ``modules`` of each of those places."""
+    found: dict[int, tuple[nn.Parameter, list]] = {}
+    homes: dict[int, list[int]] = {}
+    for home, each in enumerate(modules):
+        for p, holders in _unit_params(each, children):
+            if p in ignored:
+                continue
+            found.setdefault(id(p), (p, []))[1].extend(holders)
+            homes.setdefault(id(p), []).extend([home] * len(holders))
+    return list(found.values()), [homes[key] for key in found]
+
+
+def _data_parallel_mesh(mesh: DeviceMesh | None, dims: Any) -> DeviceMesh | None:
+    """The mesh to shard over, given torch's ``dp_mesh_dims`` (a ``DataParallelMeshDims``:
+    which named dimensions of ``mesh`` are data-parallel). Several shard (or replicate)
+    dimensions are flattened into one, as torch does; with a replicate dimension the result is
+    2D (replicate, shard), HSDP. Every other dimension of ``mesh`` must have size 1: parameters
+    that are DTensors over more dimensions (tensor parallelism on the same full mesh) are
+    torch's SPMD form, which shardwise does not take; its 2D form does (TP applied on
+    ``mesh["tp"]``, then ``fully_shard(..., mesh=mesh["dp"])``)."""
+    if dims is None:
+        return mesh
+    if mesh is None:
+        raise TypeError("fully_shard: dp_mesh_dims= names dimensions of mesh=, which is missing")
+    shard, replicate = _dim_names(dims.shard), _dim_names(dims.replicate)
+    names = tuple(mesh.mesh_dim_names or ())
+    unknown = [n for n in shard + replicate if n not in names]
+    if unknown or not shard:
+        raise ValueError(f"fully_shard: dp_mesh_dims={dims!r} must name at least one shard "
+                         f"dimension, all of them among the mesh's {names}; "
+                         f"unknown: {unknown}")
+    others = [n for n in names if n not in shard + replicate and mesh[n].size() > 1]
+    if others:
+        raise NotImplementedError(
+            f"fully_shard: dp_mesh_dims over a mesh whose other dimensions {others} have more "
+            "than one rank (parameters as DTensors on the full mesh) is not supported; apply "
+            "tensor parallelism on mesh[tp] and pass fully_shard(..., mesh=mesh[dp])")
+    flat_shard = _one_dimension(mesh, shard)
+    if not replicate:
+        return flat_shard
+    if len(replicate) > 1 or len(shard) > 1:
+        raise NotImplementedError("fully_shard: dp_mesh_dims with several replicate or shard "
+                                  "dimensions together (HSDP over flattened dimensions) is "
+                                  "not supported; name one of each")
+    return mesh[replicate + shard]
+
+
+def _dim_names(value: str | tuple[str, ...] | None) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    return (value,) if isinstance(value, str) else tuple(value)
+
+
+def _one_dimension(mesh: DeviceMesh, names: tuple[str, ...]) -> DeviceMesh:
+    sub = mesh[names[0]] if len(names) == 1 else mesh[names]
+    return sub if len(names) == 1 else flatten_mesh(sub)
 
 
 def _groups_and_mesh(mesh: DeviceMesh | None, group: dist.ProcessGroup | None

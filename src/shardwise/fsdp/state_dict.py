@@ -33,9 +33,12 @@ def clean_name(name: str) -> str:
 
 
 def register_state_dict_hooks(unit: FSDPUnit) -> None:
-    unit.module.register_state_dict_pre_hook(_end_abandoned_backward_hook(unit))
-    unit.module.register_load_state_dict_pre_hook(_load_params_hook(unit))
-    unit.module.register_load_state_dict_post_hook(_readopt_hook(unit))
+    """On each of the unit's modules, with the names that module holds ([Note: one unit over
+    several modules], unit.py)."""
+    for home, module in enumerate(unit.modules):
+        module.register_state_dict_pre_hook(_end_abandoned_backward_hook(unit))
+        module.register_load_state_dict_pre_hook(_load_params_hook(unit, home))
+        module.register_load_state_dict_post_hook(_readopt_hook(unit))
 
 
 def _end_abandoned_backward_hook(unit: FSDPUnit):
@@ -49,7 +52,7 @@ def _end_abandoned_backward_hook(unit: FSDPUnit):
     return hook
 
 
-def _load_params_hook(unit: FSDPUnit):
+def _load_params_hook(unit: FSDPUnit, home: int):
     def hook(module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any,
              strict: bool, missing_keys: list, unexpected_keys: list, error_msgs: list) -> None:
         handle = unit.handle
@@ -57,7 +60,7 @@ def _load_params_hook(unit: FSDPUnit):
             return
         handle.reshard()  # so that module attributes are the sharded parameters
         for slot in handle.slots:
-            for fqn in slot.fqns:
+            for fqn in slot.names_in(home):
                 key = prefix + fqn
                 value = state_dict.get(key)
                 if value is None or isinstance(value, DTensor):
@@ -88,6 +91,8 @@ def _readopt_hook(unit: FSDPUnit):
         assigned = _assigned_locals(handle)
         if not assigned:
             return
+        if handle.is_meta and len(unit.modules) > 1 and len(assigned) < len(handle.slots):
+            return  # the unit's other modules load after this one: the last one adopts
         handle.use_sharded_params()
         if handle.is_meta:
             _adopt_assigned(unit, assigned)
@@ -162,12 +167,15 @@ def full_params(model: nn.Module) -> dict[str, torch.Tensor]:
     """Every sharded parameter whole, by its name relative to ``model`` (without wrapper
     segments). Collective: one gather per unit, every rank calls it."""
     out: dict[str, torch.Tensor] = {}
-    for prefix, unit in _unit_prefixes(model):
+    gathered: dict[int, list[torch.Tensor]] = {}  # one gather per unit, however many modules
+    for prefix, unit, home in _unit_homes(model):
         if unit.handle is None:
             continue
-        for slot, value in zip(unit.handle.slots, unit.handle.gather_full_params()):
+        if id(unit) not in gathered:
+            gathered[id(unit)] = unit.handle.gather_full_params()
+        for slot, value in zip(unit.handle.slots, gathered[id(unit)]):
             value = tp_params.whole(slot.shard_param, value)  # FSDP x TP: across tp too
-            for fqn in slot.fqns:
+            for fqn in slot.names_in(home):
                 out[prefix + fqn] = value
     return out
 
@@ -242,14 +250,14 @@ def sharded_state_dict(model: nn.Module) -> dict[str, Any]:
     parameters (``row_start``: the first row of the whole parameter this rank owns) and
     buffers as they are. No collective."""
     state: dict[str, Any] = {}
-    for prefix, unit in _unit_prefixes(model):
+    for prefix, unit, home in _unit_homes(model):
         if unit.handle is None:
             continue
         rank = unit.handle.rank
         for slot in unit.handle.slots:
             entry = {"shard": slot.local.detach().clone(),
                      "row_start": slot.layout.row_start(rank), "shape": list(slot.shape)}
-            for fqn in slot.fqns:
+            for fqn in slot.names_in(home):
                 state[prefix + fqn] = entry
     for name, buf in model.named_buffers():
         state[clean_name(name)] = buf.detach().clone()
@@ -259,16 +267,18 @@ def sharded_state_dict(model: nn.Module) -> dict[str, Any]:
 def load_sharded_state_dict(model: nn.Module, state: dict[str, Any]) -> None:
     """Restore this rank's rows saved by ``sharded_state_dict`` (same world size and units)."""
     seen = set()
-    for prefix, unit in _unit_prefixes(model):
+    units: dict[int, tuple[FSDPUnit, dict[int, torch.Tensor]]] = {}  # a unit's rows, all modules
+    for prefix, unit, home in _unit_homes(model):
         if unit.handle is None:
             continue
         unit.handle.reshard()
-        rows = {}
+        rows = units.setdefault(id(unit), (unit, {}))[1]
         for index, slot in enumerate(unit.handle.slots):
-            for fqn in slot.fqns:
+            for fqn in slot.names_in(home):
                 key = prefix + fqn
                 seen.add(key)
                 rows[index] = _checked_rows(key, state.get(key), slot, unit.handle.rank)
+    for unit, rows in units.values():
         if unit.handle.is_meta:  # built on the meta device: these rows become the shard
             _adopt_assigned(unit, rows)
             continue
@@ -307,9 +317,18 @@ def _checked_rows(key: str, entry: dict | None, slot: Any, rank: int) -> torch.T
 
 
 def _unit_prefixes(model: nn.Module) -> list[tuple[str, FSDPUnit]]:
+    """``(prefix of the unit's first module, unit)`` for each unit under ``model``."""
+    return [(prefix, unit) for prefix, unit, home in _unit_homes(model) if home == 0]
+
+
+def _unit_homes(model: nn.Module) -> list[tuple[str, FSDPUnit, int]]:
+    """``(prefix, unit, home)`` for each module under ``model`` that carries a unit: a unit over
+    several modules comes once per module, ``home`` being that module's index in
+    ``unit.modules`` ([Note: one unit over several modules], unit.py)."""
     out = []
     for name, module in model.named_modules():
         unit = getattr(module, "_shardwise_fsdp_unit", None)
         if unit is not None:
-            out.append((clean_name(f"{name}." if name else ""), unit))
+            home = next(i for i, m in enumerate(unit.modules) if m is module)
+            out.append((clean_name(f"{name}." if name else ""), unit, home))
     return out

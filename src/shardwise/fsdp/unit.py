@@ -101,14 +101,31 @@ class TrainingState(Enum):
 # direct exchanges that do run while the unit's backward goes on never wait without end for a
 # peer ([Note: direct gradient reduction]). tests/fsdp/test_direct_reduction.py.
 
+# [Note: one unit over several modules]
+# ``fully_shard([norm, head])`` (torch FSDP2's list form, for modules that run together or share
+# a parameter) makes one unit whose flat parameters are those of all the modules: one gather and
+# one reduction for all of them. Each module carries the unit (``_shardwise_fsdp_unit``) and
+# becomes an ``FSDPModule`` of it; ``unit.module`` is the first, ``unit.modules`` all of them.
+# Every module's forward runs the unit's forward hooks, so the unit behaves as a module applied
+# once per module in a forward: its backward ends once the inputs of all those forwards have
+# their gradients ([Note: where a unit's backward ends]). After forward it reshards only when
+# every module of the list has run in this forward, so the second module does not gather again.
+# A parameter's names are relative to the module of the list that holds it, and ``slot.homes``
+# says which one (state_dict.py loads and gathers each module's names under its own prefix).
+# tests/fsdp/test_module_list.py.
+
 
 class FSDPUnit:
-    """Runtime state of one unit (stored on its module as ``_shardwise_fsdp_unit``)."""
+    """Runtime state of one unit (stored on its modules as ``_shardwise_fsdp_unit``)."""
 
     def __init__(self, module: nn.Module, handle: FlatParamHandle | None,
                  group: dist.ProcessGroup, reshard_after_forward: bool,
-                 mixed_precision: MixedPrecision | None, children: list[FSDPUnit]):
+                 mixed_precision: MixedPrecision | None, children: list[FSDPUnit],
+                 modules: list[nn.Module] | None = None):
         self.module = module
+        # every module of the unit, ``module`` first: [Note: one unit over several modules]
+        self.modules = list(modules) if modules else [module]
+        self._forwards_left: set[int] = set()  # ids of modules yet to run in this forward
         self.handle = handle
         self.group = group
         self.reshard_after_forward = reshard_after_forward
@@ -139,9 +156,10 @@ class FSDPUnit:
         for child in children:
             child.parent = self
         # outside any compiled region: see [Note: FSDP under torch.compile]
-        module.register_forward_pre_hook(run_eagerly(self._pre_forward), with_kwargs=True)
-        module.register_forward_hook(run_eagerly(self._post_forward))
-        module.register_forward_hook(run_eagerly(self._forward_raised), always_call=True)
+        for each in self.modules:
+            each.register_forward_pre_hook(run_eagerly(self._pre_forward), with_kwargs=True)
+            each.register_forward_hook(run_eagerly(self._post_forward))
+            each.register_forward_hook(run_eagerly(self._forward_raised), always_call=True)
         self._hook_leaves()
 
     def _hook_leaves(self) -> None:
@@ -233,7 +251,10 @@ class FSDPUnit:
                 self.root_state.start_forward()
                 for unit in self.root_state.units:
                     unit.forget_dropped_forwards()
+                    unit._forwards_left.clear()  # a module of the unit that did not run
             self.state = TrainingState.FORWARD
+            if not self._forwards_left:  # the first of the unit's modules in this forward
+                self._forwards_left = {id(m) for m in self.modules}
             args, kwargs = self._watch_inputs(args, kwargs)
             self.root_state.unshard_for_forward(self, self.forward_prefetch_units)
             self.root_state.storage_pool.clear()  # untaken: [Note: unshard buffer pool]
@@ -296,10 +317,11 @@ class FSDPUnit:
         grad = torch.is_grad_enabled()
         if grad and self.release_rows and _runs_reentrant_checkpoint(args, output):
             self.release_rows = False
+        self._forwards_left.discard(id(module))
         if self.handle is not None:
             keep = grad and (self.is_root or not self.reshard_after_forward
                              or self.root_state.runs_last(self))
-            if not keep:
+            if not keep and not self._forwards_left:  # every module of the unit ran
                 self.handle.reshard()
         if self.is_root:  # forward is over: [Note: unshard buffer pool]
             self.root_state.storage_pool.clear()
@@ -315,6 +337,7 @@ class FSDPUnit:
         if self.state is not TrainingState.FORWARD:
             return
         self.state = TrainingState.IDLE
+        self._forwards_left.clear()
         if self.handle is not None:
             self.handle.reshard()
         if self.is_root:
@@ -486,5 +509,6 @@ def get_unit(module: nn.Module) -> FSDPUnit | None:
 
 
 def units_of(module: nn.Module) -> list[FSDPUnit]:
-    """Every unit at or below ``module``, parents before children."""
-    return [u for m in module.modules() if (u := get_unit(m)) is not None]
+    """Every unit at or below ``module``, parents before children, each once (a unit over
+    several modules is reached from each of them)."""
+    return list(dict.fromkeys(u for m in module.modules() if (u := get_unit(m)) is not None))
