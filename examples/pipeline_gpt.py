@@ -9,23 +9,31 @@ The last stage also trains an unsplit copy of the model on the same batches and 
 losses side by side.
 
     python examples/pipeline_gpt.py [--steps 5] [--schedule 1f1b] [--transport rpc]
+    shardwise run --nproc 2 examples/pipeline_gpt.py [...]
+
+Run plainly, it starts its two processes itself; under a launcher (torchrun, ``shardwise run``:
+RANK and WORLD_SIZE set) each launched process is one stage, and the launcher's store is the
+rendezvous. Exits non-zero if a pipeline loss differs from the unsplit model's.
 """
 
 from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
+import os
 import socket
 
 import torch
 import torch.distributed as dist
 
 import shardwise.rpc as rpc
+from shardwise.distributed import init, launched
 from shardwise.models import GPT, GPTConfig, lm_loss
 from shardwise.pipeline import PipelineStage, Schedule1F1B, ScheduleGPipe, split_gpt
 
 CFG = GPTConfig(n_layer=4, n_head=2, d_model=64, seq_len=32)
 STAGES, MICRO_BATCHES, BATCH = 2, 4, 8
+TOLERANCE = 1e-4  # relative difference allowed between the pipeline's and the unsplit loss
 
 
 def batches(steps: int):
@@ -65,15 +73,39 @@ def run(rank: int, steps: int, schedule: str, transport: str, seed: int = 0) -> 
             shown = f"  (last stage idle {idle:.2f})" if idle is not None else ""
             print(f"step {step}: pipeline loss {loss:.6f}  unsplit {ref_loss.item():.6f}  "
                   f"rel diff {rel:.1e}{shown}")
+            if not rel <= TOLERANCE:
+                raise SystemExit(f"step {step}: the pipeline's loss differs from the unsplit "
+                                 f"model's by {rel:.1e} (allowed {TOLERANCE:g})")
+    if stage.is_last:
+        print(f"ok: {steps} steps, the pipeline's losses equal the unsplit model's "
+              f"({schedule}, {transport})")
 
 
 def _worker(rank: int, ports: tuple[int, int], args: argparse.Namespace) -> None:
+    """One stage, started by main() below: it rendezvouses at the ports main() chose."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{ports[0]}", rank=rank,
                             world_size=STAGES)
     if args.transport == "rpc":  # RPC ranks equal the c10d ranks
         opts = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{ports[1]}")
         rpc.init_rpc(f"stage{rank}", rank=rank, world_size=STAGES, rpc_backend_options=opts)
+    _stage(rank, args)
+
+
+def _launched_stage(args: argparse.Namespace) -> None:
+    """One stage, started by a launcher: its environment says the rank and the rendezvous."""
+    world_size = int(os.environ["WORLD_SIZE"])
+    if world_size != STAGES:
+        raise SystemExit(f"pipeline_gpt.py has {STAGES} stages: launch it with --nproc "
+                         f"{STAGES}, not {world_size}")
+    init()
+    rank = dist.get_rank()
+    if args.transport == "rpc":  # env://: the launcher's store, shared with the process group
+        rpc.init_rpc(f"stage{rank}", rank=rank, world_size=STAGES)
+    _stage(rank, args)
+
+
+def _stage(rank: int, args: argparse.Namespace) -> None:
     run(rank, args.steps, args.schedule, args.transport)
     dist.barrier()
     if args.transport == "rpc":
@@ -93,6 +125,9 @@ def main() -> None:
     ap.add_argument("--schedule", choices=["gpipe", "1f1b"], default="1f1b")
     ap.add_argument("--transport", choices=["p2p", "rpc"], default="p2p")
     args = ap.parse_args()
+    if launched():
+        _launched_stage(args)
+        return
     ports = (_free_port(), _free_port())
     ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=_worker, args=(r, ports, args)) for r in range(STAGES)]
