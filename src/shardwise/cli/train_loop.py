@@ -113,10 +113,11 @@ def _run_steps(cfg, prepared: Prepared, stream: BatchStream, group, device, resu
                 log.plot()
         if done % cfg.log_every == 0 or done == cfg.steps:
             result.tokens_per_s = counted * tokens / (time.perf_counter() - t0)
-            result.peak_mib = _peak_per_rank(group, device)
-            bar.set_postfix_str(_postfix(result.losses[step], result), refresh=False)
+            result.peak_mib = _peak_per_rank(group, device)  # a collective: every log_every
             if rank == 0 and not cfg.progress:
                 print(f"step {done}/{cfg.steps} loss {result.losses[step]!r}", flush=True)
+        # every step: the loss was all-reduced above, so the bar shows this step's
+        bar.set_postfix_str(_postfix(result.losses[step], result), refresh=False)
         bar.update(1)
     bar.close()
 
@@ -179,6 +180,9 @@ def _peak_per_rank(group: dist.ProcessGroup, device: torch.device) -> list[float
 
 
 def _postfix(loss: float, result: TrainResult) -> str:
+    """The bar's text: this step's loss, and throughput and memory as of the last log step."""
+    if not result.peak_mib:  # no log step yet
+        return f"loss={loss:.4f}"
     mem = "/".join(f"{m:.0f}" for m in result.peak_mib)
     return f"loss={loss:.4f} tok/s={result.tokens_per_s:,.0f} peak MiB/rank={mem}"
 

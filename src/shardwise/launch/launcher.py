@@ -53,7 +53,7 @@ from shardwise.launch.blame import Blame, RankExit, blame
 from shardwise.launch.errors import ERROR_FILE_VAR, read_record
 from shardwise.launch.lifeline import LAUNCHER_FD_VAR, LAUNCHER_PID_VAR
 from shardwise.launch.nodes import Layout, NodeError, NodeLink, open_store
-from shardwise.launch.output import PrefixedRelay, lines_since, stack_dump
+from shardwise.launch.output import PrefixedRelay, Screen, lines_since, stack_dump
 from shardwise.launch.preemption import DEFAULT_GRACE_SECONDS, GRACE_VAR
 from shardwise.launch.progress import FALSE, SCOPE, read_progress
 from shardwise.launch.watchdog import Hang, Watchdog
@@ -199,7 +199,7 @@ class _Job:
     node_rank: int = 0
     nnodes: int = 1
     trap: _SignalTrap | None = None
-    lock: threading.Lock = field(default_factory=threading.Lock)
+    lock: Screen = field(default_factory=Screen)  # every write to the terminal
     endpoint: str | None = None  # --rdzv-endpoint (several nodes)
     first_attempt: int = 0  # later than 0 when this launcher replaces a lost node's
     lost_nodes: list[int] = field(default_factory=list)  # nodes whose launcher went silent
@@ -616,9 +616,8 @@ class _Job:
                       f"running (pids {', '.join(map(str, sorted(left)))})")
 
     def _say(self, text: str) -> None:
-        with self.lock:
-            self.stderr.write(text + "\n")
-            self.stderr.flush()
+        """The launcher's own message, on a line of its own (never over a rank's bar)."""
+        self.lock.write(self.stderr, text + "\n")
 
 
 # [Note: huge pages for large tensors]

@@ -4,6 +4,10 @@ Lines end at ``\\n`` or ``\\r``; a segment that ended with ``\\r`` (a progress b
 itself) is written back with ``\\r`` so a terminal still redraws it in place. A sink that is not
 a terminal (a log file, a pipe, CI) cannot redraw: there a redraw becomes an ordinary line, at
 most one every ``REDRAW_EVERY_S`` seconds, instead of thousands of segments run together.
+
+Every writer (each rank's relays, the launcher's own messages) writes through one
+:class:`Screen`, which knows whether a redrawn line (a rank's progress bar) holds the terminal's
+current line: anyone else's text then starts on a fresh line instead of over the bar.
 """
 
 from __future__ import annotations
@@ -17,6 +21,38 @@ from typing import TextIO
 REDRAW_EVERY_S = 10.0
 
 
+class Screen:
+    """The launcher's terminal: one lock for every writer, and which writer's redrawn line (a
+    progress bar, left with the cursor at its start) is the current line. ``with screen:``
+    holds the lock, as a ``threading.Lock`` would."""
+
+    def __init__(self, lock: threading.Lock | None = None):
+        self.lock = lock or threading.Lock()
+        self._bar: tuple[object, TextIO] | None = None  # (writer, sink) of the open line
+
+    def __enter__(self) -> Screen:
+        self.lock.acquire()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.lock.release()
+
+    def write(self, sink: TextIO, text: str, writer: object = None) -> None:
+        """Write ``text`` for ``writer``; a line that another writer's redraw holds is ended
+        first (the bar stays on screen as last drawn, the text goes below it)."""
+        with self.lock:
+            if self._bar is not None and self._bar[0] is not writer:
+                self._bar[1].write("\n")
+                self._bar[1].flush()
+                self._bar = None
+            sink.write(text)
+            sink.flush()
+            if text.endswith("\r"):
+                self._bar = (writer, sink)
+            elif text.endswith("\n"):
+                self._bar = None
+
+
 class PrefixedRelay(threading.Thread):
     """Reads a pipe until EOF and writes each line to ``sink`` behind ``prefix``.
 
@@ -25,13 +61,13 @@ class PrefixedRelay(threading.Thread):
     can be shown in the order they came). ``count`` is the number of complete lines read so far.
     """
 
-    def __init__(self, fd: int, prefix: str, sink: TextIO, lock: threading.Lock, keep: int = 400,
-                 merged: deque[str] | None = None):
+    def __init__(self, fd: int, prefix: str, sink: TextIO, lock: threading.Lock | Screen,
+                 keep: int = 400, merged: deque[str] | None = None):
         super().__init__(daemon=True)
         self.fd = fd
         self.prefix = prefix
         self.sink = sink
-        self.lock = lock
+        self.screen = lock if isinstance(lock, Screen) else Screen(lock)
         self.tail: deque[str] = deque(maxlen=keep)
         self.merged = merged
         self.count = 0
@@ -69,9 +105,7 @@ class PrefixedRelay(threading.Thread):
             if now - self._last_redraw < REDRAW_EVERY_S:
                 return
             self._last_redraw, end = now, "\n"
-        with self.lock:
-            self.sink.write(f"{self.prefix}{text}{end}")
-            self.sink.flush()
+        self.screen.write(self.sink, f"{self.prefix}{text}{end}", self)
 
 
 def _is_terminal(sink: TextIO) -> bool:
