@@ -13,7 +13,11 @@ one of:
    lies under the script's directory or the working directory of ``init_rpc``, and not under
    the interpreter's trees (``sys.prefix``, ``sys.base_prefix``, ``sys.exec_prefix``, the
    ``sysconfig`` paths, any ``site-packages`` / ``dist-packages``, the user site) nor in
-   shardwise or torch. For 1 and 2, ``name`` or ``Class.name`` is found in the module's (and
+   shardwise or torch. Rule 2 leaves out private names (any part of the qualified name
+   starting with ``_``, as ``_spy_system`` or ``Tools._run``) of such a module: the program's
+   own helpers are not a peer's to call until 1 registers them (``__main__``'s names are
+   all allowed, as torch allows them: scripts name their RPC functions ``_run_trainer``). For
+   1 and 2, ``name`` or ``Class.name`` is found in the module's (and
    the class's) own ``__dict__`` and the object's own ``__module__`` and ``__qualname__`` must
    be the name asked for, so a name a module imported (``os``, ``subprocess.run``) or an
    attribute path (``sibling:os.system``, ``fn.__globals__``) never resolves;
@@ -82,6 +86,8 @@ _HOW = ("register it on this worker: @shardwise.rpc.register on the function or 
         "init_rpc(..., allowed_modules=[{module!r}]) for that module's own functions and "
         "classes (a module of the program itself, beside the script or in the working "
         "directory, is allowed once the worker has imported it)")
+_HOW_PRIVATE = ("@shardwise.rpc.register on it, or init_rpc(..., allowed_modules=[{module!r}]) "
+                "for every function and class that module defines")
 # rule 2: the program's directories, and what is never the program under them
 _LIBRARY_DIRS = ("site-packages", "dist-packages")
 _NOT_PROGRAM = ("shardwise", "torch")
@@ -158,7 +164,14 @@ def resolve_global(module: str, qualname: str) -> Any:
     found = _registry.get(key)
     if found is None:
         found = _DEFAULTS.get(key)
-    if found is None and (module in _modules or is_program_module(module)):
+    if found is None and module in _modules:
+        found = _own_member(module, qualname)
+    elif found is None and is_program_module(module):
+        if _private(qualname):
+            raise ForbiddenCallable(
+                f"RPC never resolves {module}.{qualname}: it is private (a name starting with "
+                "'_') in a module of the program, which a peer may call only once it is "
+                f"registered; to allow it, {_HOW_PRIVATE.format(module=module)}")
         found = _own_member(module, qualname)
     if found is None:
         found = _torch_class(module, qualname)
@@ -249,9 +262,14 @@ def is_allowed_class(cls: type) -> bool:
         return False
     if _registry.get(f"{module}:{qualname}") is cls:
         return True
-    if module in _modules or is_program_module(module):
+    if module in _modules or (is_program_module(module) and not _private(qualname)):
         return _own_member(module, qualname) is cls
     return False
+
+
+def _private(qualname: str) -> bool:
+    """A part of ``qualname`` starts with ``_`` (rule 2 leaves such names to rule 1)."""
+    return any(part.startswith("_") for part in qualname.split("."))
 
 
 def require_class(obj: Any, base: type, what: str) -> type:
