@@ -8,12 +8,13 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from shardwise.launch import launch
+from shardwise.launch import descendants, launch
 from shardwise.launch.launcher import python_command
 from tests.distributed import test_launch_faults as faults
 from tests.distributed.test_launch_faults import _report
@@ -159,6 +160,22 @@ def test_sigkill_to_the_launcher_while_its_ranks_import_torch_leaves_no_rank():
         assert_gone(ranks, what="rank(s)")
     finally:
         _kill_quietly(ranks)
+
+
+def test_a_launcher_on_its_way_out_counts_as_gone_for_the_guard():
+    # a guard whose rank died first (PR_SET_PDEATHSIG fires when the launcher's thread that
+    # started it exits) sweeps the rank's children when the launcher is exiting, not only
+    # once its end of the lifeline pipe is closed (its last thread gone)
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        assert not descendants.exiting(os.getpid()) and not descendants.exiting(child.pid)
+        child.kill()
+        assert_gone([child.pid], what="the killed child")  # a zombie until it is reaped
+        assert descendants.exiting(child.pid)
+    finally:
+        child.kill()
+        child.wait()
+    assert descendants.exiting(child.pid)
 
 
 def test_the_lifeline_is_armed_before_shardwise_or_torch_is_imported():

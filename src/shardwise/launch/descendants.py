@@ -39,6 +39,8 @@ import time
 LAUNCH_ID_VAR = "SHARDWISE_LAUNCH_ID"
 GUARD_NAME = "shardwise-guard"  # a guard's /proc/<pid>/comm
 _PROC = "/proc"
+_PF_EXITING = 0x4  # a task's flag (/proc/<pid>/stat, field 9) from the start of its exit
+_SIGKILL_PENDING = 1 << (signal.SIGKILL - 1)  # its bit in SigPnd/ShdPnd of /proc/<pid>/status
 
 
 def _stat(pid: int) -> tuple[int, int, int, str] | None:
@@ -145,7 +147,7 @@ def start_guard(lifeline_fd: int, launch_id: str | None) -> int | None:
     Call it before any thread starts: the child runs Python after ``fork``."""
     if not hasattr(os, "fork"):
         return None
-    rank = os.getpid()
+    rank, launcher = os.getpid(), os.getppid()
     pid = os.fork()
     if pid:
         return pid
@@ -159,12 +161,12 @@ def start_guard(lifeline_fd: int, launch_id: str | None) -> int | None:
         os.closerange(lifeline_fd + 1, 65536)
         with contextlib.suppress(OSError), open(f"{_PROC}/self/comm", "w") as f:
             f.write(GUARD_NAME)
-        _guard(lifeline_fd, rank, launch_id)
+        _guard(lifeline_fd, rank, launch_id, launcher)
     finally:
         os._exit(0)
 
 
-def _guard(fd: int, rank: int, launch_id: str | None) -> None:
+def _guard(fd: int, rank: int, launch_id: str | None, launcher: int) -> None:
     rank_fd = _pidfd(rank)  # readable when the rank exits (Linux 5.3+); else polled
     watched = [fd] if rank_fd is None else [fd, rank_fd]
     while True:
@@ -173,12 +175,32 @@ def _guard(fd: int, rank: int, launch_id: str | None) -> None:
             kill_all({rank}, launch_id)  # the launcher is gone
             return
         if rank_fd in readable or os.getppid() != rank:
-            # the rank exited; the launcher (alive) takes care of what it left, unless it went
-            # at the same moment (its end of the pipe closes before its ranks get PDEATHSIG)
+            # the rank exited; the launcher (alive) takes care of what it left, unless it is
+            # going too. A launcher killed outright may kill the rank (PR_SET_PDEATHSIG fires
+            # when the launcher's thread that started the rank exits) before its last thread
+            # exits and closes its end of the pipe: so a launcher on its way out counts as gone
             readable, _, _ = select.select([fd], [], [], 0.05)
-            if readable and not _read_quietly(fd):
+            if (readable and not _read_quietly(fd)) or exiting(launcher):
                 kill_all({rank}, launch_id)
             return
+
+
+def exiting(pid: int) -> bool:
+    """Whether process ``pid`` is gone, a zombie, or on its way out: killed (SIGKILL pending)
+    or its first thread exiting (False where there is no /proc to tell)."""
+    if not os.path.isdir(_PROC):
+        return False
+    try:
+        with open(f"{_PROC}/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        with open(f"{_PROC}/{pid}/status", "rb") as f:
+            status = f.read().splitlines()
+    except (OSError, IndexError):
+        return True
+    if fields[0] in (b"Z", b"X") or int(fields[6]) & _PF_EXITING:
+        return True
+    return any(int(line.split()[1], 16) & _SIGKILL_PENDING for line in status
+               if line.startswith((b"SigPnd:", b"ShdPnd:")))
 
 
 def _pidfd(pid: int) -> int | None:
