@@ -10,7 +10,6 @@ two run as real programs, to see the one line of the launching process.
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
@@ -18,6 +17,7 @@ import torch
 from shardwise.cli.launch_args import target_problem
 from shardwise.cli.main import _parser, main
 from shardwise.cli.ranges import MAX_COUNT, MAX_LAYERS, MAX_LR, MAX_SEED, max_local_ranks
+from tests.harness.ports import closed_port
 
 OVER = str(MAX_COUNT + 1)
 NEIGHBOURS = ["0", "-1", OVER, "nan", "inf", "x", "1.5"]
@@ -168,17 +168,12 @@ def test_module_lookup_imports_nothing():
     assert "no module named" in target_problem("tests.cli.no_such_h6", module=True)
 
 
-def _closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]  # closed again: nothing listens there
-
-
 def test_unreachable_endpoint_ends_within_the_timeout_naming_it(capsys, monkeypatch):
     monkeypatch.setenv("SHARDWISE_TIMEOUT", "1")
-    endpoint = f"127.0.0.1:{_closed_port()}"
-    line = _error_line(capsys, ["run", "--nnodes", "2", "--node-rank", "1",
-                                "--rdzv-endpoint", endpoint, "x.py"])
+    with closed_port() as port:  # nothing listens there (tests/harness/ports.py)
+        endpoint = f"127.0.0.1:{port}"
+        line = _error_line(capsys, ["run", "--nnodes", "2", "--node-rank", "1",
+                                    "--rdzv-endpoint", endpoint, "x.py"])
     assert f"--rdzv-endpoint {endpoint}: nothing answered there within 1 s" in line
 
 
@@ -191,10 +186,11 @@ def test_the_launching_program_prints_one_line(tmp_path, argv):
     """As a real program: one line from the launcher, none from any rank."""
     from tests.harness import procs
 
-    argv = [a.replace("ENDPOINT", f"127.0.0.1:{_closed_port()}") for a in argv]
     env = dict(os.environ, SHARDWISE_TIMEOUT="1", OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join([str(procs.ROOT), str(procs.ROOT / "src")]))
-    done = procs.run(["-m", "shardwise", *argv], env, tmp_path, timeout=60)
+    with closed_port() as port:  # nothing listens there (tests/harness/ports.py)
+        argv = [a.replace("ENDPOINT", f"127.0.0.1:{port}") for a in argv]
+        done = procs.run(["-m", "shardwise", *argv], env, tmp_path, timeout=60)
     assert done.returncode == 2, done.stderr
     lines = done.stderr.splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"shardwise {argv[0]}: error: "), done.stderr

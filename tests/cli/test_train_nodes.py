@@ -8,12 +8,13 @@ import functools
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.harness.ports import reserved_port
 
 pytestmark = pytest.mark.slow  # minutes of launchers and restarts: `pytest -m slow`
 
@@ -23,10 +24,12 @@ TRAIN = ["train", "--strategy", "hsdp", "--n-layer", "1", "--n-head", "2", "--d-
 LOSS = re.compile(r"step (\d+)/\d+ loss (\S+)")
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+@pytest.fixture
+def port():
+    """The rendezvous port, held for the test (tests/harness/ports.py): the launcher (or
+    agent) that hosts the store binds it."""
+    with reserved_port() as number:
+        yield number
 
 
 def _start(*argv, launcher=None):
@@ -49,8 +52,7 @@ def _losses(out: str) -> dict[int, float]:
     return {int(step): float(loss) for step, loss in LOSS.findall(out)}
 
 
-def test_two_nodes_on_loopback_train_hsdp_like_one_node_with_four_ranks():
-    port = _free_port()
+def test_two_nodes_on_loopback_train_hsdp_like_one_node_with_four_ranks(port):
     nodes = [_start("--nproc", "2", "--nnodes", "2", "--node-rank", str(k), "--rdzv-endpoint",
                     f"127.0.0.1:{port}") for k in (0, 1)]
     outs = [n.communicate(timeout=300) for n in nodes]
@@ -66,8 +68,7 @@ TORCHRUN = shutil.which("torchrun") or str(Path(sys.executable).with_name("torch
 
 
 @pytest.mark.skipif(not Path(TORCHRUN).exists(), reason="torchrun is not installed")
-def test_the_same_job_under_two_torchrun_agents():
-    port = _free_port()
+def test_the_same_job_under_two_torchrun_agents(port):
     agents = [_start(launcher=[
         TORCHRUN, "--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
         "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "shardwise-test", "-m",

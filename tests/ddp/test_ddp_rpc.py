@@ -9,7 +9,7 @@ averages the DDP part's gradients and applies each remote layer's own gradient.
 
 from __future__ import annotations
 
-import socket
+import contextlib
 
 import pytest
 import torch
@@ -21,6 +21,7 @@ import shardwise.rpc as rpc
 from shardwise import DistributedDataParallel
 from shardwise.rpc import autograd as dist_autograd
 from tests.harness import assert_rel_close, run_on_ranks
+from tests.harness.ports import reserved_port
 from tests.rpc import helpers
 
 STEPS = 3
@@ -38,19 +39,15 @@ def _data(rank: int, step: int):
     return torch.randn(4, 5, generator=gen), torch.randn(4, 2, generator=gen)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _start_rpc(ctx) -> None:
-    port = [_free_port() if ctx.rank == 0 else None]
-    dist.broadcast_object_list(port, src=0)
-    opts = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{port[0]}",
-                                           rpc_timeout=30, connect_timeout=30)
-    rpc.init_rpc(f"trainer{ctx.rank}", rank=ctx.rank, world_size=ctx.world_size,
-                 rpc_backend_options=opts)
+    # rank 0 holds the port (tests/harness/ports.py) until its store has bound it in init_rpc
+    with reserved_port() if ctx.rank == 0 else contextlib.nullcontext() as mine:
+        port = [mine]
+        dist.broadcast_object_list(port, src=0)
+        opts = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{port[0]}",
+                                               rpc_timeout=30, connect_timeout=30)
+        rpc.init_rpc(f"trainer{ctx.rank}", rank=ctx.rank, world_size=ctx.world_size,
+                     rpc_backend_options=opts)
 
 
 def _train(ctx, find_unused: bool):

@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from shardwise.distributed import RendezvousTimeout, init
 from shardwise.launch import launch
+from tests.harness.ports import closed_port
 
 SCRIPTS = Path(__file__).parent / "scripts"
 
@@ -52,16 +53,9 @@ def test_rank_that_never_joins_is_named_after_the_timeout():
 
 
 def test_unreachable_store_is_a_clear_error():
-    with pytest.raises(RendezvousTimeout, match="could not reach the rendezvous store"):
-        init("gloo", rank=1, world_size=2, master_port=_closed_port(), timeout=2)
-
-
-def _closed_port():
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    with closed_port() as port, pytest.raises(RendezvousTimeout,
+                                              match="could not reach the rendezvous store"):
+        init("gloo", rank=1, world_size=2, master_port=port, timeout=2)
 
 
 @pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun is not on PATH")

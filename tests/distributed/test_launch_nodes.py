@@ -5,10 +5,8 @@ import dataclasses
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -16,6 +14,7 @@ import torch
 
 from tests.cli.test_train import TINY
 from tests.harness import run_on_ranks
+from tests.harness.ports import reserved_port, wait_listening
 
 pytestmark = pytest.mark.slow  # minutes of launchers and restarts: `pytest -m slow`
 
@@ -23,10 +22,12 @@ SCRIPTS = Path(__file__).parent / "scripts"
 SHORT = "5"  # seconds: how long a silent node takes to be declared lost
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+@pytest.fixture
+def port():
+    """The rendezvous port, held for the test (tests/harness/ports.py): node 0's launcher
+    binds it."""
+    with reserved_port() as number:
+        yield number
 
 
 def _node(port, node_rank, nnodes, script, *extra, nnodes_flag=None, timeout=SHORT, args=()):
@@ -38,8 +39,7 @@ def _node(port, node_rank, nnodes, script, *extra, nnodes_flag=None, timeout=SHO
                             env=env)
 
 
-def test_two_launchers_form_one_job_with_torchruns_variables():
-    port = _free_port()
+def test_two_launchers_form_one_job_with_torchruns_variables(port):
     # a long timeout: nothing here should time out, even on a loaded machine
     nodes = [_node(port, k, 2, "node_env.py", timeout="30") for k in (0, 1)]
     outs = [n.communicate(timeout=120) for n in nodes]
@@ -61,10 +61,9 @@ def test_node_rank_out_of_range_is_an_error():
     assert "--node-rank must be in [0, 2) for --nnodes 2, got 2" in done.stderr
 
 
-def test_launchers_that_disagree_on_nnodes_both_stop_with_a_clear_error():
-    port = _free_port()
+def test_launchers_that_disagree_on_nnodes_both_stop_with_a_clear_error(port):
     first = _node(port, 0, 2, "node_env.py")
-    time.sleep(1.0)  # node 0 hosts the store
+    wait_listening(port, timeout=120)  # node 0 hosts the store: it is up before node 1 starts
     second = _node(port, 1, 3, "node_env.py")
     errs = [p.communicate(timeout=60)[1] for p in (first, second)]
     assert [p.returncode for p in (first, second)] == [2, 2], errs
@@ -86,11 +85,10 @@ def _wait_for_pids(proc, count):
     (1, r"node\(s\) 1 lost: no word from their launcher for more than 5 s"),
     (0, r"node 1:? lost contact with node 0 \(the host of the rendezvous store\)"),
 ])
-def test_a_lost_node_stops_the_others_with_an_error_naming_it(lost, says, args):
+def test_a_lost_node_stops_the_others_with_an_error_naming_it(lost, says, args, port):
     # "abort": the survivors' ranks die of SIGABRT when the peer goes away, as gloo's or the
     # store's native code sometimes makes them (no Python error, no failure record): the node
     # must still name the lost node, not blame its own rank
-    port = _free_port()
     nodes = [_node(port, k, 2, "forever.py", args=args) for k in (0, 1)]
     _wait_for_pids(nodes[1 - lost], 2)
     nodes[lost].send_signal(signal.SIGKILL)
@@ -102,12 +100,11 @@ def test_a_lost_node_stops_the_others_with_an_error_naming_it(lost, says, args):
     assert "restarting" not in err
 
 
-def test_a_native_crash_with_every_node_alive_is_blamed_on_its_rank_without_waiting():
+def test_a_native_crash_with_every_node_alive_is_blamed_on_its_rank_without_waiting(port):
     # rank 3 (node 1) aborts while the other ranks wait in a barrier: node 1 sees every other
     # node's launcher beat, so the crash is its rank's own and it says so at once; node 0's
     # ranks lose their peer and node 0 repeats node 1's report. The timeout (120 s) is longer
     # than the test waits: waiting it out for a remote cause would fail the test.
-    port = _free_port()
     nodes = [_node(port, k, 2, "die_hard.py", timeout="120", args=("3", "abort"))
              for k in (0, 1)]
     errs = [p.communicate(timeout=90)[1] for p in nodes]
@@ -118,8 +115,7 @@ def test_a_native_crash_with_every_node_alive_is_blamed_on_its_rank_without_wait
     assert "rank 3 was killed by SIGABRT" in errs[0]
 
 
-def test_a_running_nodes_launcher_is_not_replaced_and_a_signal_ends_every_node():
-    port = _free_port()
+def test_a_running_nodes_launcher_is_not_replaced_and_a_signal_ends_every_node(port):
     nodes = [_node(port, k, 2, "forever.py", "--max-restarts", "1") for k in (0, 1)]
     _wait_for_pids(nodes[0], 2)
     second = _node(port, 1, 2, "forever.py", "--max-restarts", "1")
@@ -163,8 +159,8 @@ def _reference(ctx, cfg):
     (1, r"node\(s\) 1 lost: no word from their launcher for more than 8 s"),
     (0, r"node 1:? lost contact with node 0 \(the host of the rendezvous store\)"),
 ])
-def test_a_lost_node_started_again_rejoins_and_training_completes(tmp_path, lost, says):
-    port, ck = _free_port(), tmp_path / "ck"
+def test_a_lost_node_started_again_rejoins_and_training_completes(tmp_path, lost, says, port):
+    ck = tmp_path / "ck"
     nodes = [_train_node(port, k, ck) for k in (0, 1)]
     for line in nodes[0].stdout:  # node 0 runs rank 0, which reports the steps
         if (m := STEP_LINE.match(line)) and int(m[1]) >= 6:

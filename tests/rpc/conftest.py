@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import itertools
 import os
-import socket
 import subprocess
 from pathlib import Path
 
@@ -24,16 +23,11 @@ import shardwise.rpc as rpc
 from shardwise.rpc import rendezvous
 from shardwise.rpc.shm_channel import ENV as CHANNEL_ENV
 from tests.harness import procs
+from tests.harness.ports import reserved_port
 from tests.rpc import helpers
 
 ROOT = Path(__file__).resolve().parents[2]
 WORLD = 3
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def python_path() -> str:
@@ -72,7 +66,11 @@ def rpc_world(rpc_channel):
 
 
 def _world(patch: pytest.MonkeyPatch):
-    port = free_port()
+    with reserved_port() as port:  # bound by this process's store, in init_rpc below
+        yield from _world_on(patch, port)
+
+
+def _world_on(patch: pytest.MonkeyPatch, port: int):
     # A fresh store and fresh workers: this process's next init_rpc is their first too, so
     # its keys must go under the first call's prefix (rendezvous.scoped), as theirs do.
     patch.setattr(rendezvous, "_init_counter", itertools.count())

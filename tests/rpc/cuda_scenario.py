@@ -8,7 +8,7 @@ import sys
 import torch
 
 import shardwise.rpc as rpc
-from tests.rpc.conftest import free_port
+from tests.harness.ports import reserved_port
 
 
 def where_and_double(t: torch.Tensor):
@@ -30,13 +30,14 @@ def _run(rank: int, port: int, q) -> None:
 
 def main() -> None:
     ctx = mp.get_context("spawn")
-    q, port = ctx.Queue(), free_port()
-    procs = [ctx.Process(target=_run, args=(r, port, q)) for r in range(2)]
-    for p in procs:
-        p.start()
-    result = q.get(timeout=100)
-    for p in procs:
-        p.join(30)
+    q = ctx.Queue()
+    with reserved_port() as port:  # until the workers are done: w0's store binds it
+        procs = [ctx.Process(target=_run, args=(r, port, q)) for r in range(2)]
+        for p in procs:
+            p.start()
+        result = q.get(timeout=100)
+        for p in procs:
+            p.join(30)
     print("cuda ok" if all(result) else f"cuda FAILED {result}")
     sys.exit(0 if all(result) else 1)
 

@@ -10,8 +10,8 @@ import os
 
 import shardwise.rpc as rpc
 from tests.harness import procs
+from tests.harness.ports import reserved_port
 from tests.rpc import helpers
-from tests.rpc.conftest import free_port
 
 
 def victim() -> None:
@@ -21,10 +21,11 @@ def victim() -> None:
 
 
 def main() -> None:
-    init = f"tcp://127.0.0.1:{free_port()}"
-    proc = procs.fork_call(victim, {"INIT": init})  # the victim: a process of its own
-    opts = rpc.TensorPipeRpcBackendOptions(init_method=init, rpc_timeout=30)
-    rpc.init_rpc("survivor", rank=0, world_size=2, rpc_backend_options=opts)
+    with reserved_port() as port:  # until this process's store (rank 0) has bound it
+        init = f"tcp://127.0.0.1:{port}"
+        proc = procs.fork_call(victim, {"INIT": init})  # the victim: a process of its own
+        opts = rpc.TensorPipeRpcBackendOptions(init_method=init, rpc_timeout=30)
+        rpc.init_rpc("survivor", rank=0, world_size=2, rpc_backend_options=opts)
     pending = rpc.rpc_async("victim", helpers.die_soon, args=(0.5,))
     try:
         pending.wait()

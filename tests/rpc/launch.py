@@ -22,7 +22,14 @@ IMPLS = ("torch", "shardwise")
 def run_program(module: str, impl: str, world: int, out_dir: Path, torchrun: bool = False,
                 timeout: float = 180) -> list[dict]:
     """Run every rank of ``module`` with ``impl``; returns each rank's saved results."""
-    from tests.rpc.conftest import ROOT, free_port, python_path  # (not in the ranks: pytest)
+    from tests.harness.ports import reserved_port  # (not in the ranks: pytest)
+
+    with reserved_port() as port:  # MASTER_PORT, until the ranks are done (unused by torchrun)
+        return _run_program(module, impl, world, out_dir, torchrun, timeout, port)
+
+
+def _run_program(module, impl, world, out_dir, torchrun, timeout, port) -> list[dict]:
+    from tests.rpc.conftest import ROOT, python_path  # (not in the ranks: pytest)
 
     env = dict(os.environ, PYTHONPATH=python_path(), OMP_NUM_THREADS="1",
                TP_SOCKET_IFNAME="lo", GLOO_SOCKET_IFNAME="lo")
@@ -31,7 +38,7 @@ def run_program(module: str, impl: str, world: int, out_dir: Path, torchrun: boo
         programs = [procs.start(["-m", "torch.distributed.run", "--standalone",
                                f"--nproc-per-node={world}", "-m", *args], env, ROOT)]
     else:  # `python -m module impl out_dir` per rank, started by tests/harness/procs.py
-        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(world))
+        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world))
         programs = [procs.start(["-m", *args], dict(env, RANK=str(r), LOCAL_RANK=str(r)), ROOT)
                  for r in range(world)]
     outputs = []

@@ -30,10 +30,17 @@ STEPS, PAUSE = 6, 0.5
 
 def run(mode: str, world: int, timeout: float = 120, extra_env=None) -> list[tuple[int, str]]:
     """Start ``world`` ranks of ``mode``; returns (exit code, stdout + stderr) per rank."""
-    from tests.harness import procs
-    from tests.rpc.conftest import ROOT, free_port, python_path
+    from tests.harness.ports import reserved_port
 
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
+    with reserved_port() as port:  # until the ranks are done: rank 0's store binds it
+        return _run_ranks(mode, world, timeout, port, extra_env)
+
+
+def _run_ranks(mode, world, timeout, port, extra_env) -> list[tuple[int, str]]:
+    from tests.harness import procs
+    from tests.rpc.conftest import ROOT, python_path
+
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                WORLD_SIZE=str(world), PYTHONPATH=python_path(), OMP_NUM_THREADS="1",
                **(extra_env or {}))
     # each rank a process of its own, started by tests/harness/procs.py

@@ -19,8 +19,8 @@ import shardwise.rpc as rpc
 from shardwise.rpc import shm_ring
 from shardwise.rpc.current import get_agent
 from tests.harness import procs
+from tests.harness.ports import reserved_port
 from tests.rpc import helpers
-from tests.rpc.conftest import free_port
 
 TIMEOUT = 30.0
 
@@ -35,10 +35,11 @@ def callee() -> None:
 
 
 def main(mode: str) -> None:
-    init = f"tcp://127.0.0.1:{free_port()}"
-    proc = procs.fork_call(callee, {"INIT": init, "MODE": mode})  # the callee: a process too
-    opts = rpc.TensorPipeRpcBackendOptions(init_method=init, rpc_timeout=TIMEOUT)
-    rpc.init_rpc("caller", rank=0, world_size=2, rpc_backend_options=opts)
+    with reserved_port() as port:  # until this process's store (rank 0) has bound it
+        init = f"tcp://127.0.0.1:{port}"
+        proc = procs.fork_call(callee, {"INIT": init, "MODE": mode})  # the callee: a process
+        opts = rpc.TensorPipeRpcBackendOptions(init_method=init, rpc_timeout=TIMEOUT)
+        rpc.init_rpc("caller", rank=0, world_size=2, rpc_backend_options=opts)
     conn = get_agent().transport.conns[1]
     print(f"channel: {type(conn).__name__}")
     prefix = conn.link.prefix

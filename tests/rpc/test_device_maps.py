@@ -19,7 +19,8 @@ from shardwise.rpc.device_maps import (
     target_device,
     validate_device_maps,
 )
-from tests.rpc.conftest import ROOT, free_port
+from tests.harness.ports import closed_port
+from tests.rpc.conftest import ROOT
 
 D = torch.device
 
@@ -86,10 +87,11 @@ def test_validation_against_published_devices():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only rejection")
 def test_init_rejects_a_device_this_machine_lacks():
-    opts = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{free_port()}",
-                                           device_maps={"w1": {"cuda:0": "cuda:1"}})
-    with pytest.raises(DeviceMapError, match="cuda:0 does not exist on this worker"):
-        start_agent("w0", 0, 2, opts)
+    with closed_port() as port:  # refused before anything binds or connects
+        opts = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{port}",
+                                               device_maps={"w1": {"cuda:0": "cuda:1"}})
+        with pytest.raises(DeviceMapError, match="cuda:0 does not exist on this worker"):
+            start_agent("w0", 0, 2, opts)
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 1, reason="needs a CUDA device (none here)")

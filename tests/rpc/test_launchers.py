@@ -10,7 +10,8 @@ import sys
 import pytest
 
 from tests.harness import procs
-from tests.rpc.conftest import ROOT, free_port, python_path
+from tests.harness.ports import reserved_port
+from tests.rpc.conftest import ROOT, python_path
 
 PROGRAM = str(ROOT / "tests" / "rpc" / "launched_program.py")
 BAD = ("failed to bind", "error", "traceback", "warning")
@@ -57,7 +58,7 @@ def test_init_rpc_under_shardwise_run():
 
 @pytest.mark.slow  # two launchers, four fresh ranks: `pytest -m slow`
 def test_init_rpc_under_two_shardwise_run_nodes_on_loopback():
-    port = free_port()
-    _check(_run([[sys.executable, "-m", "shardwise", "run", "--nproc", "2", "--nnodes", "2",
-                  "--node-rank", str(k), "--rdzv-endpoint", f"127.0.0.1:{port}", PROGRAM]
-                 for k in (0, 1)]), 4)
+    with reserved_port() as port:  # node 0's launcher binds it
+        _check(_run([[sys.executable, "-m", "shardwise", "run", "--nproc", "2", "--nnodes",
+                      "2", "--node-rank", str(k), "--rdzv-endpoint", f"127.0.0.1:{port}",
+                      PROGRAM] for k in (0, 1)]), 4)

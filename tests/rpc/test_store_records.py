@@ -44,10 +44,16 @@ def _attacker(port: int, where, done: threading.Event) -> None:
 def test_forged_shutdown_and_left_records_change_nothing(tmp_path):
     """Before: rank 0 took the forged records as rank 1's arrival at shutdown and its leave,
     left, and rank 1's calls failed (WorkerDied)."""
-    from tests.harness import procs
-    from tests.rpc.conftest import ROOT, free_port, python_path
+    from tests.harness.ports import reserved_port
 
-    port = free_port()
+    with reserved_port() as port:  # until the workers are done: rank 0's store binds it
+        _forged_records_change_nothing(tmp_path, port)
+
+
+def _forged_records_change_nothing(tmp_path, port):
+    from tests.harness import procs
+    from tests.rpc.conftest import ROOT, python_path
+
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2",
                PYTHONPATH=python_path(), OMP_NUM_THREADS="1", SCENARIO_DIR=str(tmp_path))
     programs = [procs.start(["-m", "tests.rpc.forged_records"], dict(env, RANK=str(r)), ROOT)
