@@ -13,7 +13,9 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from shardwise.cli.env_check import env_problem
 from shardwise.cli.ranges import COUNT0, float_arg, int_arg
+from shardwise.distributed.env import int_var, is_set, launched, str_var
 from shardwise.distributed.timeouts import default_timeout
 from shardwise.launch.preemption import DEFAULT_GRACE_SECONDS
 
@@ -34,7 +36,11 @@ def add_launch_args(parser: argparse.ArgumentParser) -> None:
 
 
 def check_launch_args(args: argparse.Namespace) -> str | None:
-    """The first problem with the launcher's flags, or None."""
+    """The first problem with the launcher's flags or the environment, or None. Sets
+    ``args.rdzv_endpoint`` from MASTER_ADDR / MASTER_PORT when the flag is not given."""
+    problem = env_problem() or master_from_env(args)
+    if problem:
+        return problem
     if args.max_restarts < 0:
         return f"--max-restarts must be at least 0, got {args.max_restarts}"
     if not (math.isfinite(args.grace_seconds) and args.grace_seconds > 0):
@@ -46,6 +52,27 @@ def check_launch_args(args: argparse.Namespace) -> str | None:
                 f"got {args.node_rank}")
     if args.nnodes > 1 and not args.rdzv_endpoint:
         return "--nnodes above 1 needs --rdzv-endpoint host:port (node 0's address)"
+    return None
+
+
+def master_from_env(args: argparse.Namespace) -> str | None:
+    """Honour MASTER_ADDR / MASTER_PORT set in the launcher's environment: the rendezvous store
+    listens at MASTER_ADDR:MASTER_PORT (MASTER_ADDR defaults to 127.0.0.1), as if given as
+    ``--rdzv-endpoint``. Not inside a job (RANK and WORLD_SIZE set): there they are the outer
+    job's. Returns why they cannot be used, or None."""
+    if launched() or not (is_set("MASTER_PORT") or is_set("MASTER_ADDR")):
+        return None
+    if not is_set("MASTER_PORT"):
+        return ("MASTER_ADDR is set but MASTER_PORT is not: set both (the rendezvous store "
+                "listens at MASTER_ADDR:MASTER_PORT), or pass --rdzv-endpoint host:port")
+    port = int_var("MASTER_PORT", minimum=1, maximum=65535)
+    host = str_var("MASTER_ADDR", "127.0.0.1").strip()
+    endpoint = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    if args.rdzv_endpoint is None:
+        args.rdzv_endpoint = endpoint
+    elif args.rdzv_endpoint != endpoint:
+        return (f"--rdzv-endpoint {args.rdzv_endpoint} and MASTER_ADDR:MASTER_PORT ({endpoint}) "
+                "disagree: unset MASTER_ADDR/MASTER_PORT or make them the same")
     return None
 
 

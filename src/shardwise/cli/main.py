@@ -28,11 +28,20 @@ from shardwise.cli.train_args import (
     validate,
 )
 from shardwise.cli.train_plan import plan_line
-from shardwise.distributed.env import launched
+from shardwise.distributed.env import EnvError, launched
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        return _main(argv)
+    except EnvError as exc:  # a variable read on the way: one line naming it
+        command = " ".join(a for a in argv[:1] if not a.startswith("-"))
+        print(f"shardwise {command}: error: {exc}".replace("  ", " "), file=sys.stderr)
+        return 2
+
+
+def _main(argv: list[str]) -> int:
     if argv[:1] == ["bench"]:  # its own parsing: each benchmark has its own options
         from shardwise.bench.main import main as bench_main
 
@@ -101,8 +110,6 @@ def _unknown(parser: argparse.ArgumentParser, command: str, extra: list[str]) ->
 
 
 def _train(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: list[str]) -> int:
-    from shardwise.launch.launcher import python_command
-
     cfg = config_from_args(args)
     if launched():
         from shardwise.cli.rank_main import train_rank
@@ -116,6 +123,8 @@ def _train(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: list
     except ConfigError as exc:
         parser.exit(2, f"shardwise train: error: {exc}\n")
     print(plan_line(cfg, args.nnodes), flush=True)  # at once: ranks take seconds to start
+    from shardwise.launch.launcher import python_command  # (imports torch)
+
     return run_launcher("shardwise train", cfg.nproc,
                         python_command("shardwise", argv, module=True), args)
 

@@ -25,6 +25,16 @@ def add_mesh_args(parser: argparse.ArgumentParser, replicas: int, tp: int) -> No
         help="fsdp only: tensor-parallel degree (FSDP x TP on a (world/T, T) mesh)")
 
 
+def heads_problem(n_head: int, degree: int, flag: str) -> str | None:
+    """Why ``degree`` tensor-parallel ranks cannot split ``n_head`` attention heads, or None.
+    The launcher checks it before any rank starts, and each rank again where it shards the
+    model (cli/strategy_tp.py), with this one function."""
+    if n_head % degree:
+        return (f"{flag} {degree} does not divide --n-head {n_head}: every tensor-parallel "
+                "rank must hold whole attention heads")
+    return None
+
+
 def mesh_problem(cfg: Any, world_size: int, nnodes: int = 1) -> str | None:
     """The first problem with ``--replicas`` / ``--tp`` for this world, or None."""
     if cfg.replicas < 0:
@@ -41,10 +51,10 @@ def mesh_problem(cfg: Any, world_size: int, nnodes: int = 1) -> str | None:
         if world_size % replicas:
             return (f"--strategy hsdp: {replicas} replicas do not divide the world size "
                     f"{world_size}: each replica's shard group must hold world / replicas ranks")
+    if cfg.strategy == "tp":  # tensor parallel over the whole world
+        return heads_problem(cfg.n_head, world_size, "--strategy tp: the world size")
     if cfg.tp > 1:
         if world_size % cfg.tp:
             return f"--tp {cfg.tp} does not divide the world size {world_size}"
-        if cfg.n_head % cfg.tp:
-            return (f"--tp {cfg.tp} does not divide --n-head {cfg.n_head}: every tensor-parallel "
-                    "rank must hold whole attention heads")
+        return heads_problem(cfg.n_head, cfg.tp, "--tp")
     return None

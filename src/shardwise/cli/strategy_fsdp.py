@@ -46,7 +46,7 @@ def build(model: nn.Module, cfg: TrainConfig, group: dist.ProcessGroup,
         return _prepare(model.to(device), cfg, process_group=group)
     world = dist.get_world_size(group)
     mesh = init_device_mesh(device.type, (world // cfg.tp, cfg.tp), mesh_dim_names=TP_DIM_NAMES)
-    check_gpt(model, cfg.tp)
+    check_gpt(model, cfg.tp, "--tp")
     model.to(device)  # before sharding: see [Note: how a sharded parameter appears]
     plan, gathered = gpt_plan(mesh["tp"].get_group())
     shard_module(model, plan, gather_output=gathered, process_group=mesh["tp"].get_group())

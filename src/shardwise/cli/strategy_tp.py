@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from shardwise.cli.mesh_args import heads_problem
 from shardwise.cli.optim import make_adamw
 from shardwise.cli.strategies import Prepared
 from shardwise.cli.train_args import TrainConfig
@@ -45,11 +46,14 @@ def gpt_plan(ranks: int | Sequence[int] | dist.ProcessGroup
     return plan, ["head"]
 
 
-def check_gpt(model: nn.Module, world_size: int) -> None:
+def check_gpt(model: nn.Module, degree: int, flag: str = "--strategy tp: the world size"
+              ) -> None:
+    """The demo GPT can be sharded over ``degree`` tensor-parallel ranks (the launcher ran the
+    same heads check before starting any rank: cli/mesh_args.py)."""
     cfg = model.cfg
-    if cfg.n_head % world_size:
-        raise ValueError(f"--strategy tp: n_head ({cfg.n_head}) must be divisible by the world "
-                         f"size ({world_size}) so that every rank holds whole attention heads")
+    problem = heads_problem(cfg.n_head, degree, flag)
+    if problem:
+        raise ValueError(problem)
     if cfg.tie_weights:
         raise ValueError("--strategy tp: tied embedding and head weights are not supported")
 

@@ -159,6 +159,9 @@ def validate_pipeline(cfg: TrainConfig, world_size: int) -> None:
             raise ConfigError(f"{', '.join(set_)} only apply to --strategy pipeline")
         return
     _positive(cfg, "microbatches", "dp")
+    if cfg.transport == "rpc" and cfg.device != "cpu":
+        raise ConfigError("--strategy pipeline --transport rpc runs on CPU (CUDA device maps "
+                          "are not wired into the CLI); use --transport p2p")
     if world_size % cfg.dp:
         raise ConfigError(f"--dp {cfg.dp} does not divide the world size {world_size}")
     stages = world_size // cfg.dp

@@ -80,12 +80,22 @@ def int_var(name: str, default: int | None = None, *, minimum: int | None = None
     try:
         value = int(raw)
     except ValueError:
-        raise EnvError(f"environment variable {name} must be an integer, got {raw!r}") from None
+        raise EnvError(f"environment variable {name} must be an integer, got {raw!r}"
+                       + _int_range(minimum, maximum)) from None
     if minimum is not None and value < minimum:
         raise EnvError(f"environment variable {name} must be at least {minimum}, got {value}")
     if maximum is not None and value > maximum:
         raise EnvError(f"environment variable {name} must be at most {maximum}, got {value}")
     return value
+
+
+def _int_range(minimum: int | None, maximum: int | None) -> str:
+    """`` (accepted: ...)``: the integers an int_var takes, for its message."""
+    if minimum is not None and maximum is not None:
+        return f" (accepted: {minimum} to {maximum})"
+    if minimum is not None:
+        return f" (accepted: {minimum} or more)"
+    return ""
 
 
 def seconds_var(name: str, default: float) -> float:
@@ -96,9 +106,7 @@ def seconds_var(name: str, default: float) -> float:
     try:
         value = float(raw)
     except ValueError:
-        raise EnvError(
-            f"environment variable {name} must be a number of seconds, got {raw!r}"
-        ) from None
+        value = math.nan
     if not math.isfinite(value) or value <= 0:
         raise EnvError(
             f"environment variable {name} must be a positive, finite number of seconds, "

@@ -21,6 +21,11 @@ DEFAULT_GRACE_SECONDS = 30.0
 EXIT_PREEMPTED = 128 + signal.SIGTERM
 
 
+def grace_from_env() -> float:
+    """``$SHARDWISE_GRACE_SECONDS``: seconds a preempted rank has to save and exit."""
+    return seconds_var(GRACE_VAR, DEFAULT_GRACE_SECONDS)
+
+
 class Preempted(Exception):
     """Training stopped early on request, after ``step`` steps (``saved``: a checkpoint of it)."""
 
@@ -32,8 +37,7 @@ class Preempted(Exception):
 
 class Preemption:
     def __init__(self, grace_seconds: float | None = None):
-        self.grace = grace_seconds if grace_seconds is not None else seconds_var(
-            GRACE_VAR, DEFAULT_GRACE_SECONDS)
+        self.grace = grace_seconds if grace_seconds is not None else grace_from_env()
         self.requested_at: float | None = None
 
     def install(self) -> Preemption:
