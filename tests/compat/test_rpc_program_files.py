@@ -6,8 +6,9 @@ file (``rpc_sync`` of ``_call_method``), asks the server for batches as numpy ar
 (``rpc_sync`` of a function there), calls a method of an RRef's value
 (``rref.rpc_sync().weight_norm()``), trains with a DistributedOptimizer, and gets a model of a
 library module (``visionlike``, a torchvision-style ResNet placed outside the program's
-directories) back through an RRef method. shardwise runs it as written, with no
-``allowed_modules``.
+directories) back through an RRef method. shardwise runs it with no ``allowed_modules``, once
+the second file registers the two private helpers that peers call (``_call_method``,
+``_parameter_rrefs``): a module of the program serves no private name unregistered.
 
 Run as ``python -m tests.compat.test_rpc_program_files IMPL OUT_DIR`` (rank 0: trainer,
 rank 1: parameter server).

@@ -10,10 +10,16 @@ one of:
    module the user allowed (``init_rpc(..., allowed_modules=[...])``, :func:`register_module`);
 2. the program's own code: a function or class defined in ``__main__`` / ``__mp_main__`` (the
    script every worker runs) or in an *already imported* module whose file (links resolved)
-   lies under the script's directory or the working directory of ``init_rpc``, and not under
+   lies under the script's directory or the working directory of ``init_rpc`` (neither
+   counts when it is ``/``, a home directory or a temporary directory's root), and not under
    the interpreter's trees (``sys.prefix``, ``sys.base_prefix``, ``sys.exec_prefix``, the
    ``sysconfig`` paths, any ``site-packages`` / ``dist-packages``, the user site) nor in
-   shardwise or torch. Rule 2 leaves out private names (any part of the qualified name
+   shardwise or torch; that is part of no installed distribution (its top-level name is
+   none that ``importlib.metadata`` knows a distribution to provide, and the directory it was
+   imported from holds no ``*.dist-info`` / ``*.egg-info``: a ``pip install --target`` or
+   ``.egg-link`` layout); and that lies under no ``PYTHONPATH`` entry other than the
+   script's directory (an entry holding the script's directory leaves the files beside the
+   script to it). Rule 2 leaves out private names (any part of the qualified name
    starting with ``_``, as ``_spy_system`` or ``Tools._run``) of such a module: the program's
    own helpers are not a peer's to call until 1 registers them (``__main__``'s names are
    all allowed, as torch allows them: scripts name their RPC functions ``_run_trainer``). For
@@ -44,10 +50,12 @@ from __future__ import annotations
 import builtins
 import collections
 import contextlib
+import importlib.metadata
 import os
 import site
 import sys
 import sysconfig
+import tempfile
 import threading
 from collections.abc import Callable
 from types import ModuleType
@@ -55,6 +63,8 @@ from typing import Any, TypeVar
 
 import torch
 from torch import nn
+
+from shardwise.distributed.env import str_var
 
 F = TypeVar("F")
 
@@ -91,8 +101,10 @@ _HOW_PRIVATE = ("@shardwise.rpc.register on it, or init_rpc(..., allowed_modules
 # rule 2: the program's directories, and what is never the program under them
 _LIBRARY_DIRS = ("site-packages", "dist-packages")
 _NOT_PROGRAM = ("shardwise", "torch")
-_program: dict[str, Any] = {"roots": None, "library": ()}
+_program: dict[str, Any] = {"roots": None, "library": (), "script": None, "pythonpath": (),
+                           "dists": None}
 _program_modules: dict[str, tuple[ModuleType, bool]] = {}  # name -> (module, is program)
+_metadata_dirs: dict[str, bool] = {}  # directory -> holds a *.dist-info / *.egg-info
 
 
 class ForbiddenCallable(RuntimeError):
@@ -182,23 +194,32 @@ def resolve_global(module: str, qualname: str) -> Any:
     return found
 
 
-def set_program_roots(roots: list[str] | None = None) -> None:
-    """Fix the directories of the program (rule 2 of [Note: allow-list]): ``roots``, or the
-    main script's directory and the working directory now (``init_rpc`` calls this)."""
+def set_program_roots(roots: list[str] | None = None, script_dir: str | None = None) -> None:
+    """Fix the directories of the program (rule 2 of [Note: allow-list]): ``roots`` (with the
+    script's directory ``script_dir``), or the main script's directory and the working
+    directory now (``init_rpc`` calls this). ``/``, a home directory, a temporary directory's
+    root and a library tree are never a root."""
     if roots is None:
         roots = []
         main_file = vars(sys.modules.get("__main__", sys)).get("__file__")
         if isinstance(main_file, str):
-            roots.append(os.path.dirname(os.path.abspath(main_file)))
+            script_dir = os.path.dirname(os.path.abspath(main_file))
+            roots.append(script_dir)
         with contextlib.suppress(OSError):  # (a deleted working directory)
             roots.append(os.getcwd())
     library = _library_trees()
+    never = _never_roots()
     real = {os.path.realpath(r) for r in roots}
-    kept = tuple(sorted(r for r in real
-                        if os.path.dirname(r) != r and not _is_library(r, library)))
+    kept = tuple(sorted(r for r in real if os.path.dirname(r) != r and r not in never
+                        and not _is_home(r) and not _is_library(r, library)))
+    script = os.path.realpath(script_dir) if script_dir else None
+    entries = str_var("PYTHONPATH") or ""
+    pythonpath = tuple(sorted({os.path.realpath(e) for e in entries.split(os.pathsep) if e}))
     with _lock:
-        _program["roots"], _program["library"] = kept, library
+        _program.update(roots=kept, library=library, script=script, pythonpath=pythonpath,
+                        dists=None)
         _program_modules.clear()
+        _metadata_dirs.clear()
 
 
 def program_roots() -> tuple[str, ...]:
@@ -225,10 +246,79 @@ def is_program_module(name: str) -> bool:
     if isinstance(path, str) and path:
         real = os.path.realpath(path)
         answer = any(_under(real, root) for root in roots) \
-            and not _is_library(real, _program["library"])
+            and not _is_library(real, _program["library"]) \
+            and not _on_pythonpath(real) and not _installed(name, real)
     with _lock:
         _program_modules[name] = (mod, answer)
     return answer
+
+
+def _never_roots() -> set[str]:
+    """Directories that hold far more than one program: home directories (this user's, and
+    any directly under ``/home`` or ``/Users``, checked by ``_is_home``) and the roots of
+    temporary files."""
+    homes = {os.path.expanduser("~"), tempfile.gettempdir(), "/tmp", "/var/tmp", "/dev/shm",
+             "/root"}
+    with contextlib.suppress(ImportError, KeyError, OSError):
+        import pwd
+
+        homes.add(pwd.getpwuid(os.getuid()).pw_dir)
+    return {os.path.realpath(h) for h in homes if h}
+
+
+def _is_home(path: str) -> bool:
+    return os.path.dirname(path) in ("/home", "/Users")
+
+
+def _on_pythonpath(real_path: str) -> bool:
+    """``real_path`` lies under a ``PYTHONPATH`` entry (where ``pip install --target`` puts
+    libraries) other than the script's directory or one holding the script's directory with
+    the file beside the script."""
+    script = _program.get("script")
+    beside_script = script is not None and _under(real_path, script)
+    for entry in _program.get("pythonpath", ()):
+        if entry == script or not _under(real_path, entry):
+            continue
+        if not (beside_script and _under(script, entry)):
+            return True
+    return False
+
+
+def _installed(name: str, real_path: str) -> bool:
+    """The module is part of an installed distribution: its top-level name is one that an
+    installed distribution provides (``importlib.metadata``), or the directory it was imported
+    from (its top-level package's parent) holds a ``*.dist-info`` or ``*.egg-info`` (a site or
+    ``pip install --target`` directory; the project of an ``.egg-link`` editable install)."""
+    if name.partition(".")[0] in _distribution_names():
+        return True
+    folder = os.path.dirname(real_path)
+    levels = name.count(".") + os.path.basename(real_path).startswith("__init__.")
+    for _ in range(levels):
+        folder = os.path.dirname(folder)
+    return _has_metadata(folder)
+
+
+def _distribution_names() -> frozenset[str]:
+    names = _program.get("dists")
+    if names is None:
+        try:
+            names = frozenset(importlib.metadata.packages_distributions())
+        except Exception:  # noqa: BLE001 - a broken distribution's metadata: nothing known
+            names = frozenset()
+        _program["dists"] = names
+    return names
+
+
+def _has_metadata(folder: str) -> bool:
+    found = _metadata_dirs.get(folder)
+    if found is None:
+        try:
+            with os.scandir(folder) as entries:
+                found = any(e.name.endswith((".dist-info", ".egg-info")) for e in entries)
+        except OSError:
+            found = False
+        _metadata_dirs[folder] = found
+    return found
 
 
 def _library_trees() -> tuple[str, ...]:
