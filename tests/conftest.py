@@ -20,6 +20,9 @@ def pytest_configure(config):
         "channel); left out of the default run by pyproject's addopts, run by `pytest -m slow` "
         "(CI runs both)")
     config.addinivalue_line(
+        "markers", "examples: every examples/*.py run under `shardwise run` (minutes on two "
+        "cores); left out of the default run by pyproject's addopts, run by `pytest -m examples`")
+    config.addinivalue_line(
         "markers", "fresh: one test per way of starting processes, which CI also runs with "
         "`pytest --fresh -m fresh` (every process a fresh interpreter, docs/testing.md)")
     if config.getoption("--fresh"):
