@@ -15,6 +15,7 @@ project are each refused, while the module beside the script still resolves.
 from __future__ import annotations
 
 import importlib
+import json
 import os
 import sys
 import tempfile
@@ -123,3 +124,79 @@ def test_the_issue_layout_refuses_every_numpy_function(tmp_path, monkeypatch):
     for name in ("numpy:fromfile", "numpy:save", "numpy:savetxt", "numpy:load"):
         with pytest.raises(ForbiddenCallable):
             resolve(name)
+
+
+VICTIM = '''
+import json
+import sys
+
+import numpy as np
+import torch
+
+import h46_mine
+import h46_tlib.io
+import shardwise.rpc as rpc
+
+rank, port, out, secret = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
+opts = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{port}", rpc_timeout=60)
+rpc.init_rpc(f"w{rank}", rank=rank, world_size=2, rpc_backend_options=opts)
+if rank == 0:
+    got = {}
+    for name, fn, args in (("library", h46_tlib.io.fromfile, (secret,)),
+                           ("numpy.fromfile", np.fromfile, (secret,)),
+                           ("numpy.save", np.save, (secret + ".npy", np.zeros(1))),
+                           ("torch.save", torch.save, (torch.zeros(1), secret + ".pt")),
+                           ("torch.load", torch.load, (secret,)),
+                           ("mine", h46_mine.double, (21,))):
+        try:
+            got[name] = ["ok", repr(rpc.rpc_sync("w1", fn, args=args))]
+        except Exception as exc:
+            got[name] = [type(exc).__name__, str(exc)]
+    with open(out, "w") as f:
+        json.dump(got, f)
+rpc.shutdown()
+'''
+
+
+def test_a_peer_reaches_no_library_of_the_target_layout(tmp_path):
+    """The issue's layout as two programs: started in ``work/`` with ``PYTHONPATH`` naming
+    ``work/pylibs`` (a library and its dist-info, as ``pip install --target`` leaves them),
+    the script in ``work/proj`` beside ``h46_mine``. The library's function, numpy's and
+    torch's are refused over RPC (no file read or written); the module beside the script
+    answers."""
+    import secrets
+    import socket
+
+    from tests.harness import procs
+
+    work = tmp_path / "work"
+    proj, pylibs = work / "proj", work / "pylibs"
+    (pylibs / "h46_tlib").mkdir(parents=True)
+    proj.mkdir()
+    (proj / "h46_mine.py").write_text(MINE)
+    (proj / "victim.py").write_text(VICTIM)
+    (pylibs / "h46_tlib" / "__init__.py").write_text("")
+    (pylibs / "h46_tlib" / "io.py").write_text(LIBRARY)
+    _dist_info(pylibs, "h46_tlib", ["h46_tlib/__init__.py", "h46_tlib/io.py"])
+    secret_file = tmp_path / "secret"
+    secret_file.write_text("the victim's own data")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    out = tmp_path / "got.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1", SHARDWISE_RPC_SECRET=secrets.token_hex(16),
+               PYTHONPATH=os.pathsep.join([str(procs.ROOT), str(procs.ROOT / "src"),
+                                           str(pylibs)]))
+    programs = [procs.start([str(proj / "victim.py"), str(r), port, str(out),
+                             str(secret_file)], env, work) for r in (0, 1)]
+    try:
+        logs = [p.communicate(timeout=120)[0] for p in programs]
+    finally:
+        for p in programs:
+            p.kill()
+    assert [p.returncode for p in programs] == [0, 0], logs
+    got = json.loads(out.read_text())
+    for name in ("library", "numpy.fromfile", "numpy.save", "torch.save", "torch.load"):
+        assert got[name][0] == "ForbiddenCallable" and "never resolves" in got[name][1], got
+    assert got["mine"] == ["ok", "42"], got
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["got.json", "secret", "work"]
