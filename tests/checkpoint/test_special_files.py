@@ -221,3 +221,16 @@ def test_a_regular_copy_still_loads(pristine, tmp_path):
     target = _target()
     load(target, checkpoint_id=latest_checkpoint(run))
     assert torch.equal(target["model"]["w"], torch.arange(12.0).reshape(3, 4))
+
+
+def test_torch_save_to_dcp_refuses_a_fifo(tmp_path):
+    from shardwise.checkpoint.format_utils import torch_save_to_dcp
+
+    fifo = tmp_path / "model.pt"
+    os.mkfifo(fifo)
+    try:
+        error = _bounded(lambda: torch_save_to_dcp(fifo, tmp_path / "ck"), fifo)
+        _refused(error, fifo, KINDS[0][1])
+    finally:
+        _release(fifo)
+    assert not (tmp_path / "ck").exists()

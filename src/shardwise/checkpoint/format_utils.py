@@ -23,6 +23,7 @@ from shardwise.checkpoint.errors import CheckpointError
 from shardwise.checkpoint.exchange import NO_DIST
 from shardwise.checkpoint.format import dtype_from
 from shardwise.checkpoint.loader import load
+from shardwise.checkpoint.safe_open import open_regular
 from shardwise.checkpoint.saver import save
 from shardwise.checkpoint.validate import read_metadata
 
@@ -53,8 +54,13 @@ def dcp_to_torch_save(dcp_checkpoint_dir: str | os.PathLike,
 def torch_save_to_dcp(torch_save_path: str | os.PathLike,
                       dcp_checkpoint_dir: str | os.PathLike) -> None:
     """Save the state dict in the ``torch.save`` file ``torch_save_path`` (loaded with
-    ``weights_only=True``, onto the CPU) as a checkpoint at ``dcp_checkpoint_dir``."""
-    state = torch.load(torch_save_path, map_location="cpu", weights_only=True)
+    ``weights_only=True``, onto the CPU) as a checkpoint at ``dcp_checkpoint_dir``. The file
+    is opened as a checkpoint's files are (safe_open.py: a FIFO or link there is refused)."""
+    try:
+        with open_regular(torch_save_path, "torch.save file") as f:
+            state = torch.load(f, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise CheckpointError(f"no torch.save file at {torch_save_path}") from None
     if not isinstance(state, dict):
         raise CheckpointError(f"{torch_save_path} holds a {type(state).__name__}, not a state "
                               "dict")
