@@ -95,7 +95,7 @@ _DATA_BUILTINS = {"complex": complex, "slice": slice}
 _HOW = ("register it on this worker: @shardwise.rpc.register on the function or class, or "
         "init_rpc(..., allowed_modules=[{module!r}]) for that module's own functions and "
         "classes (a module of the program itself, beside the script or in the working "
-        "directory, is allowed once the worker has imported it)")
+        "directory and no installed library's, is allowed once the worker has imported it)")
 _HOW_PRIVATE = ("@shardwise.rpc.register on it, or init_rpc(..., allowed_modules=[{module!r}]) "
                 "for every function and class that module defines")
 # rule 2: the program's directories, and what is never the program under them
@@ -190,7 +190,8 @@ def resolve_global(module: str, qualname: str) -> Any:
     if found is None:
         raise ForbiddenCallable(
             f"RPC never resolves {module}.{qualname} on this worker: it is not a registered "
-            f"function or class; to allow it, {_HOW.format(module=module)}")
+            f"function or class{_why_refused(module)}; to allow it, "
+            f"{_HOW.format(module=module)}")
     return found
 
 
@@ -246,11 +247,32 @@ def is_program_module(name: str) -> bool:
     if isinstance(path, str) and path:
         real = os.path.realpath(path)
         answer = any(_under(real, root) for root in roots) \
-            and not _is_library(real, _program["library"]) \
-            and not _on_pythonpath(real) and not _installed(name, real)
+            and not _is_library(real, _program["library"]) and not _not_program(name, real)
     with _lock:
         _program_modules[name] = (mod, answer)
     return answer
+
+
+def _not_program(name: str, real_path: str) -> str:
+    """Why the module ``name`` (file ``real_path``, under a root) is not the program's, in
+    words for an error; "" when nothing says so."""
+    entry = _on_pythonpath(real_path)
+    if entry:
+        return f"its file {real_path} lies under the PYTHONPATH entry {entry}"
+    return _installed(name, real_path)
+
+
+def _why_refused(module: str) -> str:
+    """`` (why ...)`` for an imported module under the program's roots that rule 2 leaves out;
+    "" otherwise."""
+    path = vars(sys.modules[module]).get("__file__") if module in sys.modules else None
+    if not isinstance(path, str) or not path:
+        return ""
+    real = os.path.realpath(path)
+    if not any(_under(real, root) for root in program_roots()):
+        return ""
+    why = _not_program(module, real)
+    return f" ({module} is not the program's own: {why})" if why else ""
 
 
 def _never_roots() -> set[str]:
@@ -270,32 +292,36 @@ def _is_home(path: str) -> bool:
     return os.path.dirname(path) in ("/home", "/Users")
 
 
-def _on_pythonpath(real_path: str) -> bool:
-    """``real_path`` lies under a ``PYTHONPATH`` entry (where ``pip install --target`` puts
-    libraries) other than the script's directory or one holding the script's directory with
-    the file beside the script."""
+def _on_pythonpath(real_path: str) -> str:
+    """The ``PYTHONPATH`` entry (where ``pip install --target`` puts libraries) that
+    ``real_path`` lies under, other than the script's directory or one holding the script's
+    directory with the file beside the script; "" if none."""
     script = _program.get("script")
     beside_script = script is not None and _under(real_path, script)
     for entry in _program.get("pythonpath", ()):
         if entry == script or not _under(real_path, entry):
             continue
         if not (beside_script and _under(script, entry)):
-            return True
-    return False
+            return entry
+    return ""
 
 
-def _installed(name: str, real_path: str) -> bool:
-    """The module is part of an installed distribution: its top-level name is one that an
-    installed distribution provides (``importlib.metadata``), or the directory it was imported
-    from (its top-level package's parent) holds a ``*.dist-info`` or ``*.egg-info`` (a site or
-    ``pip install --target`` directory; the project of an ``.egg-link`` editable install)."""
-    if name.partition(".")[0] in _distribution_names():
-        return True
+def _installed(name: str, real_path: str) -> str:
+    """How the module is part of an installed distribution, "" if it is not: its top-level
+    name is one that an installed distribution provides (``importlib.metadata``), or the
+    directory it was imported from (its top-level package's parent) holds a ``*.dist-info`` or
+    ``*.egg-info`` (a site or ``pip install --target`` directory; the project of an
+    ``.egg-link`` editable install)."""
+    top = name.partition(".")[0]
+    if top in _distribution_names():
+        return f"an installed distribution provides the package {top}"
     folder = os.path.dirname(real_path)
     levels = name.count(".") + os.path.basename(real_path).startswith("__init__.")
     for _ in range(levels):
         folder = os.path.dirname(folder)
-    return _has_metadata(folder)
+    if _has_metadata(folder):
+        return f"{folder}, where it is imported from, holds an installed distribution's metadata"
+    return ""
 
 
 def _distribution_names() -> frozenset[str]:
