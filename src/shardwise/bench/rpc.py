@@ -26,6 +26,8 @@ from collections.abc import Sequence
 
 import torch
 
+from shardwise.distributed.env import AGENT_STORE_VAR
+
 MB = 1 << 20
 IMPLS = ("shardwise-tcp", "shardwise-shm", "torch")
 # figure -> its unit, whether higher is better, and the bar for ours / torch's (None: no bar)
@@ -92,6 +94,10 @@ def _measure(rpc, args) -> dict:
 def _worker(impl: str, rank: int, port: int, args, q) -> None:
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    # This pair's store is its rank 0's. Under a launcher (the bench run as a launched rank)
+    # this process inherits TORCHELASTIC_USE_AGENT_STORE, which tells both RPC libraries that
+    # the launcher hosts the store: no rank would host it, and the pair would wait for nothing.
+    os.environ.pop(AGENT_STORE_VAR, None)
     kwargs = {}
     if impl.startswith("shardwise"):
         os.environ["SHARDWISE_RPC_CHANNEL"] = impl.split("-")[1]
