@@ -4,10 +4,12 @@ acceptor] in transport.py), and shutdown() leaves nothing of the agent behind.""
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import logging
 import os
 import socket
 import struct
+import termios
 import threading
 import time
 
@@ -76,14 +78,25 @@ def server():
         s.t.close()
 
 
-def _legit_latencies(n: int = 20) -> list[float]:
-    out = []
-    for _ in range(n):
-        start = time.perf_counter()
-        assert torch.equal(rpc.rpc_sync("worker1", helpers.identity, args=(torch.ones(4),)),
-                           torch.ones(4))
-        out.append(time.perf_counter() - start)
-    return out
+def _queued(sock: socket.socket, request: int) -> int:
+    return struct.unpack("i", fcntl.ioctl(sock.fileno(), request, b"\0\0\0\0"))[0]
+
+
+def _wait_read(sender: socket.socket, receiver: socket.socket, timeout: float = 60.0) -> None:
+    """Return once every byte ``sender`` sent was read by the process behind ``receiver``:
+    nothing left in the sender's queue (TIOCOUTQ) nor unread at the receiver (FIONREAD)."""
+    deadline = time.monotonic() + timeout
+    while _queued(sender, termios.TIOCOUTQ) or _queued(receiver, termios.FIONREAD):
+        assert time.monotonic() < deadline, "the server stopped reading what was sent"
+        time.sleep(0.01)
+
+
+def _legit_calls(n: int = 20) -> int:
+    """How many of ``n`` calls to worker1 returned the right answer (each within the pool's
+    RPC timeout, or it raises)."""
+    ones = torch.ones(4)
+    return sum(torch.equal(rpc.rpc_sync("worker1", helpers.identity, args=(ones,)), ones)
+               for _ in range(n))
 
 
 def test_header_claiming_4_gib_costs_only_what_arrives(server):
@@ -91,7 +104,7 @@ def test_header_claiming_4_gib_costs_only_what_arrives(server):
     sock = srv.join_as(1)
     before = _rss()
     sock.sendall(_FIXED.pack(MAGIC, 0, 4 << 30) + b"\x00" * (8 * MB))  # 8 MB of the 4 GiB
-    time.sleep(0.5)
+    _wait_read(sock, srv.t.conns[1].sock)  # all 8 MB are in the server's hands
     grown = _rss() - before
     assert grown < 100 * MB, f"{grown / MB:.0f} MB for a 4 GiB header and 8 MB of payload"
     assert srv.t.conns[1].closed is False  # still waiting for the rest
@@ -115,7 +128,6 @@ def test_slow_handshake_ends_at_its_deadline(server):
     sock = socket.create_connection(("127.0.0.1", srv.t.port), timeout=5)
     sock.recv(HELLO_SIZE)
     sent = 0
-    start = time.monotonic()
     try:
         for _ in range(40):  # 10 s of trickling if nothing stopped it
             sock.send(b"S")
@@ -123,8 +135,9 @@ def test_slow_handshake_ends_at_its_deadline(server):
             time.sleep(0.25)
     except OSError:
         pass  # reset by the acceptor
+    # a deadline per recv would never end it (a byte every 0.25 s): it was cut off before the
+    # 40th byte, however slowly this machine runs the trickle
     assert sent < 40, "the acceptor kept a trickling handshake open"
-    assert time.monotonic() - start < 8
     sock.close()
 
 
@@ -164,17 +177,14 @@ def test_idle_connections_are_bounded_and_peers_still_served(rpc_world):
             with contextlib.suppress(OSError):
                 idle.append(socket.create_connection((host, port), timeout=5))
         threads1, fds1, rss1 = rpc.rpc_sync("worker1", helpers.resources)
-        latencies = _legit_latencies()
+        served = _legit_calls()  # while every idle connection is still open
     finally:
         for s in idle:
             s.close()
-    print(f"legit rpc_sync under 3,000 idle connections: median "
-          f"{sorted(latencies)[len(latencies) // 2] * 1e3:.1f} ms, max "
-          f"{max(latencies) * 1e3:.1f} ms")
     assert threads1 <= threads0 + HANDSHAKE_SLOTS + 2
     assert fds1 <= fds0 + HANDSHAKE_SLOTS + 4
     assert rss1 - rss0 < 100 * MB
-    assert max(latencies) < 2.0  # served, not queued behind the attack (a loose bound)
+    assert served == 20  # served during the attack, not after it
 
 
 def test_ten_init_shutdown_cycles_leave_nothing_behind(tmp_path):
