@@ -36,8 +36,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return _main(argv)
     except EnvError as exc:  # a variable read on the way: one line naming it
-        command = " ".join(a for a in argv[:1] if not a.startswith("-"))
-        print(f"shardwise {command}: error: {exc}".replace("  ", " "), file=sys.stderr)
+        prog = " ".join(["shardwise", *(a for a in argv[:1] if not a.startswith("-"))])
+        print(f"{prog}: error: {exc}", file=sys.stderr)
         return 2
 
 
