@@ -206,4 +206,6 @@ def test_a_forged_progress_record_blames_no_one(caplog):
     assert code == 0, err.getvalue()
     assert "[rank1]: rank 1 done" in out.getvalue()
     assert "no heartbeat" not in err.getvalue()
-    assert "shardwise/progress/attempt_0/rank_1" in caplog.text  # the forgery was logged
+    # the watchdog reads each rank's own pipe, not the store: the forgery is never even read
+    # ([Note: progress records]; tests/distributed/test_launch_store_tampering.py)
+    assert "shardwise/progress/attempt_0/rank_1" not in caplog.text

@@ -419,16 +419,6 @@ def test_a_forged_or_replayed_progress_record_is_false():
     assert progress.read_progress(store, 0, 1, b"another secret") is progress.FALSE
 
 
-def test_a_tampered_record_is_never_evidence_against_a_rank():
-    from shardwise.launch.watchdog import Watchdog
-
-    dog = Watchdog([0, 1], timeout=5.0)
-    dog.observe(1, {"seq": 1, "beats": 0, "t": 0.0, "n": 1, "exiting": False}, now=0.0)
-    dog.tampered(1, now=4.0)
-    assert dog.verdict(now=8.0) is None
-    assert dog.verdict(now=10.0).ranks == [1]
-
-
 def test_a_rank_that_left_with_exit_code_0_is_named_before_the_consequence():
     exits = [RankExit(0, 1, 5.2, False, _record(0, 5.1, True, message=RESET)),
              RankExit(1, 0, 5.0, False, None)]

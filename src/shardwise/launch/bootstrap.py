@@ -116,7 +116,7 @@ def _start_heartbeat() -> progress.Heartbeat | None:
     heartbeat = progress.Heartbeat(
         store, int_var("TORCHELASTIC_RESTART_COUNT", default=0, minimum=0),
         int_var("RANK", minimum=0), int_var("WORLD_SIZE", minimum=1),
-        interval=min(1.0, timeout / 5), secret=secret)
+        interval=min(1.0, timeout / 5), secret=secret, pipe_fd=_progress_pipe())
     heartbeat.publish()
     heartbeat.start()
     # registered before the script runs, so it runs after the script's own exit handlers: the
@@ -125,6 +125,12 @@ def _start_heartbeat() -> progress.Heartbeat | None:
     # without an active exception")
     atexit.register(_stop_heartbeat, heartbeat)
     return heartbeat
+
+
+def _progress_pipe() -> int | None:
+    """The write end of this rank's pipe to its launcher, when the launcher made one."""
+    fd = int_var(progress.PIPE_VAR, -1, minimum=-1)
+    return None if fd < 0 else fd
 
 
 def _stop_heartbeat(heartbeat: progress.Heartbeat) -> None:

@@ -55,7 +55,7 @@ from shardwise.launch.lifeline import LAUNCHER_FD_VAR, LAUNCHER_PID_VAR
 from shardwise.launch.nodes import Layout, NodeError, NodeLink, open_store
 from shardwise.launch.output import PrefixedRelay, Screen, lines_since, stack_dump
 from shardwise.launch.preemption import DEFAULT_GRACE_SECONDS, GRACE_VAR
-from shardwise.launch.progress import FALSE, SCOPE, read_progress
+from shardwise.launch.progress import PIPE_VAR, SCOPE, ProgressPipe
 from shardwise.launch.watchdog import Hang, Watchdog
 
 LOCALHOST = "127.0.0.1"
@@ -155,6 +155,7 @@ class _Rank:
     stopped: bool = False
     stack: str = ""
     published: bool = False  # it wrote a progress record (it runs bootstrap.py)
+    progress: ProgressPipe | None = None  # its records, as it wrote them ([Note: progress records])
 
     def alive(self) -> bool:
         return self.proc.poll() is None
@@ -332,6 +333,7 @@ class _Job:
             self._stop(ranks)
             self._end_descendants(ranks)
             for rank in ranks:
+                rank.progress.close()
                 for relay in rank.relays:
                     relay.join(timeout=5)
 
@@ -347,7 +349,7 @@ class _Job:
             if all(r.proc.returncode == 0 for r in ranks):
                 return self._on_success(attempt), False
             now = time.monotonic()
-            self._observe(attempt, ranks, watchdog, now)
+            self._observe(ranks, watchdog, now)
             hang = watchdog.verdict(now)
             if hang is not None:
                 return self._on_hang(attempt, ranks, hang), False
@@ -373,20 +375,13 @@ class _Job:
             except queue.Empty:
                 return
 
-    def _observe(self, attempt, ranks, watchdog, now) -> None:
+    def _observe(self, ranks, watchdog, now) -> None:
+        """Each live rank's newest record, from its own pipe: what the rank wrote, which no
+        other process can delete or write back ([Note: progress records], progress.py)."""
         for rank in ranks:
             if not rank.alive():
                 continue
-            try:
-                record = read_progress(self.store, attempt, rank.rank, self.secret,
-                                       watchdog.last(rank.rank))
-            except _STORE_ERRORS as exc:
-                self.store_lost = True
-                raise NodeError(f"lost contact with node 0 (the host of the rendezvous "
-                                f"store) ({exc})") from exc
-            if record is FALSE:
-                watchdog.tampered(rank.rank, now)
-                continue
+            record = rank.progress.latest()
             rank.published = rank.published or record is not None
             watchdog.observe(rank.rank, record, now)
 
@@ -535,11 +530,20 @@ class _Job:
         rank = self.layout.rank_offset + local
         error_file = workdir / f"rank_{rank}" / "error.json"
         error_file.parent.mkdir(parents=True, exist_ok=True)
-        proc = subprocess.Popen(
-            self.argv, env=self._rank_env(attempt, rank, local, error_file),
-            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            start_new_session=True, pass_fds=(self._read_end,),
-        )
+        env = self._rank_env(attempt, rank, local, error_file)
+        progress_read, progress_write = os.pipe()  # [Note: progress records], progress.py
+        env[PIPE_VAR] = str(progress_write)
+        try:
+            proc = subprocess.Popen(
+                self.argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE, start_new_session=True,
+                pass_fds=(self._read_end, progress_write),
+            )
+        except BaseException:
+            os.close(progress_read)
+            raise
+        finally:
+            os.close(progress_write)  # the rank holds it now
         prefix, merged = f"[rank{rank}]: ", deque(maxlen=400)
         relays = [PrefixedRelay(os.dup(proc.stdout.fileno()), prefix, self.stdout, self.lock,
                                 merged=merged),
@@ -549,7 +553,8 @@ class _Job:
         proc.stderr.close()
         for relay in relays:
             relay.start()
-        return _Rank(rank, local, proc, relays, merged, error_file)
+        return _Rank(rank, local, proc, relays, merged, error_file,
+                     progress=ProgressPipe(progress_read))
 
     def _rank_env(self, attempt: int, rank: int, local: int, error_file: Path) -> dict[str, str]:
         env = dict(self.base_env)

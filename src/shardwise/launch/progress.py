@@ -17,12 +17,21 @@ process group uses.
 Records are signed (distributed/signed_store.py, [Note: launcher records] in job_secret.py)
 under the secret the launcher handed its ranks, and carry a count ``n`` that only grows: a
 reader ignores (and logs) a record that fails its MAC, and reports a record older than one it
-has seen (a genuine record written back by someone else) as false too, so that no one without
-the secret can make a rank look frozen, stuck or behind.
+has seen (a genuine record written back by someone else) as false too.
+
+The store cannot prove a rank alive, though: anyone who reaches its port can delete a record,
+or write a genuine one back again and again, and a rank then looks frozen although its MAC
+holds. So the watchdog does not read the store. Our launcher gives each rank one end of a pipe
+of its own (``$SHARDWISE_PROGRESS_FD``), and the heartbeat writes every record there too, one
+JSON line each; the launcher reads the other end (``ProgressPipe``). No other process holds
+either end, so what the watchdog judges by is what the rank wrote. The store's copies serve
+the ranks' own question, who never reached a collective (``stragglers``), and a rank whose
+record is missing there is not named.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import threading
@@ -35,6 +44,7 @@ from shardwise._compat import sequence_number
 from shardwise.distributed import signed_store
 
 PREFIX = "shardwise/progress/"
+PIPE_VAR = "SHARDWISE_PROGRESS_FD"  # the write end of this rank's pipe to its launcher
 SCOPE = "shardwise-launcher"  # signed_store's scope of every launcher record
 _beats = 0
 
@@ -106,9 +116,12 @@ class Heartbeat(threading.Thread):
     """Publishes this rank's progress record every ``interval`` seconds until ``stop()``."""
 
     def __init__(self, store: dist.Store, attempt: int, rank: int, world_size: int,
-                 interval: float, secret: bytes):
+                 interval: float, secret: bytes, pipe_fd: int | None = None):
         super().__init__(daemon=True, name="shardwise-heartbeat")
         self.store, self.attempt, self.rank = store, attempt, rank
+        self.pipe_fd = pipe_fd  # the launcher reads the records here ([Note: progress records])
+        if pipe_fd is not None:
+            os.set_blocking(pipe_fd, False)  # a full pipe drops a record, never blocks a rank
         self.secret, self._count = secret, 0
         self.world_size, self.interval = world_size, interval
         self._lock = threading.Lock()
@@ -129,8 +142,18 @@ class Heartbeat(threading.Thread):
             self._count += 1
             record = {"seq": collective_count(), "beats": _beats, "t": time.time(),
                       "n": self._count, "pid": os.getpid(), "exiting": exiting}
+            self._to_launcher(json.dumps(record))
             signed_store.put(self.store, progress_key(self.attempt, self.rank),
                              json.dumps(record), self.secret, SCOPE)
+
+    def _to_launcher(self, line: str) -> None:
+        """One record on the pipe; a full pipe (the launcher reads it a few times a second)
+        drops it, and a closed one (the launcher is gone) raises OSError, which ends the
+        thread."""
+        if self.pipe_fd is None:
+            return
+        with contextlib.suppress(BlockingIOError):  # one line is below PIPE_BUF: atomic
+            os.write(self.pipe_fd, (line + "\n").encode())
 
     def stop(self) -> None:
         self._stopped.set()
@@ -151,8 +174,40 @@ class Heartbeat(threading.Thread):
                     record = read_progress(self.store, self.attempt, rank, self.secret)
                 except (RuntimeError, dist.DistError, OSError):
                     return []
-                if record is FALSE:
+                if record is FALSE or record is None:  # no evidence: name no one
                     return []
-                if record is None or record["seq"] < mine:
+                if record["seq"] < mine:
                     behind.append(rank)
         return behind
+
+
+class ProgressPipe:
+    """The launcher's end of one rank's pipe: the newest record the rank wrote there."""
+
+    def __init__(self, fd: int):
+        self.fd = fd
+        os.set_blocking(fd, False)
+        self._partial = b""
+        self.record: dict[str, Any] | None = None
+
+    def latest(self) -> dict[str, Any] | None:
+        """Read what the rank wrote since the last call (never blocks); the newest whole
+        record so far, or None before the first."""
+        while True:
+            try:
+                chunk = os.read(self.fd, 65536)
+            except BlockingIOError:
+                break
+            if not chunk:  # the rank closed it (exited)
+                break
+            self._partial += chunk
+        *lines, self._partial = self._partial.split(b"\n")
+        for line in reversed(lines):
+            record = parse_record(line)
+            if record is not None:
+                self.record = record
+                break
+        return self.record
+
+    def close(self) -> None:
+        os.close(self.fd)

@@ -1,7 +1,8 @@
 """The launcher's job-level watchdog: ranks that stop, and ranks left hanging.
 
 It sees the launcher's own facts only (which ranks exited and how, and the progress records the
-ranks publish, see [Note: progress records] in progress.py), timed by the launcher's clock, and
+ranks write on their pipes to it, see [Note: progress records] in progress.py), timed by the
+launcher's clock, and
 names two kinds of hang, each after ``timeout`` seconds:
 
 * no heartbeat: a live rank that has published a record stopped publishing (stopped, frozen, or
@@ -60,13 +61,6 @@ class Watchdog:
     def last(self, rank: int) -> dict[str, Any] | None:
         """The newest true record seen of ``rank``."""
         return self._seen[rank].record
-
-    def tampered(self, rank: int, now: float) -> None:
-        """Someone without the job's secret wrote over ``rank``'s record: its heartbeat cannot
-        be judged now, so it counts as a beat with progress (a rank is never blamed on evidence
-        that was tampered with)."""
-        seen = self._seen[rank]
-        seen.beat_at = seen.progress_at = now
 
     def exited(self, rank: int, code: int, now: float) -> None:
         self._seen[rank].exit_code = code
