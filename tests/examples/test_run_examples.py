@@ -43,8 +43,7 @@ def _check(done, what: str) -> None:
 @pytest.mark.parametrize("path", example_files(), ids=lambda p: p.stem)
 def test_example_runs_under_the_launcher(path: Path, tmp_path):
     n = nproc(path)
-    done = procs.run(["-m", "shardwise", "run", "--nproc", str(n), str(path)], _env(), tmp_path,
-                     timeout=TIMEOUT)
+    done = _launch(path, n, tmp_path)
     _check(done, f"shardwise run --nproc {n} examples/{path.name}")
 
 
@@ -52,3 +51,27 @@ def test_pipeline_gpt_runs_plainly_starting_its_own_processes(tmp_path):
     script = EXAMPLES / "pipeline_gpt.py"
     done = procs.run([str(script), "--steps", "2"], _env(), tmp_path, timeout=TIMEOUT)
     _check(done, f"{sys.executable} examples/pipeline_gpt.py")
+
+
+def _launch(path: Path, n: int, cwd: Path):
+    return procs.run(["-m", "shardwise", "run", "--nproc", str(n), str(path)], _env(), cwd,
+                     timeout=TIMEOUT)
+
+
+def test_the_fsdp2_example_trains_as_with_torchs_fully_shard(tmp_path):
+    """The README's FSDP2 block with torch's ``fully_shard`` in place of ours: the same losses.
+    (torch fails the block's earlier form the same two ways: no ``reset_parameters`` on the
+    user's model, and a float32 root under bf16 blocks without ``mp_policy`` on the root.)"""
+    ours = EXAMPLES / "fsdp2.py"
+    line = "from shardwise import FSDPModule, MixedPrecisionPolicy, fully_shard"
+    text = ours.read_text()
+    assert line in text
+    theirs = tmp_path / "fsdp2_torch.py"
+    theirs.write_text(text.replace(line, line.replace("shardwise", "torch.distributed.fsdp")))
+    losses = {}
+    for name, path in (("ours", ours), ("torch's", theirs)):
+        done = _launch(path, 2, tmp_path)
+        _check(done, f"examples/fsdp2.py with {name} fully_shard")
+        losses[name] = [float(v) for v in re.findall(r"rank 0 loss ([\d.]+)", done.stdout)]
+    assert len(losses["ours"]) == 10, losses
+    assert losses["ours"] == pytest.approx(losses["torch's"], rel=1e-3), losses
