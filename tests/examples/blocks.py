@@ -17,7 +17,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"
 # The pages whose Python blocks are all examples (or marked as not one).
-PAGES = ("README.md", "docs/checkpoint.md", "docs/mesh.md", "docs/pipeline.md")
+PAGES = ("README.md", "docs/checkpoint.md", "docs/mesh.md", "docs/pipeline.md", "docs/zero.md")
 NOT_AN_EXAMPLE = re.compile(r"<!--\s*not an example:\s*\S.*-->")
 _START = re.compile(r"^\s*# block: (?P<name>[\w-]+)\s*$")
 _END = re.compile(r"^\s*# block: end\s*$")
