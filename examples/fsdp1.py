@@ -15,7 +15,7 @@ import torch.distributed as dist
 from shardwise.distributed import init
 from shardwise.models import GPT, GPTConfig, lm_loss
 
-CONFIG = GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=2, d_model=32)
+CONFIG = GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=2, d_model=32)  # the block's
 
 
 def make_batches(rank: int, steps: int = 8) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -34,10 +34,10 @@ def main() -> None:
 
     import shardwise
     from shardwise.fsdp import ModuleWrapPolicy, full_state_dict
-    from shardwise.models import GPT, lm_loss
+    from shardwise.models import GPT, GPTConfig, lm_loss
     from shardwise.models.gpt import Block
 
-    model = GPT(CONFIG)
+    model = GPT(GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=2, d_model=32))
     model = shardwise.FullyShardedDataParallel(
         model, auto_wrap_policy=ModuleWrapPolicy({Block}),
         mixed_precision=shardwise.MixedPrecision(param_dtype=torch.bfloat16))  # optional
