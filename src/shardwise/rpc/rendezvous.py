@@ -20,7 +20,9 @@ at the same address, RPC uses that store; (2) otherwise rank 0 starts its TCPSto
 *multi-tenant* server, the one that torch's ``init_process_group`` (env:// and tcp://) also
 asks for and that c10d shares between all multi-tenant stores of a process on one port, so a
 process group made after RPC reuses it; (3) under torchrun or ``shardwise run``
-(TORCHELASTIC_USE_AGENT_STORE) the launcher hosts the store and every rank is a client.
+(TORCHELASTIC_USE_AGENT_STORE) the launcher hosts the store at MASTER_ADDR / MASTER_PORT and
+every rank is a client; a store at another address (``tcp://``, in processes that a launched
+rank started) is hosted by rank 0, as in (2).
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ import torch.distributed as dist
 
 from shardwise._compat import default_store
 from shardwise.distributed import signed_store
-from shardwise.distributed.env import AGENT_STORE_VAR, flag_var, int_var, str_var
+from shardwise.distributed.env import AGENT_STORE_VAR, flag_var, int_var, is_set, str_var
 from shardwise.distributed.groups import global_ranks
 
 PREFIX = "shardwise_rpc"
@@ -61,7 +63,7 @@ def make_store(init_method: str, rank: int, world_size: int, timeout: float) -> 
     shared = default_group_store(host, port)
     if shared is not None:
         return shared
-    agent_hosted = flag_var(AGENT_STORE_VAR)
+    agent_hosted = launcher_hosts(host, port)
     try:
         return dist.TCPStore(host, port, world_size, is_master=rank == 0 and not agent_hosted,
                              timeout=timedelta(seconds=timeout), wait_for_workers=False,
@@ -70,6 +72,17 @@ def make_store(init_method: str, rank: int, world_size: int, timeout: float) -> 
         role = "host" if rank == 0 and not agent_hosted else "reach"
         raise RendezvousError(f"RPC rank {rank}: could not {role} the rendezvous store at "
                               f"{host}:{port} ({type(exc).__name__}: {exc})") from exc
+
+
+def launcher_hosts(host: str, port: int) -> bool:
+    """True when a launcher hosts the store at ``host:port``: it says it hosts one
+    (TORCHELASTIC_USE_AGENT_STORE) and that is its address (MASTER_ADDR / MASTER_PORT). A
+    process that a launched rank started itself inherits the flag, but the store it was told
+    to meet at elsewhere is its own group's, hosted by its rank 0."""
+    if not (flag_var(AGENT_STORE_VAR) and is_set("MASTER_ADDR") and is_set("MASTER_PORT")):
+        return False
+    master_port = int_var("MASTER_PORT", minimum=1, maximum=65535)
+    return port == master_port and _same_host(host, str_var("MASTER_ADDR"))
 
 
 def default_group_store(host: str, port: int) -> dist.Store | None:
