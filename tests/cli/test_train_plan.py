@@ -60,3 +60,17 @@ def test_train_prints_the_plan_before_the_launcher_starts(capsys, monkeypatch, t
     assert main(["train", "--nproc", "2", "--strategy", "tp", "--steps", "3"]) == 0
     assert seen and seen[0].startswith("shardwise train: tp on 2 ranks (1 node x 2)")
     assert "every rank the whole batch" in seen[0] and len(seen[0].splitlines()) == 1
+
+
+def test_the_plan_comes_before_the_corpus_is_read(capsys, monkeypatch, tmp_path):
+    """Reading the corpus imports torch and reads megabytes: the plan is on screen first."""
+    seen = []
+
+    def corpus_check(cfg, world_size):
+        seen.append(capsys.readouterr().out)
+
+    monkeypatch.setattr("shardwise.cli.train_args._check_corpus", corpus_check)
+    monkeypatch.setattr("shardwise.cli.launch_args.launch", lambda *a, **k: 0)
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", "--steps", "3"]) == 0
+    assert seen and seen[0].startswith("shardwise train: ddp on 2 ranks")

@@ -24,8 +24,9 @@ from shardwise.cli.train_args import (
     ConfigError,
     TrainConfig,
     build_parser,
+    check_arguments,
+    check_files,
     config_from_args,
-    validate,
 )
 from shardwise.cli.train_plan import plan_line
 from shardwise.distributed.env import EnvError, launched
@@ -119,10 +120,11 @@ def _train(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: list
     if problem:
         parser.exit(2, f"shardwise train: error: {problem}\n")
     try:
-        validate(cfg, cfg.nproc * args.nnodes, args.nnodes)
+        check_arguments(cfg, cfg.nproc * args.nnodes, args.nnodes)
+        print(plan_line(cfg, args.nnodes), flush=True)  # at once: what follows takes seconds
+        check_files(cfg, cfg.nproc * args.nnodes)
     except ConfigError as exc:
         parser.exit(2, f"shardwise train: error: {exc}\n")
-    print(plan_line(cfg, args.nnodes), flush=True)  # at once: ranks take seconds to start
     from shardwise.launch.launcher import python_command  # (imports torch)
 
     return run_launcher("shardwise train", cfg.nproc,

@@ -191,6 +191,12 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 
 def validate(cfg: TrainConfig, world_size: int, nnodes: int = 1) -> None:
     """Raise ConfigError naming the first problem found; also checks the resume checkpoint."""
+    check_arguments(cfg, world_size, nnodes)
+    check_files(cfg, world_size)
+
+
+def check_arguments(cfg: TrainConfig, world_size: int, nnodes: int = 1) -> None:
+    """What the arguments alone decide (arithmetic, no file read, no torch for the CPU)."""
     _positive(cfg, "nproc", "steps", "batch_size", "n_layer", "n_head", "d_model", "seq_len",
               "eval_batches", "log_every", "corpus_bytes")
     problem = ranks_problem(cfg.nproc)
@@ -221,12 +227,17 @@ def validate(cfg: TrainConfig, world_size: int, nnodes: int = 1) -> None:
     if problem:
         raise ConfigError(problem)
     _check_memory(cfg, world_size)
-    _check_corpus(cfg, world_size)
     for flag, value in (("--checkpoint-dir", cfg.checkpoint_dir), ("--log-dir", cfg.log_dir)):
         if value is not None and not value.strip():
             raise ConfigError(f"{flag} must name a directory, got an empty string")
     if cfg.resume and not cfg.checkpoint_dir:
         raise ConfigError("--resume needs --checkpoint-dir to know where to resume from")
+
+
+def check_files(cfg: TrainConfig, world_size: int) -> None:
+    """What needs the files: the corpus is long enough, the directories are writable, the
+    checkpoint to resume from fits this run."""
+    _check_corpus(cfg, world_size)
     if cfg.checkpoint_dir:
         _check_writable(Path(cfg.checkpoint_dir))
     if cfg.log_dir:
@@ -358,5 +369,5 @@ def _check_writable(directory: Path, flag: str = "--checkpoint-dir",
         raise ConfigError(f"{flag} {directory} is not writable")
 
 
-__all__ = ["ConfigError", "TrainConfig", "build_parser", "config_from_args", "strategy_names",
-           "validate"]
+__all__ = ["ConfigError", "TrainConfig", "build_parser", "check_arguments", "check_files",
+           "config_from_args", "strategy_names", "validate"]
