@@ -1,16 +1,22 @@
 """Programs whose interpreter exit tests/integrations/test_clean_exit.py times. Each prints
-``END`` as its last line (flushed) and then ends without any cleanup call: what keeps the
-interpreter alive after that line is what the test looks for.
+``END <CPU seconds used so far>`` as its last line (flushed) and then ends without any cleanup
+call: what keeps the interpreter alive after that line is what the test looks for.
 
-``python tests/integrations/exit_programs.py KIND``; KIND ``import`` (import shardwise and its
-subpackages), ``ddp`` (2 ranks: 10 AdamW steps with shardwise.DistributedDataParallel, started
-with a launcher's variables), ``accelerate`` (2 ranks: accelerate's own DDP with shardwise
-imported, the run behind the report of a held exit).
+``python tests/integrations/exit_programs.py KIND``; KIND ``torch`` (import torch and
+torch.distributed only: the baseline), ``import`` (import shardwise and its subpackages),
+``ddp`` (2 ranks: 10 AdamW steps with shardwise.DistributedDataParallel, started with a
+launcher's variables), ``accelerate`` (2 ranks: accelerate's own DDP with shardwise imported,
+the run behind the report of a held exit).
 """
 
 from __future__ import annotations
 
 import sys
+
+
+def _torch() -> None:
+    import torch  # noqa: F401
+    import torch.distributed  # noqa: F401
 
 
 def _import() -> None:
@@ -60,5 +66,7 @@ def _accelerate() -> None:
 
 
 if __name__ == "__main__":
-    {"import": _import, "ddp": _ddp, "accelerate": _accelerate}[sys.argv[1]]()
-    print("END", flush=True)
+    import time
+
+    {"torch": _torch, "import": _import, "ddp": _ddp, "accelerate": _accelerate}[sys.argv[1]]()
+    print("END", time.process_time(), flush=True)

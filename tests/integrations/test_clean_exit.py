@@ -30,14 +30,17 @@ def _env(extra: dict | None = None) -> dict:
 
 
 def _end_seen(proc: subprocess.Popen, seen: list, lines: list) -> None:
+    """Records (when, CPU seconds the program had used) at its ``END <cpu>`` line."""
     for line in proc.stdout:
         lines.append(line)
-        if line.strip() == "END":
-            seen.append(time.monotonic())
+        if line.startswith("END "):
+            seen.append((time.monotonic(), float(line.split()[1])))
 
 
-def exit_delays(kind: str, ranks: int) -> list[float]:
-    """Start ``ranks`` processes of ``kind``; seconds from each one's END line to its exit."""
+def exit_delays(kind: str, ranks: int) -> list[tuple[float, float]]:
+    """Start ``ranks`` processes of ``kind``; for each, the wall-clock seconds from its END
+    line to its exit, and the CPU seconds it used in that time (its own, from the kernel's
+    accounting: on a busy machine the wall time also counts waiting for a core)."""
     import torch.distributed as dist
 
     store = env = None
@@ -70,7 +73,8 @@ def exit_delays(kind: str, ranks: int) -> list[float]:
         del store
 
 
-def _delay(proc: subprocess.Popen, reader: threading.Thread, end: list, out: list) -> float:
+def _delay(proc: subprocess.Popen, reader: threading.Thread, end: list,
+           out: list) -> tuple[float, float]:
     deadline = time.monotonic() + RUN_S
     while not end and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.01)  # polling for the line (a bounded wait, not an ordering)
@@ -78,13 +82,20 @@ def _delay(proc: subprocess.Popen, reader: threading.Thread, end: list, out: lis
         proc.kill()
         reader.join(5)
         pytest.fail(f"the program never printed END (exit code {proc.poll()}):\n{''.join(out)}")
-    try:
-        proc.wait(timeout=HELD_S)
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"the process was still alive {HELD_S:.0f} s after its last line")
+    deadline = time.monotonic() + HELD_S
+    while True:  # wait4: the exit, and the CPU time the process used in all
+        pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+        if pid:
+            break
+        if time.monotonic() > deadline:
+            pytest.fail(f"the process was still alive {HELD_S:.0f} s after its last line")
+        time.sleep(0.005)
     exited = time.monotonic()
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    reader.join(5)
     assert proc.returncode == 0, "".join(out)
-    return exited - end[0]
+    when, cpu = end[0]
+    return exited - when, usage.ru_utime + usage.ru_stime - cpu
 
 
 @pytest.mark.slow  # 5 fresh interpreters importing torch: tens of seconds on a busy machine
@@ -109,6 +120,7 @@ def test_two_ranks_of_accelerate_ddp_with_shardwise_imported_exit():
 
 if __name__ == "__main__":  # measure: python -m tests.integrations.test_clean_exit KIND RANKS N
     kind, n_ranks, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-    delays = [d for _ in range(n) for d in exit_delays(kind, n_ranks)]
-    print(kind, "exit delays (s):", " ".join(f"{d:.3f}" for d in delays))
-    print(f"max {max(delays):.3f} median {sorted(delays)[len(delays) // 2]:.3f}")
+    runs = [d for _ in range(n) for d in exit_delays(kind, n_ranks)]
+    for name, values in zip(("wall", "cpu"), zip(*runs)):
+        print(kind, name, "seconds from END to exit:", " ".join(f"{v:.3f}" for v in values))
+        print(f"  max {max(values):.3f} median {sorted(values)[len(values) // 2]:.3f}")
