@@ -104,6 +104,14 @@ def _inject(sender, raw: bytes) -> None:
     sender.sock.send(b"D")
 
 
+def _wait_consumed(sender, timeout: float = 60.0) -> None:
+    """Return once the reader has released every byte written to the sender's ring."""
+    deadline = time.monotonic() + timeout
+    while sender.tx.words[shm_ring._READ] != sender._written:
+        assert time.monotonic() < deadline, "the reader stopped taking bytes from the ring"
+        time.sleep(0.01)
+
+
 def test_frames_from_the_ring_are_checked_like_socket_frames():
     lost: list = []
     done = threading.Event()
@@ -131,7 +139,7 @@ def test_a_huge_claimed_payload_allocates_nothing_until_its_bytes_arrive():
     assert got == [blob]
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     _inject(sender, wire._FIXED.pack(wire.MAGIC, 0, (1 << 32) - 1) + b"a few bytes")
-    time.sleep(0.5)
+    _wait_consumed(sender)  # the reader took the header and the bytes after it
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss < 50 << 10  # KB: < 50 MB
     sender.close()
     reader.join(10)
