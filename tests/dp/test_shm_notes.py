@@ -7,6 +7,7 @@ import subprocess
 import sys
 import time
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 import torch.distributed as dist
@@ -24,10 +25,23 @@ def _board(ctx, slots=3, timeout=None):
     return NoteBoard(slots, ctx.group, pids, "test board", "NO_SUCH_VAR", timeout)
 
 
+def _wait_asleep(pids, timeout=60.0):
+    """Return once each process's main thread sleeps in a futex wait (wait_note's; it posted
+    its notes first, without sleeping), or after ``timeout`` s (then the order is not forced)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if all("futex" in Path(f"/proc/{pid}/wchan").read_text() for pid in pids):
+                return
+        except OSError:
+            return  # no /proc/<pid>/wchan here: the order is not forced
+        time.sleep(0.01)
+
+
 def _every_pair(ctx, late: bool):
     board = _board(ctx)
-    if late and ctx.rank == 0:
-        time.sleep(0.2)  # the others are already waiting in the kernel
+    if late and ctx.rank == 0:  # the others are already waiting in the kernel
+        _wait_asleep([pid for r, pid in enumerate(board.pids) if r != ctx.rank])
     for seq in (1, 2):
         for r in range(ctx.world_size):
             if r != ctx.rank:
