@@ -56,16 +56,17 @@ def test_node_rank_out_of_range_is_an_error():
     done = subprocess.run([sys.executable, "-m", "shardwise", "run", "--nnodes", "2",
                            "--node-rank", "2", "--rdzv-endpoint", "127.0.0.1:1",
                            str(SCRIPTS / "node_env.py")], capture_output=True, text=True,
-                          timeout=60)
+                          timeout=600)  # only stops a hang: an interpreter starts at any load
     assert done.returncode == 2
     assert "--node-rank must be in [0, 2) for --nnodes 2, got 2" in done.stderr
 
 
 def test_launchers_that_disagree_on_nnodes_both_stop_with_a_clear_error(port):
-    first = _node(port, 0, 2, "node_env.py")
-    wait_listening(port, timeout=120)  # node 0 hosts the store: it is up before node 1 starts
-    second = _node(port, 1, 3, "node_env.py")
-    errs = [p.communicate(timeout=60)[1] for p in (first, second)]
+    # a long timeout: the disagreement is found when node 1 joins, however late it starts
+    first = _node(port, 0, 2, "node_env.py", timeout="600")
+    wait_listening(port, timeout=600)  # node 0 hosts the store: it is up before node 1 starts
+    second = _node(port, 1, 3, "node_env.py", timeout="600")
+    errs = [p.communicate(timeout=600)[1] for p in (first, second)]
     assert [p.returncode for p in (first, second)] == [2, 2], errs
     assert "the launchers disagree on --nnodes: node 0 has 2, node 1 has 3" in errs[0]
     assert "the launchers disagree on --nnodes: node 1 has 3, node 0 has 2" in errs[1]
