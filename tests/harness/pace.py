@@ -10,8 +10,10 @@ what the test adds for a period it is about (a grace period). Everything the pro
 test still have to do before they end (start an interpreter and reach the lifeline, read
 /proc, send a signal) costs less than the yardstick's import of torch, under any load: at load
 1 on two cores the bound is about ten seconds, at load 20 it grows with the import. A process
-that was never going to end (no lifeline, no sweep) outlives any such bound: the tests that
-use it give their ranks a rendezvous timeout far longer than the bound can be.
+that was never going to end (no lifeline, no sweep) outlives any such bound: the processes the
+tests wait for would live an hour without the mechanism under test (ranks with an hour's
+rendezvous timeout or in an endless all-reduce loop, children that sleep an hour), longer than
+the wait's cap, ``CAP_S``.
 """
 
 from __future__ import annotations

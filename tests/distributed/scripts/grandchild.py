@@ -10,7 +10,7 @@ import time
 rank = int(os.environ["RANK"])
 child = subprocess.Popen(
     [sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN);"
-     " print('ready', flush=True); time.sleep(600)"], stdout=subprocess.PIPE)
+     " print('ready', flush=True); time.sleep(3600)"], stdout=subprocess.PIPE)
 assert child.stdout.readline() == b"ready\n"  # SIGTERM is ignored from here on
 path = os.path.join(sys.argv[1], f"rank_{rank}.pid")
 with open(path + ".tmp", "w") as f:
@@ -26,4 +26,4 @@ if sys.argv[2] == "fail" and rank == 1:
         time.sleep(0.05)
     raise ValueError("rank one broke on purpose")
 if sys.argv[2] in ("fail", "wait"):
-    time.sleep(600)
+    time.sleep(3600)
