@@ -14,10 +14,12 @@ answer "absent", and a ``NotImplementedError``) with the same kind of message.
 
 from __future__ import annotations
 
-from typing import Any, NoReturn
+from typing import Any
 
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as _TorchDDP
+
+from shardwise.dp.refused import refused_method
 
 _INTERNAL = ("it drives torch's C++ reducer, which a shardwise.DistributedDataParallel does "
              "not have (its buckets live in shardwise.dp.grad_buckets)")
@@ -109,14 +111,8 @@ class TorchOnlyAttribute(AttributeError, NotImplementedError):
 
 
 def _refusal(name: str, why: str):
-    def method(self: Any, *args: Any, **kwargs: Any) -> NoReturn:
-        raise NotImplementedError(
-            f"{type(self).__name__}.{name}() is torch's DistributedDataParallel.{name}; "
-            f"on shardwise.DistributedDataParallel it cannot work: {why}")
-
-    method.__name__ = method.__qualname__ = name
-    method.__doc__ = f"torch's ``DistributedDataParallel.{name}``: not supported ({why})."
-    return method
+    return refused_method(name, "torch's DistributedDataParallel",
+                          "shardwise.DistributedDataParallel", why)
 
 
 class TorchDDPBase(_TorchDDP):

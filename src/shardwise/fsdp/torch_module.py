@@ -11,9 +11,10 @@ of them with an error that names the call, why it cannot work here, and what to 
 
 from __future__ import annotations
 
-from typing import Any, NoReturn
+from typing import Any
 
 from shardwise._compat import TorchFSDPModule as _TorchFSDPModule
+from shardwise.dp.refused import refused_method
 
 _STREAMS = ("it tunes the CUDA streams or communication memory of torch's implementation, "
             "which shardwise's units do not use; leave it out")
@@ -53,14 +54,8 @@ _REFUSED = {
 
 
 def _refusal(name: str, why: str):
-    def method(self: Any, *args: Any, **kwargs: Any) -> NoReturn:
-        raise NotImplementedError(f"{type(self).__name__}.{name}() is torch FSDP2's "
-                                  f"FSDPModule.{name}; on a module sharded by "
-                                  f"shardwise.fully_shard it cannot work: {why}")
-
-    method.__name__ = method.__qualname__ = name
-    method.__doc__ = f"torch's ``FSDPModule.{name}``: not supported ({why})."
-    return method
+    return refused_method(name, "torch FSDP2's FSDPModule",
+                          "a module sharded by shardwise.fully_shard", why)
 
 
 class TorchFSDPModuleBase(_TorchFSDPModule):
