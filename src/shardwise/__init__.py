@@ -40,7 +40,7 @@ def __getattr__(name: str) -> Any:
         raise AttributeError(f"module 'shardwise' has no attribute {name!r}")
     if not _checked:
         _checked = True
-        importlib.import_module("shardwise._compat").warn_if_untested()
+        importlib.import_module("shardwise._compat").warn_once_if_untested()
     module = importlib.import_module(_WHERE[name])
     value = module if _WHERE[name] == f"shardwise.{name}" else getattr(module, name)
     globals()[name] = value

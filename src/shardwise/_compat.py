@@ -298,7 +298,24 @@ def in_tested_range(version: str) -> bool:
 
 
 def warn_if_untested(version: str = torch.__version__) -> None:
-    """Warn (once: this runs when shardwise is imported) under a torch outside ``TESTED``."""
+    """Warn under a torch outside ``TESTED``."""
     if not in_tested_range(version):
         warnings.warn(f"shardwise is tested with torch {TESTED[0]} to {TESTED[1]}; torch "
                       f"{version} is outside that range (docs/compat.md)", stacklevel=3)
+
+
+_warned = False  # whether this process has warned about its torch version
+
+
+def warn_once_if_untested() -> None:
+    """``warn_if_untested``, at most one warning per process. It runs when this module is
+    first imported (every mechanism that uses torch imports it, so importing
+    ``shardwise.fsdp`` directly checks too) and on the first public name looked up through
+    the lazy ``shardwise`` package."""
+    global _warned
+    if not _warned and not in_tested_range(torch.__version__):
+        _warned = True
+        warn_if_untested()
+
+
+warn_once_if_untested()
