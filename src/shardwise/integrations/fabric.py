@@ -16,10 +16,9 @@ from torch import nn
 
 import shardwise
 from shardwise.integrations._require import framework
+from shardwise.integrations.ddp_strategy_names import register_ddp_strategy
 
 _strategies = framework("lightning_fabric.strategies", "fabric", "lightning")
-
-NAME = "shardwise_ddp"
 
 
 class ShardwiseFabricDDPStrategy(_strategies.DDPStrategy):
@@ -32,11 +31,7 @@ class ShardwiseFabricDDPStrategy(_strategies.DDPStrategy):
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
-        strategy_registry.register(NAME, cls, description="DDP with shardwise's "
-                                   "DistributedDataParallel", override=True)
-        strategy_registry.register(f"{NAME}_find_unused_parameters_true", cls,
-                                   description="shardwise_ddp with find_unused_parameters=True",
-                                   find_unused_parameters=True, override=True)
+        register_ddp_strategy(strategy_registry, cls)
 
 
 ShardwiseFabricDDPStrategy.register_strategies(_strategies.STRATEGY_REGISTRY)

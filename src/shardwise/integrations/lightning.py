@@ -18,10 +18,10 @@ from torch import Tensor, nn
 
 import shardwise
 from shardwise.integrations._require import framework
+from shardwise.integrations.ddp_strategy_names import NAME, register_ddp_strategy
 
 _strategies = framework("pytorch_lightning.strategies", "lightning", "lightning")
 
-NAME = "shardwise_ddp"
 
 
 class ShardwiseDDPStrategy(_strategies.DDPStrategy):
@@ -52,11 +52,7 @@ class ShardwiseDDPStrategy(_strategies.DDPStrategy):
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
-        strategy_registry.register(NAME, cls, description="DDP with shardwise's "
-                                   "DistributedDataParallel", override=True)
-        strategy_registry.register(f"{NAME}_find_unused_parameters_true", cls,
-                                   description="shardwise_ddp with find_unused_parameters=True",
-                                   find_unused_parameters=True, override=True)
+        register_ddp_strategy(strategy_registry, cls)
 
 
 ShardwiseDDPStrategy.register_strategies(_strategies.StrategyRegistry)
