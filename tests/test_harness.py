@@ -11,7 +11,7 @@ from tests.harness import procs, run_on_ranks
 
 
 def _warn_once_in_rank(ctx) -> list[str]:
-    from shardwise.fsdp import fsdp1_args
+    from shardwise.fsdp.fsdp1 import args as fsdp1_args
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

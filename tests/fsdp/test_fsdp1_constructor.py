@@ -21,7 +21,8 @@ from torch.distributed.tensor import DTensor
 from shardwise import FullyShardedDataParallel as FSDP
 from shardwise import MixedPrecision
 from shardwise.distributed import init_device_mesh
-from shardwise.fsdp import fsdp1_args, transformer_auto_wrap_policy
+from shardwise.fsdp import transformer_auto_wrap_policy
+from shardwise.fsdp.fsdp1 import args as fsdp1_args
 from shardwise.models import GPT, GPTConfig, lm_loss
 from shardwise.models.gpt import Block
 from tests.harness import assert_rel_close, rank_slice, run_on_ranks, token_batch

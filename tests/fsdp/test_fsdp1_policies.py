@@ -21,7 +21,7 @@ from shardwise.fsdp import (
     size_based_auto_wrap_policy,
     transformer_auto_wrap_policy,
 )
-from shardwise.fsdp.policies import modules_to_wrap
+from shardwise.fsdp.fsdp1.policies import modules_to_wrap
 from shardwise.models import GPT, GPTConfig
 from shardwise.models.gpt import MLP, Block
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import sys
 
 # module-level sets of "already warned about" marks (once per process), by name, wherever the
-# module that holds one lives: fsdp1_args._WARNED, pipeline.stage._warned,
+# module that holds one lives: fsdp/fsdp1/args._WARNED, pipeline.stage._warned,
 # sharded_tensor._warned_torch_only, signed_store._logged
 WARN_ONCE_NAMES = ("_WARNED", "_warned", "_warned_torch_only", "_logged")
 

@@ -27,8 +27,8 @@ from torch import nn
 from shardwise._compat import DTensor
 from shardwise.checkpoint import exchange
 from shardwise.ddp import DistributedDataParallel
+from shardwise.fsdp.fsdp1.wrapper import FullyShardedDataParallel
 from shardwise.fsdp.state_dict import clean_name
-from shardwise.fsdp.wrapper import FullyShardedDataParallel
 from shardwise.sharded_tensor import Shard, ShardedTensor, sharded_parameters
 from shardwise.zero import ZeroDataParallel, ZeroRedundancyOptimizer
 

@@ -1,13 +1,19 @@
 """Fully Sharded Data Parallel (ZeRO stage 3): parameters, gradients and optimizer state sharded
 across ranks; each unit's parameters gathered just for its forward and backward.
 
-Start with [Note: flat parameters] (flat_param.py) and [Note: FSDP schedule] (root.py).
+Start with [Note: flat parameters] (flat_param.py) and [Note: FSDP schedule] (root.py). The
+runtime (``fully_shard``, torch FSDP2's shape) lives in this package's top level; torch FSDP1's
+surface over it (``FullyShardedDataParallel``, wrap policies, ``enable_wrap`` / ``wrap``, its
+state-dict types and optimizer-state functions) in ``fsdp1/``, re-exported here under torch's
+names.
 """
 
-from shardwise.fsdp import wrap  # the module; calling it wraps (wrap.py)
-from shardwise.fsdp.clip_grad import clip_grad_norm_
+import sys
+
 from shardwise.fsdp.flat_param import ShardState
-from shardwise.fsdp.fsdp1_config import (
+from shardwise.fsdp.fsdp1 import wrap  # the module; calling it wraps (fsdp1/wrap.py)
+from shardwise.fsdp.fsdp1.clip_grad import clip_grad_norm_
+from shardwise.fsdp.fsdp1.config import (
     BackwardPrefetch,
     FullOptimStateDictConfig,
     FullStateDictConfig,
@@ -22,6 +28,16 @@ from shardwise.fsdp.fsdp1_config import (
     StateDictSettings,
     StateDictType,
 )
+from shardwise.fsdp.fsdp1.policies import (
+    ModuleWrapPolicy,
+    SizeBasedWrapPolicy,
+    always_wrap_policy,
+    lambda_auto_wrap_policy,
+    size_based_auto_wrap_policy,
+    transformer_auto_wrap_policy,
+)
+from shardwise.fsdp.fsdp1.wrap import enable_wrap
+from shardwise.fsdp.fsdp1.wrapper import FullyShardedDataParallel
 from shardwise.fsdp.fully_shard import fully_shard
 from shardwise.fsdp.mixed_precision import (
     CPUOffload,
@@ -31,14 +47,6 @@ from shardwise.fsdp.mixed_precision import (
     OffloadPolicy,
 )
 from shardwise.fsdp.module import FSDPModule, UnshardHandle
-from shardwise.fsdp.policies import (
-    ModuleWrapPolicy,
-    SizeBasedWrapPolicy,
-    always_wrap_policy,
-    lambda_auto_wrap_policy,
-    size_based_auto_wrap_policy,
-    transformer_auto_wrap_policy,
-)
 from shardwise.fsdp.state_dict import (
     full_state_dict,
     load_full_state_dict,
@@ -47,8 +55,10 @@ from shardwise.fsdp.state_dict import (
 )
 from shardwise.fsdp.sync import no_sync, set_requires_gradient_sync
 from shardwise.fsdp.unit import units_of
-from shardwise.fsdp.wrap import enable_wrap
-from shardwise.fsdp.wrapper import FullyShardedDataParallel
+
+# ``from shardwise.fsdp.wrap import enable_wrap, wrap``: torch's module path
+# (``torch.distributed.fsdp.wrap``) with ours in place of torch's package
+sys.modules[f"{__name__}.wrap"] = wrap
 
 
 def unsharded_bytes(module) -> int:

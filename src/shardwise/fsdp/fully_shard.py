@@ -23,6 +23,7 @@ from shardwise.dp.agree import check_same_model
 from shardwise.fsdp import checks, tp_params
 from shardwise.fsdp.dtensor import local_tensor, mesh_for_group
 from shardwise.fsdp.flat_param import FlatParamHandle
+from shardwise.fsdp.fsdp1.policies import WrapPolicy, modules_to_wrap
 from shardwise.fsdp.layout import check_shardable
 from shardwise.fsdp.mixed_precision import (
     CPUOffload,
@@ -32,7 +33,6 @@ from shardwise.fsdp.mixed_precision import (
     resolve_dtypes,
 )
 from shardwise.fsdp.module import FSDPModule, make_fsdp_class
-from shardwise.fsdp.policies import WrapPolicy, modules_to_wrap
 from shardwise.fsdp.state_dict import register_state_dict_hooks
 from shardwise.fsdp.unit import UNIT_ATTR, FSDPUnit, get_unit
 

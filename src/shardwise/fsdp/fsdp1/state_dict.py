@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from shardwise._compat import DTensor, Shard
-from shardwise.fsdp.fsdp1_config import StateDictSettings, StateDictType
+from shardwise.fsdp.fsdp1.config import StateDictSettings, StateDictType
 from shardwise.fsdp.state_dict import _unit_prefixes, replace_with_full
 
 FLAT = "_flat_param"

@@ -2,7 +2,7 @@
 torch's own objects as well as ours (users import them from ``torch.distributed.fsdp``).
 
 ``StateDictType`` picks what ``FullyShardedDataParallel.state_dict()`` and
-``FullyShardedDataParallel.optim_state_dict()`` return (see fsdp1_state_dict.py and
+``FullyShardedDataParallel.optim_state_dict()`` return (see fsdp1/state_dict.py and
 optim_state_dict.py): FULL (whole tensors, gathered), SHARDED (``Shard(0)`` DTensors, no
 collective) or LOCAL (each unit's flat shard as one DTensor).
 """

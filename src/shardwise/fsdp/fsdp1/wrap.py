@@ -10,7 +10,7 @@ module unchanged, so one model definition builds with or without FSDP. Contexts 
 it is the module-level ``_context`` below, set and cleared by ``enable_wrap`` only.
 
 This module can also be called: ``shardwise.fsdp.wrap(layer)`` is ``wrap(layer)`` (the package
-attribute ``shardwise.fsdp.wrap`` is this module, whose name torch's imports need).
+attribute and the module path ``shardwise.fsdp.wrap`` are this module: fsdp/__init__.py).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from typing import Any
 
 from torch import nn
 
-from shardwise.fsdp.policies import (
+from shardwise.fsdp.fsdp1.policies import (
     ModuleWrapPolicy,
     SizeBasedWrapPolicy,
     always_wrap_policy,

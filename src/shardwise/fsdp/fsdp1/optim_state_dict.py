@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 from shardwise._compat import DTensor, Shard
-from shardwise.fsdp.fsdp1_config import OptimStateKeyType, as_enum
+from shardwise.fsdp.fsdp1.config import OptimStateKeyType, as_enum
 
 
 def param_names(model: nn.Module) -> dict[int, str]:

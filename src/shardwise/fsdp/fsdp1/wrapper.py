@@ -5,7 +5,7 @@ auto-wrap policy's submodules as nested units). Names seen through the wrapper, 
 ``named_parameters()``, ``state_dict()`` and ``load_state_dict()``, are the unwrapped module's
 (the wrapper's segment is removed, as torch does), so state dicts move between the wrapped and
 the plain model unchanged. The static methods are torch FSDP1's: ``summon_full_params``,
-``state_dict_type`` / ``set_state_dict_type`` / ``get_state_dict_type`` (fsdp1_state_dict.py),
+``state_dict_type`` / ``set_state_dict_type`` / ``get_state_dict_type`` (fsdp1/state_dict.py),
 ``optim_state_dict`` / ``optim_state_dict_to_load`` and the older optimizer-state functions
 (optim_state_dict.py); ``register_comm_hook`` replaces the gradient reduce-scatter.
 """
@@ -23,21 +23,21 @@ from torch import nn
 from shardwise.distributed.groups import collective_device
 from shardwise.dp.agree import check_same_model
 from shardwise.dp.data_parallel import sync_module_state
-from shardwise.fsdp import fsdp1_args as args
-from shardwise.fsdp import optim_state_dict as osd_mod
-from shardwise.fsdp.clip_grad import clip_grad_norm_
-from shardwise.fsdp.fsdp1_config import (
+from shardwise.fsdp.fsdp1 import args
+from shardwise.fsdp.fsdp1 import optim_state_dict as osd_mod
+from shardwise.fsdp.fsdp1.clip_grad import clip_grad_norm_
+from shardwise.fsdp.fsdp1.config import (
     BackwardPrefetch,
     StateDictSettings,
     StateDictType,
     as_settings,
 )
-from shardwise.fsdp.fsdp1_state_dict import load_local, transform_state_dict
+from shardwise.fsdp.fsdp1.policies import WrapPolicy, modules_to_wrap
+from shardwise.fsdp.fsdp1.state_broadcast import broadcast_named_state, restore_tuples
+from shardwise.fsdp.fsdp1.state_dict import load_local, transform_state_dict
+from shardwise.fsdp.fsdp1.summon import summon_full_params
 from shardwise.fsdp.fully_shard import fully_shard
-from shardwise.fsdp.policies import WrapPolicy, modules_to_wrap
-from shardwise.fsdp.state_broadcast import broadcast_named_state, restore_tuples
 from shardwise.fsdp.state_dict import WRAPPED, check_keys, clean_name
-from shardwise.fsdp.summon import summon_full_params
 from shardwise.fsdp.sync import no_sync
 from shardwise.fsdp.unit import units_of
 
@@ -350,7 +350,7 @@ def _strip_prefix(module: nn.Module, state_dict: dict, prefix: str, local_metada
 
 def _by_state_dict_type(module: nn.Module, state_dict: dict, prefix: str,
                         local_metadata: Any) -> None:
-    """FULL (the default, as torch FSDP1's), SHARDED or LOCAL: see fsdp1_state_dict.py."""
+    """FULL (the default, as torch FSDP1's), SHARDED or LOCAL: see fsdp1/state_dict.py."""
     transform_state_dict(module._fsdp_wrapped_module, module._state_dict_settings, state_dict,
                          prefix)
 
