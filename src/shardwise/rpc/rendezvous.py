@@ -9,8 +9,10 @@ earlier RPC group of the same processes, never mixes keys. Every wait is bounded
 shutdown barrier's default (see [Note: shutdown] in agent.py).
 
 The records a worker trusts (addresses and barrier arrivals) carry a MAC under the group's key
-([Note: signed store records] in distributed/signed_store.py): a record written without the
-group secret is ignored and logged, and the wait goes on for a true one. A worker whose own
+([Note: signed store records] in distributed/signed_store.py), which holds a job id the workers
+agreed on ([Note: group key] in secret.py): a record written without the group secret, or
+copied from another group (another job with the same secret, an earlier ``init_rpc``), is
+ignored and logged, and the wait goes on for a true one. A worker whose own
 record was overwritten while it waits writes it again, so a one-off overwrite delays nobody.
 
 [Note: shared store] ``init_process_group`` then ``init_rpc`` on one MASTER_ADDR / MASTER_PORT
@@ -45,7 +47,7 @@ from shardwise.distributed.env import AGENT_STORE_VAR, flag_var, int_var, is_set
 from shardwise.distributed.groups import global_ranks
 
 PREFIX = "shardwise_rpc"
-SCOPE = "shardwise-rpc"  # the signed records' scope (the group key already names the group)
+SCOPE = "shardwise-rpc"  # the signed records' scope (the group key holds the agreed job id)
 _init_counter = itertools.count()
 _counter_lock = threading.Lock()
 

@@ -18,9 +18,16 @@ nothing in it may let a process join. The secret comes, in this order, from:
    set the secret): no host could read another's file.
 
 Every rank publishes its host's identity (``/etc/machine-id`` or the hostname) to decide 2 or 3
-(a liar can only make the group refuse itself). The handshake key is ``sha256(secret | group
-id)``: the random group id (public, in the store) makes it differ between two ``init_rpc``
-groups that share one environment secret.
+(a liar can only make the group refuse itself).
+
+[Note: group key] The handshake key, which also signs every RPC store record, is
+``sha256(sha256(secret | group id) | job id)``. The group id is random but public and unsigned
+(rank 0 writes it to the store; anyone can overwrite it, for instance with an earlier group's),
+so it only names the one-host secret file. The job id is what makes two groups' keys differ:
+the workers agree on it at rendezvous (``distributed/job_identity.agree``: every worker's fresh
+nonce, then a confirm round, signed under the secret), so no record of another job that uses
+the same ``$SHARDWISE_RPC_SECRET``, nor of an earlier ``init_rpc`` of the same processes, can
+verify under this group's key: a replayed ``shutdown`` or ``left`` is ignored and logged.
 """
 
 from __future__ import annotations
@@ -35,12 +42,15 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from shardwise.distributed import job_identity
 from shardwise.distributed.env import RPC_SECRET_FILE_VAR, RPC_SECRET_VAR, str_var
 from shardwise.distributed.private_files import host_identity, user_secret
 from shardwise.distributed.private_files import private_dir as private_dir_of
 from shardwise.rpc.rendezvous import RendezvousError
 
 _GROUP_KEY = "secret/group_id"
+_IDENTITY_PREFIX = "identity"  # the job identity's records, under this init_rpc's prefix
+_IDENTITY_SCOPE = "shardwise-rpc-identity"
 
 
 class SecretError(RendezvousError):
@@ -69,9 +79,11 @@ def _file_name(address: str, group_id: str) -> str:
 
 def group_key(store: dist.Store, rank: int, world_size: int, address: str,
               timeout: float) -> tuple[bytes, Path | None]:
-    """The handshake key of this group, and the secret file rank 0 must delete once everyone
-    connected (None when the secret came from the environment). ``store`` is this
-    ``init_rpc``'s scoped store; ``address`` the rendezvous address (names the file)."""
+    """The handshake key of this group ([Note: group key]), and the secret file rank 0 must
+    delete once everyone connected (None when the secret came from the environment).
+    ``store`` is this ``init_rpc``'s scoped store; ``address`` the rendezvous address (names
+    the file). Besides the host records and the group id, the workers agree on a job id (two
+    signed store rounds) that the key holds."""
     store.set(f"secret/host/{rank}", host_identity())
     if rank == 0:
         store.set(_GROUP_KEY, secrets.token_hex(16))
@@ -87,8 +99,14 @@ def group_key(store: dist.Store, rank: int, world_size: int, address: str,
                 f"`python -c 'import secrets; print(secrets.token_hex(32))'`) or "
                 f"${RPC_SECRET_FILE_VAR} (a file of mode 0600) for every rank")
         secret, path = _shared_file(store, rank, address, group_id, timeout)
-    key = hashlib.sha256(b"shardwise-rpc-v1|" + secret + b"|" + group_id.encode()).digest()
-    return key, path
+    base = hashlib.sha256(b"shardwise-rpc-v1|" + secret + b"|" + group_id.encode()).digest()
+    try:
+        job_id = job_identity.agree(store, _IDENTITY_PREFIX, rank, world_size, base,
+                                    _IDENTITY_SCOPE, timeout)
+    except job_identity.JobIdentityError as exc:
+        remove(path)
+        raise RendezvousError(f"RPC rank {rank}: {exc}") from exc
+    return hashlib.sha256(b"shardwise-rpc-v2|" + base + b"|" + job_id).digest(), path
 
 
 def _shared_file(store: dist.Store, rank: int, address: str, group_id: str,
