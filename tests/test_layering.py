@@ -199,3 +199,60 @@ def test_the_integrations_use_the_public_api_and_mechanisms_only(tmp_path, line,
     (tmp_path / "integrations").mkdir()
     (tmp_path / "integrations" / "m.py").write_text(f"def f():\n    {line}\n")
     assert (_violations(tmp_path) == []) == allowed
+
+
+# torch.distributed's collectives and point-to-point calls: inside fsdp/, only its communication
+# module calls them (fsdp/collectives.py: each function says what it sends and why)
+COLLECTIVES = {"all_gather", "all_gather_into_tensor", "all_gather_object", "all_reduce",
+               "all_to_all", "all_to_all_single", "barrier", "batch_isend_irecv", "broadcast",
+               "broadcast_object_list", "gather", "gather_object", "irecv", "isend",
+               "monitored_barrier", "recv", "reduce", "reduce_scatter", "reduce_scatter_tensor",
+               "scatter", "scatter_object_list", "send", "_all_gather_base",
+               "_reduce_scatter_base"}
+FSDP_COMMUNICATION = {"collectives.py"}
+
+
+def _collective_calls(path: Path) -> list[str]:
+    """``line: name`` of each use of a torch.distributed collective in the file: calls through
+    an alias of the module (``import torch.distributed as dist``, ``from torch import
+    distributed``) or its full name, and names imported from it."""
+    tree = ast.parse(path.read_text(), str(path))
+    aliases, found = set(), []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            aliases |= {a.asname for a in node.names if a.name == "torch.distributed" and a.asname}
+        elif isinstance(node, ast.ImportFrom) and node.module == "torch":
+            aliases |= {a.asname or a.name for a in node.names if a.name == "distributed"}
+        elif isinstance(node, ast.ImportFrom) and node.module == "torch.distributed":
+            found += [f"{node.lineno}: {a.name}" for a in node.names if a.name in COLLECTIVES]
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr in COLLECTIVES:
+            owner = ast.unparse(node.value)
+            if owner in aliases or owner == "torch.distributed":
+                found.append(f"{node.lineno}: {owner}.{node.attr}")
+    return found
+
+
+def _fsdp_collective_violations(root: Path = SRC / "fsdp") -> list[str]:
+    return [f"fsdp/{path.relative_to(root).as_posix()}:{call}"
+            for path in sorted(root.rglob("*.py")) if path.relative_to(root).as_posix()
+            not in FSDP_COMMUNICATION for call in _collective_calls(path)]
+
+
+def test_inside_fsdp_only_the_communication_module_calls_collectives():
+    assert _fsdp_collective_violations() == []
+
+
+@pytest.mark.parametrize("source,calls", [
+    ("import torch.distributed as dist\ndef f(t):\n    dist.all_reduce(t)\n", 1),
+    ("import torch.distributed as c10d\ndef f(t):\n    return c10d.isend(t, 1)\n", 1),
+    ("import torch\ndef f(t):\n    torch.distributed.barrier()\n", 1),
+    ("from torch import distributed\ndef f(t):\n    distributed.broadcast(t, 0)\n", 1),
+    ("from torch.distributed import all_gather\n", 1),
+    ("import torch.distributed as dist\ndef f(g):\n    return dist.get_world_size(g)\n", 0),
+])
+def test_the_collective_check_sees_each_way_of_calling_one(tmp_path, source, calls):
+    (tmp_path / "collectives.py").write_text(source)  # the communication module may
+    (tmp_path / "fsdp1").mkdir()
+    (tmp_path / "fsdp1" / "m.py").write_text(source)  # any other file may not
+    assert len(_fsdp_collective_violations(tmp_path)) == calls

@@ -6,7 +6,12 @@ rows, one all-gather of the packed small parameters) and its gradient reduce-sca
 flat gradient -> this rank's averaged shard), through ``shardwise.dp.fast_collectives``
 so that each backend gets its fastest equivalent collective (see [Note: fast collectives]
 there), issued asynchronously and waited for only when the data is needed; an all-reduce for
-gradient norms.
+gradient norms. Beside those, every other call FSDP makes into ``torch.distributed``'s
+collectives or point-to-point lives here too, each function saying what it sends and why:
+the direct exchanges of gradient rows ([Note: direct gradient reduction], grad_exchange.py),
+the barrier of ranks that share parameters on one host, the agreement on unused parameters,
+the all-gathers that tell every rank a mesh's grid, and FSDP1's broadcast of optimizer state.
+tests/test_layering.py holds the rule.
 
 Autograd: the end-of-backward callback is queued on autograd's engine so that it runs once the
 whole backward pass has finished. (The pre-backward hook, a tensor hook on a unit's forward
@@ -96,6 +101,57 @@ class _ThenAverage(Pending):
         """Wait for what was issued (the reduce-scatter) and issue nothing more ([Note: a
         backward that raised], root.py)."""
         self.first.wait()
+
+
+def exchange_rows(chunks: dict[int, torch.Tensor], rank: int,
+                  reads: Sequence[tuple[int, torch.Tensor]], global_ranks: Sequence[int],
+                  group: dist.ProcessGroup, tag: int) -> list[Any]:
+    """One direct parameter's point-to-point exchange ([Note: direct gradient reduction],
+    grad_exchange.py), issued asynchronously under ``tag``: this rank sends each other rank
+    ``r`` its rows ``chunks[r]`` straight out of the gradient, and receives each ``(r, buf)`` of
+    ``reads`` (``r``'s copy of this rank's rows) into ``buf``. Returns the works, sends first."""
+    works = [dist.isend(rows, global_ranks[r], group=group, tag=tag)
+             for r, rows in chunks.items() if r != rank]
+    for r, buf in reads:
+        works.append(dist.irecv(buf, global_ranks[r], group=group, tag=tag))
+    return works
+
+
+def host_barrier(group: dist.ProcessGroup) -> None:
+    """A barrier over ``group``, whose ranks hold a unit's parameters in one mapping per host
+    ([Note: parameters shared on one host], host_params.py): once it returns, every rank's
+    rows are written (after the mapping is filled) or no longer read (around the root's
+    forward, at the end of backward)."""
+    dist.barrier(group=group)
+
+
+def max_over(flags: torch.Tensor, groups: Sequence[dist.ProcessGroup | None]) -> set[int]:
+    """All-reduce ``flags`` (1D) in place with MAX over each group of ``groups`` that has more
+    than one rank, in order: a flag is then set wherever any rank of the mesh set it (which
+    parameters any rank had a gradient for: unused_grads.py). Returns the ids of the groups it
+    ran over (each was also a barrier)."""
+    synced: set[int] = set()
+    for group in groups:
+        if group is not None and dist.get_world_size(group) > 1:
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
+            synced.add(id(group))
+    return synced
+
+
+def gather_from_each(mine: torch.Tensor, group: dist.ProcessGroup | None = None
+                     ) -> list[torch.Tensor]:
+    """All-gather a small tensor (the same shape on every rank) from each rank of ``group``
+    (default: the world), in group rank order: how every rank learns the grid of a mesh made
+    from process groups (fsdp1/args.py, tp_params.py)."""
+    rows = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(rows, mine, group=group)
+    return rows
+
+
+def broadcast_from(buf: torch.Tensor, src: int, group: dist.ProcessGroup | None) -> None:
+    """Broadcast ``buf`` in place from global rank ``src`` over ``group``: FSDP1's optimizer
+    state, tensor by tensor, from rank 0 to every rank (fsdp1/state_broadcast.py)."""
+    dist.broadcast(buf, src, group=group)
 
 
 # [Note: FSDP under torch.compile]

@@ -57,6 +57,7 @@ import torch
 import torch.distributed as dist
 
 from shardwise.dp.fast_collectives import Pending, reduce_scatter_flat
+from shardwise.fsdp.collectives import exchange_rows
 from shardwise.fsdp.exchange_phases import PhasedExchange, receive_buffers
 from shardwise.fsdp.layout import UnitLayout, chunks_of, copy_into_chunks
 from shardwise.fsdp.peer_exchange import PeerRows, PulledExchange
@@ -268,15 +269,11 @@ class DirectGrads:
         if self.peer_rows is not None:
             return self._submit(PulledExchange(flat, chunks, self.rank, self.peer_rows, index,
                                                dest, into_dest))
-        works = []
-        for r, rows in chunks.items():
-            if r != self.rank:
-                works.append(dist.isend(rows, self.global_ranks[r], group=self.group, tag=tag))
         if own is None:  # this rank owns none of its rows: only the sends, kept alive
+            works = exchange_rows(chunks, self.rank, (), self.global_ranks, self.group, tag)
             return self._submit(_Exchange(works, None, [flat]))
         reads, pieces = receive_buffers(own, dest, into_dest, self.rank, self.world)
-        for r, buf in reads:
-            works.append(dist.irecv(buf, self.global_ranks[r], group=self.group, tag=tag))
+        works = exchange_rows(chunks, self.rank, reads, self.global_ranks, self.group, tag)
         return self._submit(_Exchange(works, dest, pieces))
 
     def _submit(self, exchange: _Exchange | PulledExchange) -> _Exchange | PulledExchange:

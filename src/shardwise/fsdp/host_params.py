@@ -45,6 +45,7 @@ import torch.distributed as dist
 from shardwise.distributed.env import flag_var
 from shardwise.dp.shm_reduce import on_one_host
 from shardwise.dp.shm_segment import SharedSegment, room_for
+from shardwise.fsdp.collectives import host_barrier
 from shardwise.fsdp.layout import ParamLayout, UnitLayout
 
 DISABLE_VAR = "SHARDWISE_FSDP_NO_SHARED_PARAMS"
@@ -83,5 +84,5 @@ class HostParams:
         with torch.no_grad():
             for param, local in zip(layout.params, locals_):
                 own_rows(self.full, param, rank).copy_(local)
-        dist.barrier(group=group)  # every rank's rows are in: the buffer is whole everywhere
+        host_barrier(group)  # every rank's rows are in: the buffer is whole everywhere
         self.rows = [own_rows(self.full, param, rank) for param in layout.params]

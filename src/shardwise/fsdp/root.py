@@ -45,11 +45,10 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 import torch
-import torch.distributed as dist
 
 from shardwise._compat import backward_running
 from shardwise.fsdp.buffer_pool import StoragePool
-from shardwise.fsdp.collectives import queue_end_of_backward
+from shardwise.fsdp.collectives import host_barrier, queue_end_of_backward
 from shardwise.fsdp.flat_param import GradReduction, ShardState
 from shardwise.fsdp.unused_grads import drop_unused_grads
 
@@ -258,7 +257,7 @@ class RootState:
             handle = unit.handle
             if handle is not None and handle.host is not None and id(handle.group) not in seen:
                 seen.add(id(handle.group))
-                dist.barrier(group=handle.group)
+                host_barrier(handle.group)
 
     # ---- measurement --------------------------------------------------------------------
     def unsharded_bytes(self) -> int:

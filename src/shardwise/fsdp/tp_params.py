@@ -58,6 +58,7 @@ from shardwise._compat import (
 )
 from shardwise._compat import StridedShard as _StridedShard
 from shardwise.distributed.groups import collective_device, global_ranks, group_alive
+from shardwise.fsdp.collectives import gather_from_each
 from shardwise.fsdp.dtensor import _contiguous_stride as contiguous_stride
 from shardwise.fsdp.dtensor import device_type_of
 from shardwise.sharded_tensor import sharded_parameters
@@ -227,9 +228,7 @@ def _concatenated(dp_mesh: DeviceMesh, tp_mesh: DeviceMesh) -> DeviceMesh | None
 def _from_groups(dp_group: dist.ProcessGroup, tp_group: dist.ProcessGroup) -> DeviceMesh:
     dp_ranks, tp_ranks = global_ranks(dp_group), global_ranks(tp_group)
     mine = torch.tensor(tp_ranks, dtype=torch.int64, device=collective_device(dp_group))
-    rows = [torch.empty_like(mine) for _ in dp_ranks]
-    dist.all_gather(rows, mine, group=dp_group)
-    grid = torch.stack(rows).cpu()
+    grid = torch.stack(gather_from_each(mine, dp_group)).cpu()
     _check_grid(grid, dp_ranks, tp_ranks)
     return DeviceMesh.from_group([dp_group, tp_group], device_type_of(dp_group), mesh=grid,
                                  mesh_dim_names=("dp", "tp"))

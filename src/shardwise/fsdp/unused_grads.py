@@ -29,6 +29,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from shardwise.fsdp.collectives import max_over
+
 if TYPE_CHECKING:
     from shardwise.fsdp.unit import FSDPUnit
 
@@ -75,10 +77,7 @@ def drop_unused_grads(units: Sequence[FSDPUnit]) -> set[int]:
         handle = members[0].handle
         flags = torch.tensor([int(u) for m in members for u in m.handle.reduced.used],
                              dtype=torch.int32, device=handle.compute_device)
-        for group in (handle.group, handle.replicate_group):
-            if group is not None and dist.get_world_size(group) > 1:
-                dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
-                synced.add(id(group))
+        synced |= max_over(flags, (handle.group, handle.replicate_group))
         if dist.get_backend(handle.group) == "fake":  # a dry run's flags carry no values
             continue
         used = flags.tolist()

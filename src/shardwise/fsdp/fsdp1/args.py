@@ -21,6 +21,7 @@ from shardwise.distributed.topology import (
     hybrid_mesh_shape,
     local_world_size_from_env,
 )
+from shardwise.fsdp.collectives import gather_from_each
 from shardwise.fsdp.dtensor import device_type_of
 from shardwise.fsdp.fsdp1.config import BackwardPrefetch, ShardingStrategy, as_enum
 from shardwise.fsdp.mixed_precision import CPUOffload, MixedPrecision
@@ -130,8 +131,7 @@ def _mesh_from_groups(shard: dist.ProcessGroup, replicate: dist.ProcessGroup) ->
     """The (replicate, shard) mesh of two given groups: every rank tells the world its place
     (one all-gather of three integers), so that every rank knows the whole grid."""
     me = torch.tensor([dist.get_rank(replicate), dist.get_rank(shard), dist.get_rank()])
-    places = [torch.zeros_like(me) for _ in range(dist.get_world_size())]
-    dist.all_gather(places, me)
+    places = gather_from_each(me)
     grid = torch.full((dist.get_world_size(replicate), dist.get_world_size(shard)), -1)
     for r, s, g in (p.tolist() for p in places):
         grid[r, s] = g

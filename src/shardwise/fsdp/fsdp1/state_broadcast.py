@@ -19,6 +19,7 @@ import torch.distributed as dist
 from shardwise._compat import DTensor
 from shardwise.distributed.collectives import broadcast_bytes
 from shardwise.distributed.groups import global_rank
+from shardwise.fsdp.collectives import broadcast_from
 
 
 def broadcast_named_state(osd: dict[str, Any] | None, group: dist.ProcessGroup | None,
@@ -41,7 +42,7 @@ def broadcast_named_state(osd: dict[str, Any] | None, group: dist.ProcessGroup |
             buf = (tensors[at].detach().to(device).contiguous() if is_src else
                    torch.empty(info["tensor"], dtype=_dtype(info["dtype"]), device=device))
             at += 1
-            dist.broadcast(buf, src, group=group)
+            broadcast_from(buf, src, group)
             state[name][key] = buf
     return {"state": state, "param_groups": meta["param_groups"]}
 
