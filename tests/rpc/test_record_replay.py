@@ -123,10 +123,11 @@ def _host_store() -> dist.TCPStore:
     return dist.TCPStore("127.0.0.1", 0, None, is_master=True, wait_for_workers=False)
 
 
-def _run_group(store, mode: str, where, outsider=None) -> list[tuple[int, str]]:
+def _run_group(store, mode: str, where, outsider=None, **extra: str) -> list[tuple[int, str]]:
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port),
                WORLD_SIZE="2", TORCHELASTIC_USE_AGENT_STORE="1", PYTHONPATH=python_path(),
-               OMP_NUM_THREADS="1", SCENARIO_DIR=str(where), REPLAY_MODE=mode)
+               OMP_NUM_THREADS="1", SCENARIO_DIR=str(where), REPLAY_MODE=mode,
+               SHARDWISE_RPC_ADDR="127.0.0.1", **extra)
     programs = [procs.start(["-m", "tests.rpc.replayed_records"], dict(env, RANK=str(r)), ROOT)
                 for r in range(2)]
     if outsider is not None:
@@ -182,8 +183,7 @@ def test_workers_of_another_job_with_the_same_secret_cannot_end_this_one(cluster
     _healthy_despite_the_replay(out, done)
 
 
-def test_records_of_the_workers_earlier_init_rpc_cannot_end_the_next_group(cluster_secret,
-                                                                           tmp_path):
+def _earlier_init_replayed(tmp_path, **extra: str) -> list[tuple[int, str]]:
     store, done = _host_store(), threading.Event()
 
     def outsider() -> None:
@@ -191,7 +191,22 @@ def test_records_of_the_workers_earlier_init_rpc_cannot_end_the_next_group(clust
         copied = {name: store.get(FIRST + name) for name in REPLAYED}
         _pin_and_replay(store, SECOND, store.get(FIRST + GROUP), copied, tmp_path, done)
 
-    out = _run_group(store, "reinit", tmp_path, outsider)
+    out = _run_group(store, "reinit", tmp_path, outsider, **extra)
     for _, text in out:
         assert lines(text)["first group"] == "done", text
     _healthy_despite_the_replay(out, done)
+    return out
+
+
+def test_records_of_the_workers_earlier_init_rpc_cannot_end_the_next_group(cluster_secret,
+                                                                           tmp_path):
+    _earlier_init_replayed(tmp_path)
+
+
+def test_a_shutdown_record_replayed_before_every_read_blames_no_one(cluster_secret, tmp_path):
+    """Rank 0 never reads rank 1's true shutdown record (the outsider's copy from the first
+    group is there at every read), yet rank 1 called shutdown() and said so over its
+    connection: rank 0's shutdown returns. Before: after the group key was bound to the job,
+    rank 0 waited until rank 1 left, then raised a false ``WorkerDied ... rank 1 died before
+    calling shutdown()``."""
+    _earlier_init_replayed(tmp_path, REPLAY_EVERY_READ="1")

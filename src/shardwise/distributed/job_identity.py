@@ -63,7 +63,7 @@ def agree(store, prefix: str, index: int, count: int, secret: bytes, scope: str,
         if time.monotonic() > deadline:
             raise JobIdentityError(member.failure(timeout))
         time.sleep(pause)
-        pause = min(pause * 1.5, 0.02)
+        pause = min(pause * 1.5, 0.005)  # (as fast as the rest of RPC rendezvous polls)
 
 
 def _check(prefix: str, index: int, count: int, secret: bytes, timeout: float) -> None:

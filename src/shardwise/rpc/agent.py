@@ -16,6 +16,15 @@ it (TimeoutError naming the ranks that never arrived). It still cannot hang on a
 worker whose connection is lost before it reached the barrier stops the wait, and shutdown
 closes this agent and raises WorkerDied naming it (after waiting for the live ones). A process
 that dies closes its sockets at once; a host that vanishes is found by TCP keepalive (wire.py).
+
+A worker's arrival is told twice: its signed record in the store (signed under the group key,
+which holds the group's agreed job id: [Note: group key] in secret.py), and an ``AT_SHUTDOWN``
+frame to every live peer over its authenticated connection, sent before it can close that
+connection. The store record is what a peer that is not connected to it yet, or whose
+connection is busy, reads; the frame is evidence that nobody without the secret can delete or
+overwrite. So WorkerDied names only a worker that closed its connection without telling its
+peers it had called shutdown(): a record deleted from the store, or one replayed over it from
+another group, delays no one's shutdown and blames no one.
 """
 
 from __future__ import annotations
@@ -82,6 +91,7 @@ class RpcAgent:
         self.by_name = {w.name: w for w in workers}
         self.state = AgentState.RUNNING
         self.dead: set[int] = set()
+        self.at_shutdown: set[int] = set()  # peers whose connection said: at shutdown
         self.device_maps: dict[str, DeviceMap] = dict(options.device_maps)
         self.peer_devices: list[list[torch.device]] = []  # by rank, as published at init
         self.pending = PendingCalls()
@@ -200,6 +210,9 @@ class RpcAgent:
         body = memoryview(payload)[ENVELOPE.size:]
         if kind in (Kind.RESPONSE, Kind.ERROR):
             self._on_reply(peer, kind, msg_id, body, buffers)
+            return None
+        if kind == Kind.AT_SHUTDOWN:  # here, before the connection's loss is handled
+            self.at_shutdown.add(peer)
             return None
         if kind in REQUESTS:
             return self._on_request(peer, Kind(kind), msg_id, body, buffers)
@@ -422,9 +435,11 @@ class RpcAgent:
                         self.name, self.pending.count())
         self.state = AgentState.DRAINING
         key = self.transport.group_key  # records signed ([Note: signed store records])
+        self._tell_at_shutdown()
         try:
             missing = rendezvous.barrier(self.store, "shutdown", self.rank, self.world_size,
-                                         left(), key, dead=lambda: set(self.dead))
+                                         left(), key, dead=lambda: set(self.dead),
+                                         told=lambda: set(self.at_shutdown))
             # the store's host (rank 0 without a launcher) stays until everyone has read it,
             # then closes it: the others only say they are done and never read it again
             if self.rank == 0:
@@ -445,6 +460,16 @@ class RpcAgent:
         if missing:
             raise TimeoutError(f"shutdown on {self.name!r}: ranks {missing} did not call "
                                f"shutdown() within {limit:g} s; this worker has shut down")
+
+
+    def _tell_at_shutdown(self) -> None:
+        """Tell every live peer over its connection that this worker is at the shutdown
+        barrier ([Note: shutdown]); a peer that cannot be reached is found dead anyway."""
+        frame = ENVELOPE.pack(Kind.AT_SHUTDOWN, 0)
+        for peer in range(self.world_size):
+            if peer != self.rank and peer not in self.dead:
+                with contextlib.suppress(PeerUnavailable, OSError):
+                    self.transport.send(peer, frame, [])
 
 
 def _copy_future(src: torch.futures.Future, dst: torch.futures.Future) -> None:

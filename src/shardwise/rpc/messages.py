@@ -23,6 +23,7 @@ class Kind(IntEnum):
     FORK_DEL = 5  # (rref id, fork id): the fork's holder dropped it
     BACKWARD = 6  # (context id, grad key, grads): gradients for tensors this worker sent
     CTX_RELEASE = 7  # (context id,): forget a distributed autograd context
+    AT_SHUTDOWN = 8  # (no body, no reply): the sender called shutdown() and is at its barrier
     RESPONSE = 16
     ERROR = 17  # (exception type, message, remote traceback)
 

@@ -230,11 +230,12 @@ def arrive(store: dist.Store, name: str, rank: int, key: bytes) -> None:
 
 def barrier(store: dist.Store, name: str, rank: int, world_size: int, timeout: float | None,
             key: bytes, dead: Callable[[], set[int]] = set,
-            keep: tuple[str, ...] = ()) -> list[int]:
+            keep: tuple[str, ...] = (), told: Callable[[], set[int]] = set) -> list[int]:
     """Mark this rank at barrier ``name`` and wait until every other rank has arrived (a
-    true record under the group ``key``) or is ``dead()``, or ``timeout`` seconds passed
-    (None: no limit). Meanwhile this rank's arrival, and its arrivals at the earlier barriers
-    ``keep``, are written again whenever they were overwritten (others may still read them).
+    true record under the group ``key``, or in ``told()``: ranks that said so over their
+    authenticated connection) or is ``dead()``, or ``timeout`` seconds passed (None: no
+    limit). Meanwhile this rank's arrival, and its arrivals at the earlier barriers ``keep``,
+    are written again whenever they were overwritten (others may still read them).
 
     Returns the ranks that never arrived (empty when all did): dead ones, or any on timeout.
     """
@@ -245,6 +246,7 @@ def barrier(store: dist.Store, name: str, rank: int, world_size: int, timeout: f
     arrived: set[int] = {rank}
     while True:
         gone = dead()  # read before the keys: a rank dead now cannot arrive later
+        arrived |= {r for r in told() if 0 <= r < world_size}
         arrived |= {r for r in range(world_size) if r not in arrived
                     and signed_store.check(store, f"{name}/{r}", key, SCOPE)}
         waiting = [r for r in range(world_size) if r not in arrived]
