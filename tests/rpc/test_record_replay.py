@@ -106,6 +106,45 @@ def test_a_record_from_an_earlier_init_of_the_same_processes_is_refused(name, cl
     _replayed_arrival_is_refused(second, key_second, name, first.get(f"{name}/1"), caplog)
 
 
+class _ReadsAnotherGroupId(dist.Store):
+    """One rank's view of a store where an outsider rewrote the group id between the other
+    ranks' reads and this rank's."""
+
+    def __init__(self, inner: dist.Store) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def get(self, key: str) -> bytes:
+        return b"an-outsiders-id" if key == GROUP else self.inner.get(key)
+
+    def set(self, key: str, value) -> None:
+        self.inner.set(key, value)
+
+    def check(self, keys: list[str]) -> bool:
+        return self.inner.check(keys)
+
+
+def test_ranks_given_different_group_ids_refuse_to_form_the_group(cluster_secret):
+    """The agreement fails (RendezvousError naming the store), bounded by the timeout."""
+    store, out = dist.HashStore(), {}
+
+    def one(rank: int) -> None:
+        view = store if rank == 0 else _ReadsAnotherGroupId(store)
+        try:
+            secret.group_key(view, rank, 2, "127.0.0.1:1", timeout=0.5)
+        except Exception as exc:  # noqa: BLE001 - compared by the test
+            out[rank] = exc
+
+    threads = [threading.Thread(target=one, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    for rank in range(2):
+        assert isinstance(out.get(rank), rendezvous.RendezvousError), out
+        assert "may have been tampered with" in str(out[rank])
+
+
 def test_two_groups_with_one_secret_and_a_pinned_group_id_get_different_keys(cluster_secret):
     job_a = dist.HashStore()
     key_a = _keys(job_a)[0]
