@@ -72,8 +72,9 @@ def sharded_grad_norm(grads: Sequence[torch.Tensor], norm_type: float,
             torch.zeros((), device=device)
         op = dist.ReduceOp.MAX
     else:
-        terms = [torch.linalg.vector_norm(g, norm_type, dtype=torch.float32).pow(norm_type) / n
-                 for g, n in kept]
+        # at least float32 (16-bit gradients), float64 kept as float64
+        terms = [torch.linalg.vector_norm(g, norm_type, dtype=torch.promote_types(
+            g.dtype, torch.float32)).pow(norm_type) / n for g, n in kept]
         local = torch.stack(terms).sum() if terms else torch.zeros((), device=device)
         op = dist.ReduceOp.SUM
     total = local.reshape(1).clone()

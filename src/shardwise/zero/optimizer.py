@@ -11,6 +11,12 @@ buffers, at most four chunks in flight, so at most 16 MiB extra). With
 ``overlap_with_ddp=True`` the step runs inside DDP's backward instead, bucket by bucket (see
 [Note: ZeRO step inside DDP's backward] in overlap.py).
 
+``partition="elements"`` cuts the parameters into equal element ranges instead of giving each
+rank whole ones (see [Note: ZeRO element partition] in elements.py): every rank then holds
+``1 / world`` of the optimizer state whatever the parameters' shapes, and after a step one
+all-gather per dtype (element_shards.py) replaces the owners' broadcasts. Only element-wise
+optimizers (AdamW, Adam, SGD...: ``ELEMENT_WISE``) may be used so.
+
 Checkpoints: ``consolidate_state_dict(to)`` gathers every rank's state on rank ``to``, keyed by
 global parameter index exactly like a plain optimizer's state dict, so ``load_state_dict`` can
 re-partition it at any world size (or load it into a plain optimizer).
@@ -34,6 +40,8 @@ from shardwise.dp.data_parallel import MIB
 from shardwise.memory import heap
 from shardwise.zero import collectives as zc
 from shardwise.zero import state_dicts
+from shardwise.zero.element_shards import ElementShards, merge_pieces
+from shardwise.zero.elements import check_partition, is_element_wise
 from shardwise.zero.join import ZeroJoinHook
 from shardwise.zero.overlap import OverlapState
 from shardwise.zero.partition import Weight, chunk_by_bytes, partition_params, rank_loads
@@ -60,14 +68,21 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
     DistributedDataParallel model this optimizer is attached to with
     ``shardwise.zero.hook_with_zero_step`` (or ``..._interleaved``), which step it during
     backward; ``step()`` then does nothing (it warns once), and the optimizer cannot be used
-    before it is attached (see overlap.py).
+    before it is attached (see overlap.py). ``partition``: ``"parameters"`` (default, torch's
+    semantics: each parameter owned whole by one rank) or ``"elements"`` (equal element ranges,
+    parameters may be split across ranks; element-wise optimizers only; not with
+    ``parameters_as_bucket_view`` or ``overlap_with_ddp``).
     """
 
     def __init__(self, params: Iterable[Any], optimizer_class: type[Optimizer],
                  process_group: dist.ProcessGroup | None = None,
                  parameters_as_bucket_view: bool = False, overlap_with_ddp: bool = False,
-                 **defaults: Any):
+                 partition: str = "parameters", **defaults: Any):
         _check_optimizer_class(optimizer_class)
+        self.partition = check_partition(partition)
+        if partition == "elements":
+            _check_element_options(optimizer_class, parameters_as_bucket_view, overlap_with_ddp)
+        self._elements: ElementShards | None = None
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("ZeroRedundancyOptimizer needs an initialized process group: call "
                                "shardwise.distributed.init() (or init_process_group) first")
@@ -92,6 +107,11 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self._consolidated: dict[str, Any] | None = None
         if overlap_with_ddp:
             self._defer_partition()
+        elif partition == "elements":
+            self._elements = ElementShards([g["params"] for g in self.param_groups],
+                                           self.process_group)
+            self._partition = [[[] for _ in self.param_groups] for _ in range(self.world_size)]
+            self._make_local_optimizer()
         else:
             self._partition = partition_params(self._group_sizes(), self.world_size)
             self._make_local_optimizer()
@@ -168,12 +188,16 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         return [[_weight(p) for p in g["params"]] for g in self.param_groups]
 
     def _local_groups(self) -> list[dict[str, Any]]:
+        if self._elements is not None:
+            return [{**_hyper(group), "params": views} for group, views in
+                    zip(self.param_groups, self._elements.local_groups(), strict=True)]
         mine = self._partition[self.rank]
         return [{**_hyper(group), "params": [group["params"][i] for i in mine[g]]}
                 for g, group in enumerate(self.param_groups)]
 
     def owner_of(self, param: torch.Tensor) -> int:
         """The rank whose local optimizer updates ``param``."""
+        self._check_whole_owners("owner_of")
         for rank, per_rank in enumerate(self._partition):
             for g, indices in enumerate(per_rank):
                 if any(self.param_groups[g]["params"][i] is param for i in indices):
@@ -182,12 +206,19 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
 
     def owners(self) -> dict[torch.Tensor, int]:
         """Every parameter -> the rank that owns it."""
+        self._check_whole_owners("owners")
         return {self.param_groups[g]["params"][i]: rank
                 for rank, per_rank in enumerate(self._partition)
                 for g, indices in enumerate(per_rank) for i in indices}
 
+    def _check_whole_owners(self, what: str) -> None:
+        if self._elements is not None:
+            raise RuntimeError(f"ZeroRedundancyOptimizer.{what}(): with partition='elements' a "
+                               "parameter may be split across ranks, so it has no one owner")
+
     def owned_params(self, rank: int | None = None) -> list[torch.Tensor]:
-        """The parameters ``rank`` (default: this rank) owns, in group order."""
+        """The parameters ``rank`` (default: this rank) owns whole, in group order (none with
+        ``partition="elements"``, where ranks hold element ranges)."""
         per_rank = self._partition[self.rank if rank is None else rank]
         return [self.param_groups[g]["params"][i] for g, idx in enumerate(per_rank) for i in idx]
 
@@ -197,6 +228,11 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         params = param_group["params"]
         params = [params] if isinstance(params, torch.Tensor) else list(params)
         param_group = {**param_group, "params": params}
+        if self._initialized and self._elements is not None:
+            raise RuntimeError("ZeroRedundancyOptimizer(partition='elements'): every param "
+                               "group must be given to the constructor (a group added later "
+                               "would move every rank's element range); add_param_group is "
+                               "not available")
         if self._initialized:
             _check_params([p for g in self.param_groups for p in g["params"]] + params)
         super().add_param_group(param_group)
@@ -238,6 +274,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
     def _step_and_sync(self, closure: Callable[[], float] | None, kwargs: dict[str, Any]
                        ) -> Any:
         self._push_hyperparameters()
+        if self._elements is not None:
+            return self._step_elements(closure, kwargs)
         if self._steps_by_part(closure, kwargs):
             zc.step_and_broadcast(self._parts(), self._step_part, self.process_group,
                                   CHUNKS_IN_FLIGHT)
@@ -250,6 +288,33 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self._pull_hyperparameters()
         self._sync_params()
         return loss
+
+    def _step_elements(self, closure: Callable[[], float] | None, kwargs: dict[str, Any]
+                       ) -> Any:
+        """The element partition's step: the local optimizer steps this rank's pieces (their
+        gradients are slices of the parameters' full gradients, or stage 2's reduced parts),
+        then one all-gather per dtype brings every rank's range to every rank. A closure runs
+        first, here, so that the pieces see the gradients it computes."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        shards = self._elements
+        shards.take_grads()
+        try:
+            self.optim.step(**kwargs)
+        finally:
+            shards.release_grads()
+        self._pull_hyperparameters()
+        shards.all_gather()
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear every parameter's ``.grad`` and, with the element partition, the gradients of
+        this rank's pieces (stage 2 keeps the reduced gradients there)."""
+        super().zero_grad(set_to_none=set_to_none)
+        if self._elements is not None:
+            self.optim.zero_grad(set_to_none=set_to_none)
 
     def _steps_by_part(self, closure: Any, kwargs: dict[str, Any]) -> bool:
         """Whether the step can go part by part, each part broadcast while the next is
@@ -389,6 +454,9 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             raise ValueError(f"to={to} is not a rank of this group (world size {self.world_size})")
         self._check_attached("consolidate_state_dict()")
         self._push_hyperparameters()
+        if self._elements is not None:
+            self._consolidate_elements(to)
+            return
         mine = {} if self.optim is None else state_dicts.to_global(
             self.optim.state_dict(), self._partition[self.rank],
             [len(g["params"]) for g in self.param_groups])
@@ -396,6 +464,18 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self._consolidated = None
         if gathered is not None:
             self._consolidated = state_dicts.merge(gathered, self.param_groups)
+
+    def _consolidate_elements(self, to: int) -> None:
+        """Every rank's pieces' state gathered on rank ``to`` (one ``gather_object``) and
+        joined into torch's whole-parameter state dict."""
+        mine = self._elements.to_global(self.optim.state_dict())
+        gathered = zc.gather_to(mine, to, self.process_group)
+        self._consolidated = None
+        if gathered is not None:
+            params = [p for g in self.param_groups for p in g["params"]]
+            whole = state_dicts.merge([], self.param_groups)
+            whole["state"] = merge_pieces(gathered, params)
+            self._consolidated = whole
 
     def state_dict(self) -> dict[str, Any]:
         """The whole optimizer state, on the rank that ``consolidate_state_dict`` gathered it
@@ -417,12 +497,19 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             group.update(_hyper(saved))
         if self.optim is None:  # owns no bucket (overlap_with_ddp)
             return
-        local = state_dicts.to_local(state_dict, self._partition[self.rank], params)
+        if self._elements is not None:
+            local = self._elements.to_local(state_dict)
+        else:
+            local = state_dicts.to_local(state_dict, self._partition[self.rank], params)
         self.optim.load_state_dict(local)
         self.state = self.optim.state  # type: ignore[assignment]
         self._push_hyperparameters()
 
     def __repr__(self) -> str:
+        if self._elements is not None:
+            held = sum(piece.numel for piece, _, _ in self._elements.pieces)
+            return (f"ZeroRedundancyOptimizer({self.optimizer_class.__name__}, rank {self.rank} "
+                    f"of {self.world_size}, partition='elements', {held} elements held)")
         return (f"ZeroRedundancyOptimizer({self.optimizer_class.__name__}, rank {self.rank} of "
                 f"{self.world_size}, {len(self.owned_params())} of "
                 f"{sum(len(g['params']) for g in self.param_groups)} parameters owned)")
@@ -444,6 +531,19 @@ def _check_optimizer_class(optimizer_class: Any) -> None:
             "optimizer_class must be a torch.optim.Optimizer subclass such as "
             f"torch.optim.AdamW (the class, not an instance), got {optimizer_class!r}"
         )
+
+
+def _check_element_options(optimizer_class: type[Optimizer], bucket_view: bool,
+                           overlap: bool) -> None:
+    if not is_element_wise(optimizer_class):
+        raise ValueError(
+            f"partition='elements' steps each rank's slices of the parameters, which gives the "
+            f"right result only for an element-wise optimizer (AdamW, Adam, SGD, ...); "
+            f"{optimizer_class.__name__} is not known to be one: use partition='parameters'")
+    if bucket_view or overlap:
+        what = "parameters_as_bucket_view" if bucket_view else "overlap_with_ddp"
+        raise ValueError(f"partition='elements' does not combine with {what}=True (its "
+                         "parameters already live in one flat buffer per dtype)")
 
 
 def _check_params(params: list[torch.Tensor]) -> None:

@@ -36,6 +36,12 @@ its owned gradients plus a few buckets, and after backward only its owned gradie
 accumulates full local gradients (no collective), as DDP does; the next backward outside it
 reduces the sums. A registered communication hook replaces the reduce-scatter (it all-reduces
 the bucket, which is then not pre-scaled; each owner copies its part out).
+
+With the optimizer's ``partition="elements"`` ([Note: ZeRO element partition] in elements.py)
+a bucket is laid out in the element layout's order instead, so that each rank's element range
+is one contiguous part of it (a parameter may straddle two parts); the same reduce-scatter
+delivers each rank the sum of its range, and the reduced gradients become the ``.grad`` of the
+optimizer's pieces (views into this rank's part buffer): no parameter's ``.grad`` is set.
 """
 
 from __future__ import annotations
@@ -89,7 +95,11 @@ class ZeroDataParallel(nn.Module):
         self.world_size = dist.get_world_size(self.process_group)
         self.rank = dist.get_rank(self.process_group)
         self.broadcast_buffers = broadcast_buffers
-        self._owner = optimizer.owners()
+        self._elements = optimizer._elements
+        # trainable parameter -> owning rank, or (element partition) its place in the layout
+        self._owner = (optimizer.owners() if self._elements is None
+                       else self._elements.positions)
+        self._pieces = {} if self._elements is None else self._elements.piece_of()
         _check_coverage(module, self._owner)
         if init_sync:
             sync_module_state(module, self.process_group)
@@ -97,12 +107,13 @@ class ZeroDataParallel(nn.Module):
             list(module.named_parameters()), BucketSizes.default(bucket_cap_mb), self._launch,
             self._finish, allow_unused=find_unused_parameters, wrapper="ZeroDataParallel",
             holding=sharded_holding(self._owner.__getitem__, self._slot_for),
-        )
+        )  # laid out by owner, or by layout position under the element partition
         # no rank used them: their .grad goes back to None once the reduction is over
         self.reducer.add_policy(UnusedMap(self.process_group, find_unused_parameters,
                                           drop=self._drop_unused))
         buckets = self.reducer.buckets
-        self._parts = [owner_parts(b, self._owner, self.world_size) for b in buckets]
+        self._parts = [owner_parts(b, self._owner, self.world_size) if self._elements is None
+                       else self._elements.bucket_parts(b.params) for b in buckets]
         self._scatter = zc.OwnerScatter(self.process_group, buckets, SHM_RING)
         weakref.finalize(self, self._scatter.close)
         # bucket index -> this rank's part of it: the owned gradients, made on first use and
@@ -150,8 +161,18 @@ class ZeroDataParallel(nn.Module):
         self.reducer.max_in_flight = BUCKETS_IN_FLIGHT if bounded else None
 
     def owned_parameters(self) -> list[nn.Parameter]:
-        """The trainable parameters whose gradients this rank keeps."""
+        """The trainable parameters whose gradients this rank keeps whole (none under the
+        element partition, where it keeps its pieces' gradients: ``owned_gradients``)."""
+        if self._elements is not None:
+            return []
         return [p for p in self.module.parameters() if self._owner.get(p) == self.rank]
+
+    def owned_gradients(self) -> list[torch.Tensor]:
+        """The reduced gradients this rank keeps: its owned parameters' ``.grad`` or, under
+        the element partition, its pieces'."""
+        if self._elements is None:
+            return [p.grad for p in self.owned_parameters() if p.grad is not None]
+        return [view.grad for _, view in self._pieces.values() if view.grad is not None]
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
@@ -159,7 +180,7 @@ class ZeroDataParallel(nn.Module):
         """Clip all gradients by their global norm, as torch.nn.utils.clip_grad_norm_ would on
         the unsharded gradients. Each rank computes the norm of its owned gradients and one
         all-reduce (sum of p-th powers, or max for inf) combines them; returns the total norm."""
-        grads = [p.grad for p in self.owned_parameters() if p.grad is not None]
+        grads = self.owned_gradients()
         total = sharded_grad_norm(grads, norm_type, self.process_group, self._device())
         if error_if_nonfinite and not torch.isfinite(total):
             raise RuntimeError(f"the total norm of order {norm_type} of the gradients is "
@@ -197,6 +218,9 @@ class ZeroDataParallel(nn.Module):
         return part
 
     def _finish(self, bucket: Bucket) -> None:
+        if self._elements is not None:
+            self._finish_elements(bucket)
+            return
         start, end = self._parts[bucket.index][self.rank]
         mine = [i for i, p in enumerate(bucket.params) if self._owner[p] == self.rank]
         for param in bucket.params:
@@ -216,11 +240,43 @@ class ZeroDataParallel(nn.Module):
         self._reduced.append((part, [bucket.params[i] for i in mine]))
         self._holds_reduced = True
 
+    def _finish_elements(self, bucket: Bucket) -> None:
+        """The element partition's end of a bucket's reduction: no parameter keeps a
+        ``.grad``; each of this rank's pieces in the bucket gets its slice of the reduced part
+        as its ``.grad``."""
+        start, end = self._parts[bucket.index][self.rank]
+        for param in bucket.params:
+            param.grad = None
+        if end <= start:
+            return
+        part = self._reduced_part(bucket, start, end)
+        views = []
+        for param, offset in zip(bucket.params, bucket.offsets):
+            mine = self._pieces.get(param)
+            if mine is None:
+                continue
+            piece, view = mine
+            at = offset + piece.start - start
+            view.grad = part[at:at + piece.numel]
+            views.append(view)
+        self._reduced.append((part, views))
+        self._holds_reduced = True
+
+    def _reduced_part(self, bucket: Bucket, start: int, end: int) -> torch.Tensor:
+        """This rank's reduced part of ``bucket``, its [start, end) elements."""
+        if self._comm_hooks.hook is not None:  # the hook's future holds the average
+            return self._part_of(bucket).copy_(bucket.allocate()[start:end])
+        if self.world_size == 1:
+            return bucket.allocate()[start:end]
+        return self._outs[bucket.index]
+
     def _drop_unused(self, params: list[nn.Parameter]) -> None:
         """No rank used ``params`` in this reduction: the owner's zero ``.grad`` goes back to
         None (others hold none), as DDP and torch leave it, so the optimizer skips them."""
         for param in params:
             param.grad = None
+            if param in self._pieces:
+                self._pieces[param][1].grad = None
 
     def _check_grads_cleared(self) -> None:
         """Reduced gradients must be cleared before the next backward: a rank's reduced sum
