@@ -1,4 +1,4 @@
-"""The direct gradient reduction ([Note: direct gradient reduction], grad_exchange.py): large
+"""The direct gradient reduction ([Note: direct gradient reduction], exchange.py): large
 parameters are reduce-scattered straight from autograd's gradients. Checked against the
 one-process reference where it is easy to get wrong: a large parameter whose gradient arrives on
 some ranks only (data-dependent control flow), a unit mixing large and packed parameters,
@@ -14,7 +14,7 @@ from torch import nn
 
 from shardwise import fully_shard
 from shardwise.dp.peer_read import DISABLE_VAR
-from shardwise.fsdp import grad_exchange, peer_exchange
+from shardwise.fsdp import exchange
 from shardwise.fsdp.flat_param import FlatParamHandle
 from tests.fsdp.unit_grads import assert_unit_grads
 from tests.harness import WORLD_SIZES, peer_reads_permitted, run_on_ranks
@@ -29,20 +29,20 @@ def _with_transport(ctx, transport: str, fn, *args):
     """``fn(ctx, *args)`` with the exchanges' rows read from the peers or sent through gloo;
     checks that the transport asked for is the one taken."""
     reads = []
-    original = peer_exchange.PulledExchange.read
+    original = exchange.PulledExchange.read
 
     def counting(self):
         reads.append(1)
         return original(self)
 
-    peer_exchange.PulledExchange.read = counting
+    exchange.PulledExchange.read = counting
     if transport == "gloo":
         os.environ[DISABLE_VAR] = "1"
     try:
         result = fn(ctx, *args)
     finally:
         os.environ.pop(DISABLE_VAR, None)
-        peer_exchange.PulledExchange.read = original
+        exchange.PulledExchange.read = original
     if ctx.world_size > 1:
         assert bool(reads) == (transport == "peer-read"), (transport, len(reads))
     return result
@@ -73,7 +73,7 @@ class Net(nn.Module):
 
 def _counting_starts():
     calls = []
-    original = grad_exchange.DirectGrads.start
+    original = exchange.DirectGrads.start
 
     def start(self, *args):
         calls.append(1)
@@ -84,7 +84,7 @@ def _counting_starts():
 
 def _train(ctx, accumulate: int):
     calls, original, counting = _counting_starts()
-    grad_exchange.DirectGrads.start = counting
+    exchange.DirectGrads.start = counting
     try:
         torch.manual_seed(0)
         reference, model = Net(), Net()
@@ -108,7 +108,7 @@ def _train(ctx, accumulate: int):
             assert_unit_grads(model, reference, f"step {step}", RTOL)
         return len(calls)
     finally:
-        grad_exchange.DirectGrads.start = original
+        exchange.DirectGrads.start = original
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)

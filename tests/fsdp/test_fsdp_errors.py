@@ -6,7 +6,7 @@ from torch import nn
 
 from shardwise import FullyShardedDataParallel, fully_shard
 from shardwise.fsdp import full_state_dict, load_full_state_dict
-from shardwise.fsdp.checks import check_backend_device
+from shardwise.fsdp.fully_shard import check_backend_device
 from shardwise.models import GPT, GPTConfig
 from tests.harness import run_on_ranks
 

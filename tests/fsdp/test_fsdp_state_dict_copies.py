@@ -3,7 +3,7 @@
 checkpoint per rank, the best weights kept for early stopping, a checkpoint staged while
 training goes on). All three failed for every parameter after a unit's first ("Attempted to
 call copy_() on an invalid python storage"): see [Note: a local tensor at the start of its
-storage], fsdp/dtensor.py. torch's FSDP2 does all three."""
+storage], fsdp/layout.py. torch's FSDP2 does all three."""
 
 import contextlib
 import copy

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from shardwise._compat import storage_use_count
-from shardwise.fsdp.dtensor import at_storage_start
+from shardwise.fsdp.layout import at_storage_start
 from shardwise.memory.kept_buffer import KeptBuffer
 
 pytestmark = pytest.mark.skipif(not storage_use_count, reason="this torch cannot count storage "

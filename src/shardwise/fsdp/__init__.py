@@ -46,14 +46,13 @@ from shardwise.fsdp.mixed_precision import (
     MixedPrecisionPolicy,
     OffloadPolicy,
 )
-from shardwise.fsdp.module import FSDPModule, UnshardHandle
+from shardwise.fsdp.module import FSDPModule, UnshardHandle, no_sync, set_requires_gradient_sync
 from shardwise.fsdp.state_dict import (
     full_state_dict,
     load_full_state_dict,
     load_sharded_state_dict,
     sharded_state_dict,
 )
-from shardwise.fsdp.sync import no_sync, set_requires_gradient_sync
 from shardwise.fsdp.unit import units_of
 
 # ``from shardwise.fsdp.wrap import enable_wrap, wrap``: torch's module path

@@ -9,7 +9,7 @@ rows sit in them is [Note: FSDP layout], layout.py):
   parameter is replaced, under its original name, by an ``nn.Parameter`` holding a ``DTensor``
   (``Shard(0)``, global shape) whose local tensor is a view of its chunk of ``shard``, so
   ``model.parameters()`` hands an optimizer exactly the local shards, its state is sharded too,
-  and torch's functions that understand DTensors work on them (see dtensor.py).
+  and torch's functions that understand DTensors work on them (see layout.py).
 - ``full_data`` (1D, ``total`` elements, the compute dtype): every parameter unsharded, back to
   back. Its storage is allocated just before the all-gather and resized to zero bytes when the
   unit reshards. Tensors autograd saved during forward keep pointing at this storage, so
@@ -60,25 +60,26 @@ from shardwise._compat import DTensor
 from shardwise.distributed.groups import rank_table
 from shardwise.dp.fast_collectives import Pending, uses_fast_path
 from shardwise.dp.shm_reduce import on_one_host
-from shardwise.fsdp.arrivals import GradArrivals
+from shardwise.fsdp.arrivals import GradArrivals, ReducedSlots
 from shardwise.fsdp.buffer_pool import StoragePool
 from shardwise.fsdp.collectives import (
     start_reduce_scatter,
     start_unit_gather,
     then_average_across,
 )
-from shardwise.fsdp.dtensor import (
+from shardwise.fsdp.exchange import TAG_BASE, DirectGrads, PeerRows, peer_rows
+from shardwise.fsdp.host_params import HostParams, shareable
+from shardwise.fsdp.layout import (
+    ParamLayout,
+    UnitLayout,
+    copy_into_chunks,
     local_tensor,
+    plan_layout,
     set_local_tensor,
     sharded_like,
     sharded_parameter,
 )
-from shardwise.fsdp.grad_exchange import TAG_BASE, DirectGrads
-from shardwise.fsdp.host_params import HostParams, shareable
-from shardwise.fsdp.layout import ParamLayout, UnitLayout, copy_into_chunks, plan_layout
-from shardwise.fsdp.peer_exchange import PeerRows, peer_rows
 from shardwise.fsdp.tp_params import TPLayout, local_grad
-from shardwise.fsdp.unused_grads import ReducedSlots
 from shardwise.memory.heap import release_pages
 from shardwise.memory.kept_buffer import KeptBuffer
 
@@ -172,7 +173,7 @@ class FlatParamHandle:
         # in that mapping
         self.host: HostParams | None = self._share_on_host()
         # where direct exchanges read the peers' gradient rows ([Note: gradient rows read from
-        # the peers], peer_exchange.py), else None
+        # the peers], exchange.py), else None
         self.peer_rows: PeerRows | None = self._peer_rows()
         self._make_full()
         self.grad_buffer: torch.Tensor | None = None  # 1D, world * shard_numel, compute dtype
@@ -182,7 +183,7 @@ class FlatParamHandle:
         # torch FSDP2's gradient divide factor: None divides the sum over the data-parallel
         # ranks by their number (the mean every reduction path computes)
         self.divide_factor: float | None = None
-        # this backward's reductions: [Note: gradients of unused parameters] (unused_grads.py)
+        # this backward's reductions: [Note: gradients of unused parameters] (arrivals.py)
         self.reduced = ReducedSlots(len(self.slots))
         # where reductions write this rank's reduced shard: [Note: a reduced-gradient buffer
         # kept across steps] (memory/kept_buffer.py)
@@ -541,7 +542,7 @@ class FlatParamHandle:
     def drop_grads_of_unused(self, used: list[int]) -> None:
         """``used[i]``: whether any rank had a gradient for slot i in this backward's
         reductions. The ``.grad`` they created for a slot no rank used goes back to None
-        ([Note: gradients of unused parameters], unused_grads.py)."""
+        ([Note: gradients of unused parameters], arrivals.py)."""
         for index in self.reduced.made:
             if not used[index]:
                 self.slots[index].shard_param.grad = None

@@ -4,7 +4,7 @@ Apply it bottom-up: first to each submodule that should be a unit of its own (e.
 transformer block), then to the root. Each call shards the parameters of the module that no
 nested unit already owns (see [Note: flat parameters] in flat_param.py) and turns the module
 into an ``FSDPModule`` (module.py); the module keeps its own methods and its names, and each
-parameter becomes a ``Shard(0)`` DTensor over the unit's group (see dtensor.py), so
+parameter becomes a ``Shard(0)`` DTensor over the unit's group (see layout.py), so
 ``state_dict()`` holds DTensors, as with torch's FSDP2.
 """
 
@@ -14,17 +14,17 @@ import math
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from shardwise._compat import flatten_mesh
 from shardwise.dp.agree import check_same_model
-from shardwise.fsdp import checks, tp_params
-from shardwise.fsdp.dtensor import local_tensor, mesh_for_group
+from shardwise.fsdp import tp_params
 from shardwise.fsdp.flat_param import FlatParamHandle
 from shardwise.fsdp.fsdp1.policies import WrapPolicy, modules_to_wrap
-from shardwise.fsdp.layout import check_shardable
+from shardwise.fsdp.layout import check_shardable, local_tensor, mesh_for_group
 from shardwise.fsdp.mixed_precision import (
     CPUOffload,
     MixedPrecision,
@@ -34,7 +34,7 @@ from shardwise.fsdp.mixed_precision import (
 )
 from shardwise.fsdp.module import FSDPModule, make_fsdp_class
 from shardwise.fsdp.state_dict import register_state_dict_hooks
-from shardwise.fsdp.unit import UNIT_ATTR, FSDPUnit, get_unit
+from shardwise.fsdp.unit import UNIT_ATTR, FSDPUnit, class_name, get_unit
 
 # On gloo, a parameter whose chunk has at least this many elements is broadcast straight into
 # its rows; smaller ones are gathered together and copied out (see [Note: FSDP layout]).
@@ -77,7 +77,7 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None 
     """
     modules = _modules_of(module)
     for each in modules:
-        checks.check_not_wrapped(each, UNIT_ATTR)
+        check_not_wrapped(each, UNIT_ATTR)
     group, replicate, mesh = _groups_and_mesh(_data_parallel_mesh(mesh, dp_mesh_dims),
                                               process_group)
     reshard = _reshard_flag(reshard_after_forward)
@@ -279,7 +279,7 @@ def _unit_params(module: nn.Module, children: list[FSDPUnit]):
         for name, p in owner._parameters.items():
             if p is None:
                 continue
-            checks.check_not_shared_with_child(prefix + name, p, taken)
+            check_not_shared_with_child(prefix + name, p, taken)
             found.setdefault(id(p), (p, []))[1].append((owner, name, prefix + name))
     return list(found.values())
 
@@ -290,11 +290,11 @@ def _make_handle(module: nn.Module, params, groups: tuple, mesh: DeviceMesh,
         return None
     group, replicate = groups
     named = [(holders[0][2], p) for p, holders in params]
-    device = checks.check_same_device(module, named)
-    dtype = checks.check_same_dtype(module, named)
+    device = check_same_device(module, named)
+    dtype = check_same_dtype(module, named)
     backend = dist.get_backend(group)
     if device.type != "meta":
-        checks.check_backend_device(backend, device, offload)
+        check_backend_device(backend, device, offload)
     param_dtype, reduce_dtype = resolve_dtypes(mp, dtype)
     direct = GLOO_DIRECT_MIN_NUMEL if backend == "gloo" else math.inf
     return FlatParamHandle(params, group, mesh, param_dtype, reduce_dtype, device, offload,
@@ -308,3 +308,64 @@ def _cast_buffers(module: nn.Module, mp: Any) -> None:
         for name, b in owner._buffers.items():
             if b is not None and b.is_floating_point():
                 owner._buffers[name] = b.to(mp.buffer_dtype)
+
+
+# ---- validation of what is wrapped: errors that name the offending parameters ---------------
+def check_same_device(module: nn.Module, named: list[tuple[str, torch.Tensor]]) -> torch.device:
+    """All of a unit's parameters must live on one device; return it."""
+    devices: dict[torch.device, list[str]] = {}
+    for name, p in named:
+        devices.setdefault(p.device, []).append(name)
+    if len(devices) > 1:
+        where = "; ".join(f"{d}: {', '.join(names[:4])}{' ...' if len(names) > 4 else ''}"
+                          for d, names in devices.items())
+        raise ValueError(
+            f"FSDP: the parameters of {class_name(module)} live on different devices "
+            f"({where}); move the module to one device before wrapping it"
+        )
+    return next(iter(devices))
+
+
+def check_same_dtype(module: nn.Module, named: list[tuple[str, torch.Tensor]]) -> torch.dtype:
+    dtypes: dict[torch.dtype, list[str]] = {}
+    for name, p in named:
+        dtypes.setdefault(p.dtype, []).append(name)
+    if len(dtypes) > 1:
+        where = "; ".join(f"{d}: {', '.join(n[:4])}" for d, n in dtypes.items())
+        raise ValueError(f"FSDP: the parameters of one unit ({class_name(module)}) must share "
+                         f"a dtype to be flattened together, found {where}")
+    dtype = next(iter(dtypes))
+    if not dtype.is_floating_point:
+        raise ValueError(f"FSDP shards floating-point parameters, {class_name(module)} has "
+                         f"{dtype} parameters")
+    return dtype
+
+
+def check_backend_device(backend: str, device: torch.device, offload: bool) -> None:
+    """NCCL moves only CUDA tensors: parameters must be on the GPU (CPU offload keeps the shards
+    on the CPU but still computes and communicates on the GPU)."""
+    if backend == "nccl" and device.type != "cuda":
+        hint = ("CPU offload still needs the module on the GPU: it moves only the shards to the "
+                "CPU" if offload else "move the module to its CUDA device")
+        raise ValueError(
+            f"FSDP: the process group uses NCCL, which communicates only CUDA tensors, but the "
+            f"parameters are on {device}{' with cpu_offload' if offload else ''}; {hint}"
+        )
+
+
+def check_not_wrapped(module: nn.Module, attr: str) -> None:
+    if getattr(module, attr, None) is not None:
+        raise RuntimeError(
+            f"fully_shard was already applied to this {class_name(module)}; applying it "
+            "twice would shard its (already sharded) parameters again"
+        )
+
+
+def check_not_shared_with_child(name: str, param: nn.Parameter, child_ids: dict[int, str]
+                                ) -> None:
+    if id(param) in child_ids:
+        raise ValueError(
+            f"FSDP: parameter {name} is shared with {child_ids[id(param)]}, which belongs to a "
+            "nested unit; shared (tied) parameters must belong to one unit, so wrap the modules "
+            "that share it inside the same unit (e.g. keep both in the root)"
+        )

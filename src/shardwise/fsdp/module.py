@@ -7,20 +7,111 @@ by hand. Moving or converting the module (``to_empty``, ``to``, ``cuda``, ``half
 ``_apply``, which re-adopts the converted shards into the unit's flat buffer, so torch's
 meta-device initialisation (build on ``meta``, ``fully_shard``, ``to_empty``,
 ``reset_parameters``) trains the parameters the forward reads.
+
+``FSDPModule`` derives from torch's ``torch.distributed.fsdp.FSDPModule``: third-party code
+(trainers, torchtitan's utilities, accelerate-style wrappers) tests ``isinstance(m,
+torch.distributed.fsdp.FSDPModule)`` before calling FSDP2 methods, and torch's class is a plain
+class (no ``register``). Methods defined by ours come first in the MRO; every other public
+method of torch's class would run torch's implementation on a module that has none of its
+state, so ``TorchFSDPModuleBase`` overrides each of them with an error that names the call,
+why it cannot work here, and what to use instead (or accepts it where it asks for what our
+units already do).
+
+Gradient accumulation without communication (``no_sync`` / ``set_requires_gradient_sync``):
+while gradient sync is off, each unit keeps its unsharded flat gradient across backward passes
+(autograd adds into it) and issues no reduce-scatter; the first backward with sync on again
+reduce-scatters the accumulated sum, as torch's FSDP does. This costs the memory of unsharded
+gradients while accumulating, and saves one reduce-scatter per unit per skipped micro-batch.
 """
 
 from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from typing import Any, NoReturn
 
 from torch import nn
 
-from shardwise.fsdp.sync import set_requires_gradient_sync
-from shardwise.fsdp.torch_module import TorchFSDPModuleBase
+from shardwise._compat import TorchFSDPModule as _TorchFSDPModule
+from shardwise.dp.refused import refused_method
 from shardwise.fsdp.unit import FSDPUnit, get_unit, units_of
+
+
+# ---- gradient accumulation without communication ------------------------------------------------
+def set_requires_gradient_sync(module: nn.Module, requires_gradient_sync: bool) -> None:
+    """Turn gradient reduction of every unit at or below ``module`` on or off."""
+    units = units_of(module)
+    if not units:
+        raise ValueError(f"{type(module).__name__} has no FSDP units: apply fully_shard first")
+    for unit in units:
+        unit.no_sync = not requires_gradient_sync
+
+
+@contextmanager
+def no_sync(module: nn.Module) -> Iterator[None]:
+    """Inside the block, backward accumulates unsharded gradients without communicating."""
+    set_requires_gradient_sync(module, False)
+    try:
+        yield
+    finally:
+        set_requires_gradient_sync(module, True)
+
+
+# ---- torch's FSDPModule methods that ours refuses -----------------------------------------------
+_STREAMS = ("it tunes the CUDA streams or communication memory of torch's implementation, "
+            "which shardwise's units do not use; leave it out")
+_HOOK = ("shardwise's units run their own collectives; FullyShardedDataParallel's "
+         "register_comm_hook replaces the gradient reduction")
+_FINALIZE = ("shardwise's units finish the gradient reduction when each backward ends (an "
+             "autograd engine callback); for backward passes that should not reduce, call "
+             "set_requires_gradient_sync(False) before them")
+
+# torch FSDPModule method -> (why it cannot work on our modules, and what instead)
+_REFUSED = {
+    "reset_iter_state": "shardwise's units keep no per-iteration state that torch's "
+                        "recovery resets; after an aborted step call reshard() on the root",
+    "set_requires_all_reduce": "hybrid sharding's all-reduce follows "
+                               "set_requires_gradient_sync",
+    "set_custom_all_gather": _HOOK,
+    "set_custom_reduce_scatter": _HOOK,
+    "set_all_reduce_hook": _HOOK,
+    "set_post_optim_event": _STREAMS,
+    "set_reduce_scatter_max_input_buffers": _STREAMS,
+    "set_separate_reduce_scatter_group": _STREAMS,
+    "set_unshard_in_backward": "a unit is gathered again in backward unless "
+                               "reshard_after_forward=False keeps it",
+    "set_allocate_memory_from_process_group_for_comm": _STREAMS,
+    "set_symm_mem_for_comm": _STREAMS,
+    "_set_unshard_async_op": _STREAMS,
+    "set_keep_unsharded_storage": "it keeps torch's unsharded storage fixed for CUDA graph "
+                                  "capture; shardwise's units hand gathered memory from unit "
+                                  "to unit (fsdp/buffer_pool.py); leave it out",
+    "set_manual_backward_finalization": _FINALIZE,
+    "finalize_backward": _FINALIZE,
+    "_get_fsdp_state": "it is torch's internal FSDP2 state, which a shardwise module does not "
+                       "have: torch code that drives FSDP2's internals (e.g. "
+                       "torch.distributed.pipelining's schedules) cannot drive shardwise's "
+                       "units; use torch's fully_shard there",
+}
+
+
+def _refusal(name: str, why: str):
+    return refused_method(name, "torch FSDP2's FSDPModule",
+                          "a module sharded by shardwise.fully_shard", why)
+
+
+class TorchFSDPModuleBase(_TorchFSDPModule):
+    """torch's ``FSDPModule`` with each method that ours does not implement refused."""
+
+    def _apply(self, *args: Any, **kwargs: Any) -> Any:
+        # FSDPModule._apply calls super()._apply: skip torch's, which reads torch's FSDP state
+        return super(_TorchFSDPModule, self)._apply(*args, **kwargs)
+
+
+for _name, _why in _REFUSED.items():
+    setattr(TorchFSDPModuleBase, _name, _refusal(_name, _why))
 
 
 class UnshardHandle:
@@ -37,7 +128,7 @@ class UnshardHandle:
 class FSDPModule(TorchFSDPModuleBase):
     """Mixin placed before the module's own class by ``fully_shard``; a subclass of torch's
     ``FSDPModule``, so ``isinstance(m, torch.distributed.fsdp.FSDPModule)`` holds (see
-    torch_module.py for torch's methods that ours does not implement)."""
+    ``TorchFSDPModuleBase`` above for torch's methods that ours does not implement)."""
 
     # [FSDP<Orig>, FSDPModule, TorchFSDPModuleBase, torch's FSDPModule, Orig, ...]
     _orig_cls_mro_index = 4
@@ -94,7 +185,7 @@ class FSDPModule(TorchFSDPModuleBase):
                                          recurse: bool = True) -> None:
         """True: a parameter that no rank used gets a zero gradient, as with torch's FSDP2
         under this setting. False (the default): it keeps ``grad is None`` ([Note: gradients of
-        unused parameters], fsdp/unused_grads.py). Either way every rank reduces every
+        unused parameters], fsdp/arrivals.py). Either way every rank reduces every
         parameter of the unit, with zeros for those it got no gradient for, so ranks may use
         different parameters."""
         _check_bool("reduce_scatter_unused_params", reduce_scatter_unused_params)

@@ -21,7 +21,7 @@ from torch import nn
 
 from shardwise._compat import DTensor
 from shardwise.fsdp import tp_params
-from shardwise.fsdp.dtensor import sharded_dtensor, sharded_like
+from shardwise.fsdp.layout import sharded_dtensor, sharded_like
 from shardwise.fsdp.unit import FSDPUnit, units_of
 
 WRAPPED = "_fsdp_wrapped_module."  # the FullyShardedDataParallel wrapper's child name

@@ -59,8 +59,8 @@ from shardwise._compat import (
 from shardwise._compat import StridedShard as _StridedShard
 from shardwise.distributed.groups import collective_device, global_ranks, group_alive
 from shardwise.fsdp.collectives import gather_from_each
-from shardwise.fsdp.dtensor import _contiguous_stride as contiguous_stride
-from shardwise.fsdp.dtensor import device_type_of
+from shardwise.fsdp.layout import _contiguous_stride as contiguous_stride
+from shardwise.fsdp.layout import device_type_of
 from shardwise.sharded_tensor import sharded_parameters
 from shardwise.sharded_tensor.dtensor_layout import dtensor_placements
 

@@ -19,10 +19,9 @@ from torch import nn
 
 from shardwise._compat import current_backward, tree_flatten, tree_map
 from shardwise.dp.output_hooks import register_pre_backward
-from shardwise.fsdp.checks import class_name
 from shardwise.fsdp.collectives import run_eagerly
+from shardwise.fsdp.exchange import unit_tag_bases
 from shardwise.fsdp.flat_param import FlatParamHandle
-from shardwise.fsdp.grad_exchange import unit_tag_bases
 from shardwise.fsdp.mixed_precision import MixedPrecision
 from shardwise.fsdp.root import RootState
 from shardwise.memory.heap import release_free_heap
@@ -97,7 +96,7 @@ class TrainingState(Enum):
 # same point on every rank.
 # Each rank then reduces every parameter, with zeros for the ones it got no gradient for, even a
 # unit none of whose gradients arrived here (``expect_gradient``). A parameter that no rank used
-# still keeps ``grad is None`` ([Note: gradients of unused parameters], unused_grads.py). The
+# still keeps ``grad is None`` ([Note: gradients of unused parameters], arrivals.py). The
 # direct exchanges that do run while the unit's backward goes on never wait without end for a
 # peer ([Note: direct gradient reduction]). tests/fsdp/test_direct_reduction.py.
 
@@ -501,6 +500,11 @@ def _cast_floats(tree: Any, dtype: torch.dtype) -> Any:
         return x
 
     return tree_map(cast, tree)
+
+
+def class_name(module: nn.Module) -> str:
+    """The module's own class name (not the ``FSDP...`` class fully_shard gives it)."""
+    return getattr(type(module), "_fsdp_orig_cls", type(module)).__name__
 
 
 def get_unit(module: nn.Module) -> FSDPUnit | None:

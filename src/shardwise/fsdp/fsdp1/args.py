@@ -22,8 +22,8 @@ from shardwise.distributed.topology import (
     local_world_size_from_env,
 )
 from shardwise.fsdp.collectives import gather_from_each
-from shardwise.fsdp.dtensor import device_type_of
 from shardwise.fsdp.fsdp1.config import BackwardPrefetch, ShardingStrategy, as_enum
+from shardwise.fsdp.layout import device_type_of
 from shardwise.fsdp.mixed_precision import CPUOffload, MixedPrecision
 
 _WARNED: set[str] = set()  # torch arguments already warned about (once per process)

@@ -20,7 +20,7 @@ from torch import nn
 from shardwise.distributed.groups import global_ranks
 from shardwise.dp.data_parallel import clip_by_total_norm, sharded_grad_norm
 from shardwise.fsdp import tp_params
-from shardwise.fsdp.dtensor import local_tensor
+from shardwise.fsdp.layout import local_tensor
 
 
 def clip_grad_norm_(parameters: nn.Module | Iterable[torch.Tensor], max_norm: float,

@@ -19,8 +19,8 @@ import torch
 from torch import nn
 
 from shardwise.fsdp.collectives import start_unit_gather
-from shardwise.fsdp.dtensor import local_tensor
 from shardwise.fsdp.flat_param import FlatParamHandle, ParamSlot, ShardState
+from shardwise.fsdp.layout import local_tensor
 from shardwise.fsdp.unit import FSDPUnit, TrainingState, get_unit, units_of
 
 

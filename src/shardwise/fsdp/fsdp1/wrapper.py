@@ -37,8 +37,8 @@ from shardwise.fsdp.fsdp1.state_broadcast import broadcast_named_state, restore_
 from shardwise.fsdp.fsdp1.state_dict import load_local, transform_state_dict
 from shardwise.fsdp.fsdp1.summon import summon_full_params
 from shardwise.fsdp.fully_shard import fully_shard
+from shardwise.fsdp.module import no_sync
 from shardwise.fsdp.state_dict import WRAPPED, check_keys, clean_name
-from shardwise.fsdp.sync import no_sync
 from shardwise.fsdp.unit import units_of
 
 

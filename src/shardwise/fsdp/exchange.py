@@ -38,13 +38,49 @@ checkpoint) is sent twice, its second copies received into a workspace and added
 sum, in another order.
 
 Where the unit's ranks run on one host and may read each other's memory, the rows move by reads
-instead of gloo's messages (``PulledExchange``, [Note: gradient rows read from the peers] in
-peer_exchange.py): the same pieces, added in the same order, so the same bits; such an exchange
+instead of gloo's messages (``PulledExchange``, [Note: gradient rows read from the peers]
+below): the same pieces, added in the same order, so the same bits; such an exchange
 has two phases, each on its own thread (``_Waiter`` runs one phase of every exchange, in order).
 
 Taken only where it is exact and simple: gloo on CPU, more than one rank, no communication hook,
 gradient sync on, and no gradient left over from a backward without sync (those accumulate in
 the flat buffer, which then reduces everything).
+
+The two kinds of exchange share where each peer's copy of this rank's rows goes
+(``receive_buffers``) and the bookkeeping of phases run on the unit's threads
+(``PhasedExchange``): an exchange over gloo (``_Exchange``) has one phase, run on the unit's
+exchange thread; one that reads the peers' memory (``PulledExchange``) has two, each on its own
+thread. It is done once every phase has run; the first error any phase met is raised to the
+compute thread by ``finish``.
+
+[Note: gradient rows read from the peers]
+Where every rank of a unit's group may read the others' memory ([Note: reading a peer's memory],
+dp/peer_read.py), an exchange of [Note: direct gradient reduction] moves no gradient bytes
+through gloo. The ranks' notes go through the unit's ``NoteBoard`` ([Note: notes through shared
+memory], dp/shm_notes.py), numbered by how many exchanges of that parameter the unit has issued
+(the same on every rank). Each parameter has ``DEPTH`` slots, used in turn, because a gradient
+that arrives twice in one reduction (a reentrant checkpoint) has two exchanges in flight; a
+rank posts a note only once its peers have acknowledged the one posted ``DEPTH`` exchanges
+before in that slot (so far in the past that it never waits in practice). For each other rank
+``r``, this rank
+
+1. when the gradient arrives (the compute thread): posts ``r`` a note saying where in this
+   process the rows ``r`` owns lie, and how many bytes they are;
+2. on the unit's exchange thread (``read``): waits for ``r``'s note on this rank's rows, copies
+   them out of ``r``'s memory (the lowest other rank's straight into the reduced shard, further
+   ones into workspaces) and acknowledges the note; when every peer's rows are in, adds this
+   rank's own rows and the workspaces, as the gloo exchange does;
+3. on a second thread (``release``): waits until every peer has acknowledged this rank's notes,
+   and only then lets this rank's gradient go.
+
+The reads cost one copy in this process and nothing in the peer, where gloo took a copy on each
+side plus the TCP stack and its event loop. The release has its own thread because a peer may
+take its exchanges in another order than this rank: were the exchange thread to wait for a
+peer's acknowledgement before reading the next parameter, it could wait for a peer that waits
+for this rank's read of that next parameter. Each thread waits only for what a compute thread
+posts, or for what a peer's exchange thread does after waiting only for compute threads, so no
+wait is circular. A note whose size differs from the rows it should describe is an error naming
+the peer.
 """
 
 from __future__ import annotations
@@ -56,11 +92,12 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from shardwise.dp import shm_notes
 from shardwise.dp.fast_collectives import Pending, reduce_scatter_flat
+from shardwise.dp.peer_read import DISABLE_VAR, peer_pids, read_into
+from shardwise.dp.shm_notes import NoteBoard
 from shardwise.fsdp.collectives import exchange_rows
-from shardwise.fsdp.exchange_phases import PhasedExchange, receive_buffers
 from shardwise.fsdp.layout import UnitLayout, chunks_of, copy_into_chunks
-from shardwise.fsdp.peer_exchange import PeerRows, PulledExchange
 
 TAG_BASE = 1 << 20  # point-to-point tags of direct exchanges start here
 _TAG_END = 1 << 31  # gloo's tags are 31-bit
@@ -78,6 +115,156 @@ def unit_tag_bases(slot_counts: Sequence[int]) -> list[int]:
     return [TAG_BASE + k * stride for k in range(len(slot_counts))]
 
 
+
+# ---- what both kinds of exchange share -----------------------------------------------------------
+def receive_buffers(own: torch.Tensor, dest: torch.Tensor, into_dest: bool, rank: int,
+                    world: int) -> tuple[list[tuple[int, torch.Tensor]], list[torch.Tensor]]:
+    """``(reads, pieces)`` for this rank's rows ``own`` of one parameter: ``reads`` pairs each
+    other rank with where its copy goes (the lowest one's straight into ``dest`` when
+    ``into_dest``, the others into new workspaces); ``pieces`` are what is then added into
+    ``dest``: ``own`` and the workspaces, in that order."""
+    reads, pieces = [], [own]
+    for k, r in enumerate(r for r in range(world) if r != rank):
+        buf = dest if k == 0 and into_dest else torch.empty_like(own)
+        if buf is not dest:
+            pieces.append(buf)
+        reads.append((r, buf))
+    return reads, pieces
+
+
+class PhasedExchange:
+    """An exchange whose phases, the methods named in ``PHASES``, run on the unit's threads,
+    one thread per phase (see the module's doc)."""
+
+    PHASES: tuple[str, ...] = ("run",)
+
+    def __init__(self) -> None:
+        self.arrived = threading.Event()  # set once every phase has run (or failed)
+        self.error: BaseException | None = None
+        self.deferred = False  # waited for in vain: left to the unit's reduction
+        self._lock, self._phases_left = threading.Lock(), len(self.PHASES)
+
+    def held(self) -> list[torch.Tensor]:
+        """The tensors the exchange still holds (its gradient, workspaces)."""
+        raise NotImplementedError
+
+    def held_bytes(self) -> int:
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                    for t in self.held()}
+        return sum(storages.values())
+
+    def done(self) -> bool:
+        return self.arrived.is_set()
+
+    def phase_done(self, error: BaseException | None) -> None:
+        """A thread ran one phase (``error``: what it raised, if anything)."""
+        with self._lock:
+            if error is not None and self.error is None:
+                self.error = error
+            self._phases_left -= 1
+            last = self._phases_left == 0
+        if last:
+            self.arrived.set()
+
+    def finish(self) -> None:
+        """Wait until every phase has run; raise the first error one met."""
+        self.arrived.wait()
+        if self.error is not None:
+            raise self.error
+
+
+# ---- reads of the peers' rows (one host) ---------------------------------------------------------
+_PURPOSE = "FSDP gradient exchange"
+DEPTH = 4  # slots per parameter: exchanges of one parameter that may be in flight at once
+
+
+class PeerRows:
+    """What a unit's exchanges need to read its peers' rows: their process ids, the unit's note
+    board (``DEPTH`` slots per parameter) and how many exchanges of each parameter were issued."""
+
+    def __init__(self, group: dist.ProcessGroup, pids: Sequence[int], params: int):
+        self.pids = list(pids)
+        self.board = NoteBoard(params * DEPTH, group, pids, _PURPOSE, DISABLE_VAR)
+        self.issued = [0] * params
+
+    def next_seq(self, index: int) -> tuple[int, int]:
+        """The next exchange of parameter ``index``: ``(slot, sequence number)``."""
+        self.issued[index] += 1
+        seq = self.issued[index]
+        return index * DEPTH + seq % DEPTH, seq
+
+
+def peer_rows(group: dist.ProcessGroup, params: int) -> PeerRows | None:
+    """A unit's ``PeerRows`` where every rank may read the others (collective over ``group``,
+    whose ranks all run on this host), else None."""
+    world = dist.get_world_size(group)
+    usable = shm_notes.supported() and shm_notes.room_for_board(params * DEPTH, world)
+    pids = peer_pids(group, usable)
+    return None if pids is None else PeerRows(group, pids, params)
+
+
+class PulledExchange(PhasedExchange):
+    """One direct parameter's exchange by reads of the peers' memory (see the Note): two
+    phases, ``read`` on the unit's exchange thread and ``release`` on its release thread; it
+    is done once both have run."""
+
+    PHASES = ("read", "release")
+
+    def __init__(self, flat: torch.Tensor, chunks: dict[int, torch.Tensor], rank: int,
+                 rows: PeerRows, index: int, dest: torch.Tensor | None, into_dest: bool):
+        super().__init__()
+        self.rows, self.index = rows, index
+        self.slot, self.seq = rows.next_seq(index)
+        self.flat: torch.Tensor | None = flat  # peers read from it until they acknowledge
+        self.offered = [r for r in chunks if r != rank]
+        for r in self.offered:
+            piece = chunks[r]
+            if self.seq > DEPTH:  # the slot's last note: read by now, but make sure
+                rows.board.wait_ack(self.slot, r, self.seq - DEPTH, self._what())
+            rows.board.post(self.slot, r, self.seq, piece.data_ptr(),
+                            piece.numel() * piece.element_size())
+        self.dest = dest
+        # (peer, where its copy goes), and what is added into dest once they are in
+        self.reads: list[tuple[int, torch.Tensor]] = []
+        self.pieces: list[torch.Tensor] = []
+        own = chunks.get(rank)
+        if own is not None and dest is not None:
+            self.reads, self.pieces = receive_buffers(own, dest, into_dest, rank,
+                                                      len(rows.pids))
+
+    def held(self) -> list[torch.Tensor]:
+        return [t for t in [*self.pieces, self.flat] if t is not None]
+
+    def _what(self) -> str:
+        return f"gradient rows of parameter {self.index}, exchange {self.seq}"
+
+    def read(self) -> None:
+        """Phase 1 (the exchange thread): copy each peer's rows of this rank, acknowledge, and
+        add this rank's own rows and any further copies into ``dest``."""
+        board = self.rows.board
+        for peer, buf in self.reads:
+            address, nbytes = board.wait_note(self.slot, peer, self.seq, self._what())
+            expected = buf.numel() * buf.element_size()
+            if nbytes != expected:
+                raise RuntimeError(f"FSDP: rank {peer} offered {nbytes} bytes of "
+                                   f"{self._what()}, this rank expected {expected}: the ranks' "
+                                   "models or their backward passes differ")
+            read_into(buf, self.rows.pids[peer], address)
+            board.ack(self.slot, peer, self.seq)
+        if self.dest is not None:
+            for piece in self.pieces:
+                self.dest.add_(piece)
+        self.pieces, self.reads = [], []
+
+    def release(self) -> None:
+        """Phase 2 (the release thread): wait until every peer is done with this rank's rows,
+        then let the gradient go."""
+        for r in self.offered:
+            self.rows.board.wait_ack(self.slot, r, self.seq, self._what())
+        self.flat = None
+
+
+# ---- the gloo exchange and one unit's direct reduction -------------------------------------------
 class _Exchange(PhasedExchange):
     """One direct parameter's sends and receives in flight, and what completing it adds to its
     rows of the reduced shard. The unit's ``_Waiter`` thread waits for its works and completes
@@ -159,8 +346,8 @@ class DirectGrads:
         self.inflight: list[_Exchange | PulledExchange] = []
         self.sent: set[int] = set()  # direct parameters whose exchange was issued
         self.packed: torch.Tensor | None = None  # (world, packed_numel), rank-major
-        # where the ranks read each other's rows ([Note: gradient rows read from the peers],
-        # peer_exchange.py), else None: gloo carries the rows
+        # where the ranks read each other's rows ([Note: gradient rows read from the peers]),
+        # else None: gloo carries the rows
         self.peer_rows = peer_rows
         self.waiters: list[_Waiter] = []  # one per phase, started by the first exchange
 
