@@ -20,8 +20,8 @@ that dies closes its sockets at once; a host that vanishes is found by TCP keepa
 A worker's arrival is told twice: its signed record in the store (signed under the group key,
 which holds the group's agreed job id: [Note: group key] in secret.py), and an ``AT_SHUTDOWN``
 frame to every live peer over its authenticated connection, sent before it can close that
-connection. The store record is what a peer that is not connected to it yet, or whose
-connection is busy, reads; the frame is evidence that nobody without the secret can delete or
+connection. Either one counts as its arrival: the record serves a peer whose connection to it
+is already lost, the frame is evidence that nobody without the secret can delete or
 overwrite. So WorkerDied names only a worker that closed its connection without telling its
 peers it had called shutdown(): a record deleted from the store, or one replayed over it from
 another group, delays no one's shutdown and blames no one.
@@ -460,7 +460,6 @@ class RpcAgent:
         if missing:
             raise TimeoutError(f"shutdown on {self.name!r}: ranks {missing} did not call "
                                f"shutdown() within {limit:g} s; this worker has shut down")
-
 
     def _tell_at_shutdown(self) -> None:
         """Tell every live peer over its connection that this worker is at the shutdown

@@ -12,8 +12,8 @@ The records a worker trusts (addresses and barrier arrivals) carry a MAC under t
 ([Note: signed store records] in distributed/signed_store.py), which holds a job id the workers
 agreed on ([Note: group key] in secret.py): a record written without the group secret, or
 copied from another group (another job with the same secret, an earlier ``init_rpc``), is
-ignored and logged, and the wait goes on for a true one. A worker whose own
-record was overwritten while it waits writes it again, so a one-off overwrite delays nobody.
+ignored and logged, and the wait goes on for a true one. A worker whose own record was
+overwritten while it waits writes it again, so a one-off overwrite delays nobody.
 
 [Note: shared store] ``init_process_group`` then ``init_rpc`` on one MASTER_ADDR / MASTER_PORT
 is how DDP and RPC are combined. Without a launcher, rank 0 hosts the TCPStore; two stores
