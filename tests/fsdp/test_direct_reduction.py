@@ -1,4 +1,4 @@
-"""The direct gradient reduction ([Note: direct gradient reduction], exchange.py): large
+"""The direct gradient reduction ([Note: direct gradient reduction], reduction.py): large
 parameters are reduce-scattered straight from autograd's gradients. Checked against the
 one-process reference where it is easy to get wrong: a large parameter whose gradient arrives on
 some ranks only (data-dependent control flow), a unit mixing large and packed parameters,
@@ -14,8 +14,7 @@ from torch import nn
 
 from shardwise import fully_shard
 from shardwise.dp.peer_read import DISABLE_VAR
-from shardwise.fsdp import exchange
-from shardwise.fsdp.flat_param import FlatParamHandle
+from shardwise.fsdp import reduction
 from tests.fsdp.unit_grads import assert_unit_grads
 from tests.harness import WORLD_SIZES, peer_reads_permitted, run_on_ranks
 
@@ -29,20 +28,20 @@ def _with_transport(ctx, transport: str, fn, *args):
     """``fn(ctx, *args)`` with the exchanges' rows read from the peers or sent through gloo;
     checks that the transport asked for is the one taken."""
     reads = []
-    original = exchange.PulledExchange.read
+    original = reduction.PulledExchange.read
 
     def counting(self):
         reads.append(1)
         return original(self)
 
-    exchange.PulledExchange.read = counting
+    reduction.PulledExchange.read = counting
     if transport == "gloo":
         os.environ[DISABLE_VAR] = "1"
     try:
         result = fn(ctx, *args)
     finally:
         os.environ.pop(DISABLE_VAR, None)
-        exchange.PulledExchange.read = original
+        reduction.PulledExchange.read = original
     if ctx.world_size > 1:
         assert bool(reads) == (transport == "peer-read"), (transport, len(reads))
     return result
@@ -73,7 +72,7 @@ class Net(nn.Module):
 
 def _counting_starts():
     calls = []
-    original = exchange.DirectGrads.start
+    original = reduction.DirectGrads.start
 
     def start(self, *args):
         calls.append(1)
@@ -84,7 +83,7 @@ def _counting_starts():
 
 def _train(ctx, accumulate: int):
     calls, original, counting = _counting_starts()
-    exchange.DirectGrads.start = counting
+    reduction.DirectGrads.start = counting
     try:
         torch.manual_seed(0)
         reference, model = Net(), Net()
@@ -108,7 +107,7 @@ def _train(ctx, accumulate: int):
             assert_unit_grads(model, reference, f"step {step}", RTOL)
         return len(calls)
     finally:
-        exchange.DirectGrads.start = original
+        reduction.DirectGrads.start = original
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
@@ -140,13 +139,13 @@ class TwoBlockNet(nn.Module):
 
 
 def _train_two_units(ctx, direct: bool):
-    original = FlatParamHandle._direct_allowed
+    original = reduction.direct_possible
     if not direct:  # every unit reduces through its flat buffer (as with NCCL)
-        FlatParamHandle._direct_allowed = lambda self, sync, grad: False
+        reduction.direct_possible = lambda handle: False
     try:
         _two_units_steps(ctx, steps=2)
     finally:
-        FlatParamHandle._direct_allowed = original
+        reduction.direct_possible = original
 
 
 def _two_units_steps(ctx, steps: int):

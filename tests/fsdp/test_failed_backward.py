@@ -17,7 +17,7 @@ from torch import nn
 from shardwise import fully_shard
 from shardwise._compat import DTensor
 from shardwise.distributed import init_device_mesh
-from shardwise.fsdp.flat_param import FlatParamHandle
+from shardwise.fsdp import reduction
 from tests.fsdp.unit_grads import assert_unit_grads
 from tests.harness import WORLD_SIZES, local_part, run_on_ranks, shard0_rows
 from tests.harness.failures import Injected, raise_in_backward
@@ -49,16 +49,16 @@ def _steps(ctx, mode: str, fail_at: int, save_in_handler: bool = False, where="b
     size 4: direct within a shard group, then an all-reduce across replicas).
     ``save_in_handler``: the handler takes a state dict, which must hold the shards.
     ``where="forward"``: block ``fail_at``'s forward raises instead."""
-    original = FlatParamHandle._direct_allowed
+    original = reduction.direct_possible
     if mode == "flat-buffer":  # every unit reduces through its flat buffer (as with NCCL)
-        FlatParamHandle._direct_allowed = lambda self, sync, grad: False
+        reduction.direct_possible = lambda handle: False
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             _run_steps(ctx, mode, fail_at, save_in_handler, where)
         return [str(w.message) for w in caught if "previous backward" in str(w.message)]
     finally:
-        FlatParamHandle._direct_allowed = original
+        reduction.direct_possible = original
 
 
 def _run_steps(ctx, mode: str, fail_at: int, save_in_handler: bool, where: str) -> None:

@@ -2,7 +2,8 @@
 on any rank at the end of backward (parameters no rank used keep ``grad is None``).
 
 [Note: gradient arrival]
-One ``GradArrivals`` per flat-parameter handle answers the questions a gradient raises:
+One ``GradArrivals`` per unit, owned by its reduction path (reduction.py), answers the
+questions a gradient raises:
 - for the unit's state machine ([Note: FSDP unit states]): did any gradient arrive in this
   backward? (Where the unit's backward ends does not depend on which gradients arrived: [Note:
   where a unit's backward ends], unit.py.)

@@ -8,7 +8,7 @@ so that each backend gets its fastest equivalent collective (see [Note: fast col
 there), issued asynchronously and waited for only when the data is needed; an all-reduce for
 gradient norms. Beside those, every other call FSDP makes into ``torch.distributed``'s
 collectives or point-to-point lives here too, each function saying what it sends and why:
-the direct exchanges of gradient rows ([Note: direct gradient reduction], exchange.py),
+the direct exchanges of gradient rows ([Note: direct gradient reduction], reduction.py),
 the barrier of ranks that share parameters on one host, the agreement on unused parameters,
 the all-gathers that tell every rank a mesh's grid, and FSDP1's broadcast of optimizer state.
 tests/test_layering.py holds the rule.
@@ -107,7 +107,7 @@ def exchange_rows(chunks: dict[int, torch.Tensor], rank: int,
                   reads: Sequence[tuple[int, torch.Tensor]], global_ranks: Sequence[int],
                   group: dist.ProcessGroup, tag: int) -> list[Any]:
     """One direct parameter's point-to-point exchange ([Note: direct gradient reduction],
-    exchange.py), issued asynchronously under ``tag``: this rank sends each other rank
+    reduction.py), issued asynchronously under ``tag``: this rank sends each other rank
     ``r`` its rows ``chunks[r]`` straight out of the gradient, and receives each ``(r, buf)`` of
     ``reads`` (``r``'s copy of this rank's rows) into ``buf``. Returns the works, sends first."""
     works = [dist.isend(rows, global_ranks[r], group=group, tag=tag)

@@ -24,9 +24,10 @@ rows sit in them is [Note: FSDP layout], layout.py):
   only the storage under them comes and goes. A parameter of torch's tensor parallelism keeps
   its TP-local tensor here, and its leaf is the TP DTensor wrapping that view (see [Note: FSDP x
   TP], tp_params.py).
-- ``grad_buffer`` (1D, ``world * shard_numel`` elements, the compute dtype): the unit's flat
-  gradient in rank-major order, which the reduce-scatter works on directly. It is allocated
-  when the unit's first gradient of a backward arrives; each leaf's post-accumulate-grad hook
+- ``grad_buffer`` (1D, ``world * shard_numel`` elements, the compute dtype, held by the unit's
+  reduction path, reduction.py): the unit's flat gradient in rank-major order, which the
+  reduce-scatter works on directly. It is allocated when the unit's first gradient of a
+  backward arrives; each leaf's post-accumulate-grad hook
   copies (or, when accumulating, adds) that leaf's gradient into its chunks and drops the
   leaf's ``.grad`` at once. So the unit's gradient costs one flat buffer plus one parameter's
   gradient in flight, never the per-parameter gradients and their concatenation together.
@@ -62,23 +63,18 @@ from shardwise.dp.fast_collectives import Pending, uses_fast_path
 from shardwise.dp.shm_reduce import on_one_host
 from shardwise.fsdp.arrivals import GradArrivals, ReducedSlots
 from shardwise.fsdp.buffer_pool import StoragePool
-from shardwise.fsdp.collectives import (
-    start_reduce_scatter,
-    start_unit_gather,
-    then_average_across,
-)
-from shardwise.fsdp.exchange import TAG_BASE, DirectGrads, PeerRows, peer_rows
+from shardwise.fsdp.collectives import start_unit_gather
 from shardwise.fsdp.host_params import HostParams, shareable
 from shardwise.fsdp.layout import (
     ParamLayout,
     UnitLayout,
-    copy_into_chunks,
     local_tensor,
     plan_layout,
     set_local_tensor,
     sharded_like,
     sharded_parameter,
 )
+from shardwise.fsdp.reduction import TAG_BASE, PeerRows, Reduction, choose_reduction, peer_rows
 from shardwise.fsdp.tp_params import TPLayout, local_grad
 from shardwise.memory.heap import release_pages
 from shardwise.memory.kept_buffer import KeptBuffer
@@ -173,13 +169,10 @@ class FlatParamHandle:
         # in that mapping
         self.host: HostParams | None = self._share_on_host()
         # where direct exchanges read the peers' gradient rows ([Note: gradient rows read from
-        # the peers], exchange.py), else None
+        # the peers], reduction.py), else None
         self.peer_rows: PeerRows | None = self._peer_rows()
         self._make_full()
-        self.grad_buffer: torch.Tensor | None = None  # 1D, world * shard_numel, compute dtype
-        self.direct: DirectGrads | None = None  # see [Note: direct gradient reduction]
         self.tag_base = TAG_BASE  # of its direct exchanges; the root sets one per unit
-        self.arrivals = GradArrivals()  # which gradients are in: [Note: gradient arrival]
         # torch FSDP2's gradient divide factor: None divides the sum over the data-parallel
         # ranks by their number (the mean every reduction path computes)
         self.divide_factor: float | None = None
@@ -197,6 +190,8 @@ class FlatParamHandle:
         # (state, hook): FSDP1's register_comm_hook; hook(state, full_grad, out) replaces the
         # reduce-scatter and must leave this rank's reduced shard in `out`
         self.comm_hook: tuple[Any, Callable[..., None]] | None = None
+        # how the unit's gradients are reduced, and which arrived (reduction.py)
+        self.reduction: Reduction = choose_reduction(self)
         self.use_sharded_params()
 
     # ---- construction -------------------------------------------------------------------
@@ -309,6 +304,7 @@ class FlatParamHandle:
         self.shard = shard
         self.host = self._share_on_host() if was_meta else None
         self._make_full()
+        self.reduction = choose_reduction(self, self.reduction.arrivals)  # the device may differ
         self.use_sharded_params()
 
     # ---- unshard / reshard --------------------------------------------------------------
@@ -400,118 +396,58 @@ class FlatParamHandle:
         return released
 
     # ---- gradients ----------------------------------------------------------------------
-    def _grad_chunks(self, grad: torch.Tensor, layout: ParamLayout) -> torch.Tensor:
-        """The (world, chunk_numel) view of one parameter's chunks in a rank-major buffer."""
-        start = layout.shard_offset
-        return grad.view(self.world, -1)[:, start : start + layout.chunk_numel]
+    @property
+    def arrivals(self) -> GradArrivals:
+        """Which gradients are in ([Note: gradient arrival]): the reduction path's record."""
+        return self.reduction.arrivals
+
+    def set_comm_hook(self, state: Any, hook: Callable[..., None]) -> None:
+        """FSDP1's ``register_comm_hook``: ``hook(state, full_grad, out)`` reduces this unit's
+        gradients from now on (the unit's reduction path is chosen again)."""
+        self.comm_hook = (state, hook)
+        self.reduction = choose_reduction(self, self.reduction.arrivals)
 
     def add_param_grad(self, index: int, sync: bool = True) -> None:
-        """Move leaf ``index``'s ``.grad`` into this reduction's gradients: held whole for a
-        direct reduction ([Note: direct gradient reduction]) when ``sync`` (this backward
-        reduces) allows one, else into its chunks of ``grad_buffer`` (allocated by the first
-        one). Its arrival is recorded in ``arrivals`` ([Note: gradient arrival])."""
-        leaf, slot = self.leaves[index], self.slots[index]
+        """Hand leaf ``index``'s ``.grad`` to the unit's reduction path (its arrival is recorded
+        there, [Note: gradient arrival]); ``sync``: this backward reduces."""
+        leaf = self.leaves[index]
         grad, leaf.grad = local_grad(leaf.grad, self.tp[index]), None
-        accumulate = self.arrivals.record(index)
-        if self.direct is None and self.grad_buffer is None and self._direct_allowed(sync, grad):
-            self.direct = self._new_direct()
-        if self.direct is not None:
-            if slot.numel:
-                self.direct.add(index, grad, accumulate)
-        else:
-            self._add_to_buffer(index, grad, accumulate)
+        self.reduction.add(index, grad, sync)
 
-    def _new_direct(self) -> DirectGrads:
-        return DirectGrads(self.layout, self.rank, self.global_ranks, self.group,
-                           self._reduced_out(), self.tag_base, self.peer_rows)
-
-    def _reduced_out(self) -> torch.Tensor:
+    def reduced_out(self) -> torch.Tensor:
         """The buffer a reduction writes this rank's reduced shard into (1D, the reduce dtype,
         on the compute device, where the gradients are)."""
         return self.reduced_buffer.take(self.layout.shard_numel, self.reduce_dtype,
                                         self.compute_device)
 
-    def _direct_allowed(self, sync: bool, grad: torch.Tensor) -> bool:
-        return (sync and self.world > 1 and self.comm_hook is None
-                and uses_fast_path(self.group, grad, "auto"))
-
-    def _add_to_buffer(self, index: int, grad: torch.Tensor, accumulate: bool) -> None:
-        slot = self.slots[index]
-        if self.grad_buffer is None:
-            self.grad_buffer = torch.empty(self.world * self.layout.shard_numel,
-                                           dtype=self.param_dtype, device=self.compute_device)
-        if slot.numel:
-            copy_into_chunks(self._grad_chunks(self.grad_buffer, slot.layout), grad,
-                             slot.layout, accumulate=accumulate)
-
     def has_gradient(self) -> bool:
         """Whether gradients wait to be reduced (the next ``start_reduction`` issues one)."""
-        return self.direct is not None or self.grad_buffer is not None
+        return self.reduction.has_gradient()
 
     def drop_gradients(self) -> None:
         """Let go of the gradients waiting to be reduced, after waiting for the direct
         exchanges already posted ([Note: a backward that raised], root.py)."""
-        direct, self.direct, self.grad_buffer = self.direct, None, None
-        if direct is not None:
-            direct.abandon()
-        self.arrivals.taken()
+        self.reduction.drop()
+        self.reduction.arrivals.taken()
 
     def expect_gradient(self) -> None:
         """Make the next ``start_reduction`` issue one although no gradient arrived on this rank:
         the peers' did ([Note: where a unit's backward ends], unit.py), so this rank takes part
-        with zeros, through the same path (direct or flat buffer) a gradient would have taken."""
-        if self.has_gradient():
-            return
-        probe = torch.empty(0, dtype=self.param_dtype, device=self.compute_device)
-        if self._direct_allowed(True, probe):
-            self.direct = self._new_direct()
-        else:
-            self.grad_buffer = torch.zeros(self.world * self.layout.shard_numel,
-                                           dtype=self.param_dtype, device=self.compute_device)
+        with zeros, through the unit's reduction path."""
+        self.reduction.expect()
 
     def start_reduction(self) -> GradReduction:
-        """Issue the averaging reduce-scatter of the gradients gathered so far (zero where none
-        arrived) in the reduce dtype; with hybrid sharding its result is then averaged across
-        the replicas. The handle lets go of them."""
-        if self.direct is not None:
-            direct, self.direct = self.direct, None
-            pending, out, held = direct.start(self.arrivals.waiting)
-        else:
-            pending, out, held = self._start_buffer_reduction(self._take_full_grad())
-        self.reduced.reduced([self.arrivals.waiting(i) for i in range(len(self.slots))])
-        self.arrivals.taken()
-        if self.replicate_group is not None:
-            pending = then_average_across(pending, out, self.replicate_group)
+        """Issue the unit's reduction of the gradients gathered so far (zero where none
+        arrived; see reduction.py for the path); the handle lets go of them."""
+        pending, out, held = self.reduction.start()
+        arrivals = self.reduction.arrivals
+        self.reduced.reduced([arrivals.waiting(i) for i in range(len(self.slots))])
+        arrivals.taken()
         return GradReduction(pending, out, held)
-
-    def _take_full_grad(self) -> torch.Tensor:
-        """The flat gradient (1D, rank-major), zero where no gradient arrived."""
-        grad, self.grad_buffer = self.grad_buffer, None
-        for index, slot in enumerate(self.slots):
-            if not self.arrivals.waiting(index):
-                self._grad_chunks(grad, slot.layout).zero_()
-        return grad
 
     def unsharded_grad_bytes(self) -> int:
         """Bytes of unreduced gradients this handle holds right now (flat buffer or held)."""
-        held = 0 if self.direct is None else self.direct.held_bytes()
-        if self.grad_buffer is not None:
-            held += self.grad_buffer.untyped_storage().nbytes()
-        return held
-
-    def _start_buffer_reduction(self, full_grad: torch.Tensor):
-        """The reduce-scatter of the flat gradient: ``(pending, out, held)``."""
-        full_grad = full_grad.to(self.reduce_dtype)
-        if self.comm_hook is not None:  # runs synchronously, as torch's hooks do
-            state, hook = self.comm_hook
-            out = torch.empty(self.layout.shard_numel, dtype=self.reduce_dtype,
-                              device=full_grad.device)
-            hook(state, full_grad, out)
-            return Pending([]), out, [full_grad]
-        if self.world == 1:
-            return Pending([]), full_grad, [full_grad]
-        out = self._reduced_out()
-        return start_reduce_scatter(out, full_grad, self.group), out, [full_grad]
+        return self.reduction.held_bytes()
 
     def finish_grad_reduction(self, reduction: GradReduction) -> None:
         """Wait for the reduce-scatter and add its result to each sharded parameter's ``.grad``

@@ -29,7 +29,7 @@ into a rank-major flat buffer of ``world * shard_numel`` elements, chunk r into 
 at the parameter's ``shard_offset``, so one reduce-scatter of the flat buffer leaves each rank
 the averaged gradient of its own chunks, laid out like its shard. On gloo the large parameters
 skip that buffer and are sent straight from their gradients, see [Note: direct gradient
-reduction] (exchange.py).
+reduction] (reduction.py).
 
 FSDP's sharded parameters are torch DTensors (``Shard(0)`` on a 1D mesh of the unit's group;
 ``(Replicate(), Shard(0))`` on a 2D mesh for hybrid sharding). Presenting each local shard as

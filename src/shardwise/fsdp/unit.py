@@ -20,9 +20,9 @@ from torch import nn
 from shardwise._compat import current_backward, tree_flatten, tree_map
 from shardwise.dp.output_hooks import register_pre_backward
 from shardwise.fsdp.collectives import run_eagerly
-from shardwise.fsdp.exchange import unit_tag_bases
 from shardwise.fsdp.flat_param import FlatParamHandle
 from shardwise.fsdp.mixed_precision import MixedPrecision
+from shardwise.fsdp.reduction import unit_tag_bases
 from shardwise.fsdp.root import RootState
 from shardwise.memory.heap import release_free_heap
 

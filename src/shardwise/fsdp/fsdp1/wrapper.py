@@ -177,7 +177,7 @@ class FullyShardedDataParallel(nn.Module):
         if any(u.handle.comm_hook is not None for u in units):
             raise RuntimeError("a communication hook is already registered")
         for unit in units:
-            unit.handle.comm_hook = (state, hook)
+            unit.handle.set_comm_hook(state, hook)
 
     # ---- torch FSDP1's static methods -----------------------------------------------------
     @staticmethod

@@ -1,4 +1,27 @@
-"""A unit's gradient reduce-scatter sent straight from autograd's gradients (gloo on CPU).
+"""The ways a unit's gradients are reduced: one class each, chosen once per unit.
+
+``choose_reduction`` picks a unit's path when its handle is built (and again when what decides
+it changes: a communication hook registered, the unit moved to another device):
+
+- ``FlatReduceScatter``: every gradient copied into a rank-major flat buffer, one averaging
+  reduce-scatter of it where the unit's backward ends ([Note: flat parameters], flat_param.py);
+  NCCL, and gloo off the CPU;
+- ``GlooExchange`` and ``PeerReadExchange``: the large parameters' rows sent straight from
+  their gradients as they arrive, over gloo's point-to-point or by reading the peers' memory on
+  one host ([Note: direct gradient reduction] and [Note: gradient rows read from the peers]
+  below); gloo on the CPU with more than one rank;
+- ``CommHookReduction``: FSDP1's ``register_comm_hook``, whose hook replaces the reduce-scatter
+  of the flat buffer;
+- ``SingleRank``: a group of one rank, where the flat buffer is the reduced gradient;
+- ``AcrossReplicas``: hybrid sharding, any of the above within the shard group and then an
+  all-reduce across the replicas.
+
+Each path owns the unit's record of which gradients arrived ([Note: gradient arrival],
+arrivals.py). The handle (flat_param.py) hands it each gradient (``add``), asks it to take part
+with zeros where none arrived (``expect``), and issues the reduction (``start``).
+
+The direct exchanges: a unit's gradient reduce-scatter sent straight from autograd's gradients
+(gloo on CPU).
 
 [Note: direct gradient reduction]
 The reduce-scatter of [Note: flat parameters] first copies every gradient into a rank-major flat
@@ -88,16 +111,23 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 from shardwise.dp import shm_notes
-from shardwise.dp.fast_collectives import Pending, reduce_scatter_flat
+from shardwise.dp.fast_collectives import Pending, reduce_scatter_flat, uses_fast_path
 from shardwise.dp.peer_read import DISABLE_VAR, peer_pids, read_into
 from shardwise.dp.shm_notes import NoteBoard
-from shardwise.fsdp.collectives import exchange_rows
+from shardwise.fsdp.arrivals import GradArrivals
+from shardwise.fsdp.collectives import exchange_rows, start_reduce_scatter, then_average_across
 from shardwise.fsdp.layout import UnitLayout, chunks_of, copy_into_chunks
+
+if TYPE_CHECKING:
+    from shardwise.fsdp.flat_param import FlatParamHandle
+
+Reduced = tuple[Pending, torch.Tensor, list[torch.Tensor]]  # (pending, out, held): see start
 
 TAG_BASE = 1 << 20  # point-to-point tags of direct exchanges start here
 _TAG_END = 1 << 31  # gloo's tags are 31-bit
@@ -495,3 +525,242 @@ class _KeepAlive:
 
     def wait(self) -> bool:
         return self.pending.wait()
+
+
+# ---- the reduction paths, one class each ----------------------------------------------------
+class Reduction:
+    """One way a unit's gradients are reduced (see the module's doc). Between a unit's first
+    gradient of a backward and ``start`` it holds what that backward's reduction needs;
+    ``arrivals`` is the unit's one record of which gradients are in."""
+
+    def __init__(self, handle: FlatParamHandle, arrivals: GradArrivals | None = None):
+        self.handle = handle
+        self.arrivals = arrivals if arrivals is not None else GradArrivals()
+
+    def add(self, index: int, grad: torch.Tensor, sync: bool) -> None:
+        """Take parameter ``index``'s gradient (this rank's local tensor); ``sync``: this
+        backward reduces (off under ``no_sync``)."""
+        raise NotImplementedError
+
+    def has_gradient(self) -> bool:
+        """Whether gradients wait to be reduced (the next ``start`` issues a reduction)."""
+        raise NotImplementedError
+
+    def expect(self) -> None:
+        """Make the next ``start`` issue a reduction although no gradient arrived here: the
+        peers' did ([Note: where a unit's backward ends], unit.py), so this rank takes part
+        with zeros, through this path."""
+        raise NotImplementedError
+
+    def start(self) -> Reduced:
+        """Issue the averaging reduction of the gradients held (zero where none arrived) in the
+        reduce dtype and let go of them: ``(pending, out, held)``, ``out`` (1D,
+        ``shard_numel``) holding this rank's reduced shard once ``pending`` is waited for,
+        ``held`` kept alive until then."""
+        raise NotImplementedError
+
+    def drop(self) -> None:
+        """Let go of the gradients held, after waiting for what was already posted ([Note: a
+        backward that raised], root.py)."""
+        raise NotImplementedError
+
+    def held_bytes(self) -> int:
+        """Bytes of unreduced gradients held right now."""
+        raise NotImplementedError
+
+
+class _FlatBuffer(Reduction):
+    """The paths that reduce the unit's rank-major flat gradient (1D, ``world *
+    shard_numel``, the compute dtype): each gradient is copied (or added, when accumulating)
+    into its chunks as it arrives; what ``start`` does with the buffer is ``_reduce``."""
+
+    def __init__(self, handle: FlatParamHandle, arrivals: GradArrivals | None = None):
+        super().__init__(handle, arrivals)
+        self.grad_buffer: torch.Tensor | None = None
+
+    def add(self, index: int, grad: torch.Tensor, sync: bool) -> None:
+        self.add_to_buffer(index, grad, self.arrivals.record(index))
+
+    def add_to_buffer(self, index: int, grad: torch.Tensor, accumulate: bool) -> None:
+        handle = self.handle
+        if self.grad_buffer is None:
+            self.grad_buffer = torch.empty(handle.world * handle.layout.shard_numel,
+                                           dtype=handle.param_dtype,
+                                           device=handle.compute_device)
+        param = handle.layout.params[index]
+        if param.numel:
+            copy_into_chunks(self._chunks(self.grad_buffer, index), grad, param,
+                             accumulate=accumulate)
+
+    def _chunks(self, grad: torch.Tensor, index: int) -> torch.Tensor:
+        """The (world, chunk_numel) view of parameter ``index``'s chunks in ``grad``."""
+        param = self.handle.layout.params[index]
+        start = param.shard_offset
+        return grad.view(self.handle.world, -1)[:, start : start + param.chunk_numel]
+
+    def has_gradient(self) -> bool:
+        return self.grad_buffer is not None
+
+    def expect(self) -> None:
+        handle = self.handle
+        if self.grad_buffer is None:
+            self.grad_buffer = torch.zeros(handle.world * handle.layout.shard_numel,
+                                           dtype=handle.param_dtype,
+                                           device=handle.compute_device)
+
+    def start(self) -> Reduced:
+        grad, self.grad_buffer = self.grad_buffer, None
+        for index in range(len(self.handle.layout.params)):
+            if not self.arrivals.waiting(index):
+                self._chunks(grad, index).zero_()
+        return self._reduce(grad.to(self.handle.reduce_dtype))
+
+    def _reduce(self, full_grad: torch.Tensor) -> Reduced:
+        raise NotImplementedError
+
+    def drop(self) -> None:
+        self.grad_buffer = None
+
+    def held_bytes(self) -> int:
+        return 0 if self.grad_buffer is None else self.grad_buffer.untyped_storage().nbytes()
+
+
+class FlatReduceScatter(_FlatBuffer):
+    """One averaging reduce-scatter of the flat gradient (``reduce_scatter_flat``: the fastest
+    equivalent per backend), issued asynchronously where the unit's backward ends."""
+
+    def _reduce(self, full_grad: torch.Tensor) -> Reduced:
+        out = self.handle.reduced_out()
+        return start_reduce_scatter(out, full_grad, self.handle.group), out, [full_grad]
+
+
+class SingleRank(_FlatBuffer):
+    """A shard group of one rank: the flat gradient is the reduced shard; nothing is sent."""
+
+    def _reduce(self, full_grad: torch.Tensor) -> Reduced:
+        return Pending([]), full_grad, [full_grad]
+
+
+class CommHookReduction(_FlatBuffer):
+    """FSDP1's ``register_comm_hook``: ``hook(state, full_grad, out)`` replaces the
+    reduce-scatter and leaves this rank's reduced shard in ``out``; it runs synchronously, as
+    torch's hooks do."""
+
+    def __init__(self, handle: FlatParamHandle, hook: tuple[Any, Callable[..., None]],
+                 arrivals: GradArrivals | None = None):
+        super().__init__(handle, arrivals)
+        self.state, self.hook = hook
+
+    def _reduce(self, full_grad: torch.Tensor) -> Reduced:
+        out = torch.empty(self.handle.layout.shard_numel, dtype=self.handle.reduce_dtype,
+                          device=full_grad.device)
+        self.hook(self.state, full_grad, out)
+        return Pending([]), out, [full_grad]
+
+
+class _Direct(Reduction):
+    """[Note: direct gradient reduction]: each large parameter's rows are exchanged as soon as
+    its gradient arrives (``DirectGrads``, one per backward). A backward without sync, and the
+    backward that then reduces what it accumulated, go through the flat buffer instead
+    (``flat``), which keeps gradients across backward passes."""
+
+    peer_reads = False  # the rows move by reads of the peers' memory, not gloo's messages
+
+    def __init__(self, handle: FlatParamHandle, arrivals: GradArrivals | None = None):
+        super().__init__(handle, arrivals)
+        self.flat = FlatReduceScatter(handle, self.arrivals)
+        self.direct: DirectGrads | None = None
+
+    def _new_direct(self) -> DirectGrads:
+        handle = self.handle
+        return DirectGrads(handle.layout, handle.rank, handle.global_ranks, handle.group,
+                           handle.reduced_out(), handle.tag_base,
+                           handle.peer_rows if self.peer_reads else None)
+
+    def add(self, index: int, grad: torch.Tensor, sync: bool) -> None:
+        accumulate = self.arrivals.record(index)
+        direct = self.direct
+        if direct is None and sync and self.flat.grad_buffer is None:
+            direct = self.direct = self._new_direct()
+        if direct is None:
+            self.flat.add_to_buffer(index, grad, accumulate)
+        elif self.handle.layout.params[index].numel:
+            direct.add(index, grad, accumulate)
+
+    def has_gradient(self) -> bool:
+        return self.direct is not None or self.flat.grad_buffer is not None
+
+    def expect(self) -> None:
+        if not self.has_gradient():
+            self.direct = self._new_direct()
+
+    def start(self) -> Reduced:
+        if self.direct is None:
+            return self.flat.start()
+        direct, self.direct = self.direct, None
+        return direct.start(self.arrivals.waiting)
+
+    def drop(self) -> None:
+        direct, self.direct = self.direct, None
+        self.flat.drop()
+        if direct is not None:
+            direct.abandon()
+
+    def held_bytes(self) -> int:
+        return (0 if self.direct is None else self.direct.held_bytes()) + self.flat.held_bytes()
+
+
+class GlooExchange(_Direct):
+    """The direct exchange over gloo's point-to-point sends and receives."""
+
+
+class PeerReadExchange(_Direct):
+    """The direct exchange by reads of the peers' rows on one host ([Note: gradient rows read
+    from the peers])."""
+
+    peer_reads = True
+
+
+class AcrossReplicas(Reduction):
+    """Hybrid sharding: ``within`` reduces inside the shard group, then its result is averaged
+    across the replicate group (``then_average_across``). Every other call goes straight to
+    ``within``'s own methods (bound here, so a gradient costs no extra call)."""
+
+    def __init__(self, within: Reduction, replicate_group: dist.ProcessGroup):
+        super().__init__(within.handle, within.arrivals)
+        self.within, self.replicate_group = within, replicate_group
+        self.add = within.add  # type: ignore[method-assign]
+        self.has_gradient = within.has_gradient  # type: ignore[method-assign]
+        self.expect = within.expect  # type: ignore[method-assign]
+        self.drop = within.drop  # type: ignore[method-assign]
+        self.held_bytes = within.held_bytes  # type: ignore[method-assign]
+
+    def start(self) -> Reduced:
+        pending, out, held = self.within.start()
+        return then_average_across(pending, out, self.replicate_group), out, held
+
+
+def direct_possible(handle: FlatParamHandle) -> bool:
+    """Whether the unit may reduce by direct exchanges: more than one rank, no communication
+    hook, and gloo with the gradients on the CPU ([Note: direct gradient reduction])."""
+    probe = torch.empty(0, dtype=handle.param_dtype, device=handle.compute_device)
+    return (handle.world > 1 and handle.comm_hook is None
+            and uses_fast_path(handle.group, probe, "auto"))
+
+
+def choose_reduction(handle: FlatParamHandle,
+                     arrivals: GradArrivals | None = None) -> Reduction:
+    """The unit's reduction path (see the module's doc); ``arrivals``: the record to keep, when
+    the path is chosen again."""
+    if handle.comm_hook is not None:
+        path: Reduction = CommHookReduction(handle, handle.comm_hook, arrivals)
+    elif direct_possible(handle):
+        kind = GlooExchange if handle.peer_rows is None else PeerReadExchange
+        path = kind(handle, arrivals)
+    elif handle.world == 1:
+        path = SingleRank(handle, arrivals)
+    else:
+        path = FlatReduceScatter(handle, arrivals)
+    if handle.replicate_group is not None:
+        path = AcrossReplicas(path, handle.replicate_group)
+    return path
