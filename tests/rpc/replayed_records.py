@@ -70,7 +70,8 @@ class OutsiderWinsEveryRace(dist.Store):
 
 
 def _init(rank: int, world: int, store: dist.Store | None = None) -> None:
-    opts = rpc.TensorPipeRpcBackendOptions(rpc_timeout=30, connect_timeout=60, store=store)
+    wait = float(os.environ.get("CONNECT_TIMEOUT", "60"))
+    opts = rpc.TensorPipeRpcBackendOptions(rpc_timeout=30, connect_timeout=wait, store=store)
     rpc.init_rpc(f"worker{rank}", rank=rank, world_size=world, rpc_backend_options=opts)
 
 

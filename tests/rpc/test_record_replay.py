@@ -249,3 +249,18 @@ def test_a_shutdown_record_replayed_before_every_read_blames_no_one(cluster_secr
     rank 0 waited until rank 1 left, then raised a false ``WorkerDied ... rank 1 died before
     calling shutdown()``."""
     _earlier_init_replayed(tmp_path, REPLAY_EVERY_READ="1")
+
+
+def test_a_restarted_attempt_meets_apart_from_the_records_of_the_last(cluster_secret, tmp_path):
+    """A launcher's store outlives an attempt; the ranks of the next one (fresh processes, so
+    their first ``init_rpc`` again) meet under their attempt's own prefix, as torch's ranks do
+    (TORCHELASTIC_RESTART_COUNT), and never read the last attempt's group id or records."""
+    store = _host_store()
+    for attempt in range(2):
+        where = tmp_path / str(attempt)
+        where.mkdir()
+        out = _run_group(store, "clean", where, TORCHELASTIC_RESTART_COUNT=str(attempt),
+                         CONNECT_TIMEOUT="20")
+        for code, text in out:
+            assert code == 0 and lines(text)["shutdown"] == "returned", (attempt, text)
+        assert lines(out[1][1])["calls ok"] == str(CALLS), (attempt, out[1][1])

@@ -4,8 +4,10 @@ The store is found as torch's RPC finds it ([Note: shared store]). Every worker 
 ``{name, host, port, devices}`` and reads everyone's record; the group secret never goes
 through the store ([Note: group secret] in secret.py). All keys of one ``init_rpc`` live
 under their own prefix (``shardwise_rpc/<n>/``, ``n`` counting this process's ``init_rpc``
-calls, as torch's ``rpc_prefix_<n>``), so a store shared with a process group, or used by an
-earlier RPC group of the same processes, never mixes keys. Every wait is bounded, except the
+calls, as torch's ``rpc_prefix_<n>``; ``shardwise_rpc/attempt_<k>/<n>/`` in a launcher's
+restarted attempt ``k``, $TORCHELASTIC_RESTART_COUNT, as torch's ranks prefix theirs), so a
+store shared with a process group, used by an earlier RPC group of the same processes, or
+kept by a launcher from its last attempt, never mixes keys. Every wait is bounded, except the
 shutdown barrier's default (see [Note: shutdown] in agent.py).
 
 The records a worker trusts (addresses and barrier arrivals) carry a MAC under the group's key
@@ -114,10 +116,13 @@ def _same_host(a: str, b: str) -> bool:
 
 def scoped(store: dist.Store) -> dist.Store:
     """``store`` seen under this ``init_rpc`` call's own key prefix (the n-th call of the
-    process; every worker of a group makes the same number of calls, as in torch)."""
+    process in this launcher attempt; every worker of a group makes the same number of calls,
+    as in torch)."""
     with _counter_lock:
         n = next(_init_counter)
-    return dist.PrefixStore(f"{PREFIX}/{n}", store)
+    attempt = int_var("TORCHELASTIC_RESTART_COUNT", default=0, minimum=0)
+    where = f"{PREFIX}/{n}" if attempt == 0 else f"{PREFIX}/attempt_{attempt}/{n}"
+    return dist.PrefixStore(where, store)
 
 
 def group_store(group: dist.ProcessGroup | None = None) -> dist.Store:
