@@ -9,10 +9,11 @@ shutdown, then as ``job``). In the replayed group, rank 0 serves and calls ``shu
 once (a parameter server); rank 1 calls rank 0 ``CALLS`` times, then shuts down. Both print
 ``key: value`` lines for the test.
 
-With ``REPLAY_EVERY_READ=1`` (mode ``reinit``), rank 0 meets its second group through
-:class:`OutsiderWinsEveryRace`: rank 1's shutdown record there is overwritten with its record
-of the first group just before each of rank 0's reads, as an outsider writing it in a loop
-would manage at best.
+In the replayed group, rank 0 sees the store through :class:`RankZerosView`, and rank 1
+shuts down only once rank 0 has read its shutdown record there (so rank 0 reads the replayed
+one). With ``REPLAY_EVERY_READ=1`` (mode ``reinit``), rank 1's shutdown record is overwritten
+with its record of the first group just before each of rank 0's reads, as an outsider writing
+it in a loop would manage at best.
 """
 
 from __future__ import annotations
@@ -36,18 +37,26 @@ def _wait_for(path: Path, timeout: float = 60) -> None:
         time.sleep(0.01)
 
 
-class OutsiderWinsEveryRace(dist.Store):
-    """``inner`` as rank 0 sees it while an outsider copies the first group's
-    ``shutdown/1`` over the second group's right before every read of it."""
+class RankZerosView(dist.Store):
+    """``inner`` as rank 0 of the replayed group sees it (prefix ``group``): the first read of
+    rank 1's shutdown record there leaves the file ``read_shutdown_1`` (rank 1 shuts down only
+    after it, so rank 0 surely reads what the outsider put there first). With
+    ``every_read``, the outsider copies the first group's ``shutdown/1`` over it right before
+    every such read."""
 
-    def __init__(self, inner: dist.Store) -> None:
+    def __init__(self, inner: dist.Store, group: str, where: Path, every_read: bool) -> None:
         super().__init__()
-        self.inner = inner
-        self.first, self.second = f"{rendezvous.PREFIX}/0/", f"{rendezvous.PREFIX}/1/"
+        self.inner, self.where, self.every_read = inner, where, every_read
+        self.watched = f"{rendezvous.PREFIX}/{group}/shutdown/1"
+        self.source = f"{rendezvous.PREFIX}/0/shutdown/1"
 
     def get(self, key: str) -> bytes:
-        if key == self.second + "shutdown/1" and self.inner.check([self.first + "shutdown/1"]):
-            self.inner.set(key, self.inner.get(self.first + "shutdown/1"))
+        if key == self.watched:
+            if self.every_read and self.inner.check([self.source]):
+                self.inner.set(key, self.inner.get(self.source))
+            value = self.inner.get(key)
+            (self.where / "read_shutdown_1").touch()
+            return value
         return self.inner.get(key)
 
     def set(self, key: str, value) -> None:
@@ -99,8 +108,10 @@ def main() -> None:
     where, mode = Path(os.environ["SCENARIO_DIR"]), os.environ["REPLAY_MODE"]
     torch.set_num_threads(1)
     store = None
-    if os.environ.get("REPLAY_EVERY_READ") == "1" and rank == 0:
-        store = OutsiderWinsEveryRace(rendezvous.make_store("env://", rank, world, 60))
+    if rank == 0 and mode != "clean":
+        store = RankZerosView(rendezvous.make_store("env://", rank, world, 60),
+                              "1" if mode == "reinit" else "0", where,
+                              os.environ.get("REPLAY_EVERY_READ") == "1")
     if mode == "reinit":
         _first_group(rank, world, store)
     if rank == 1 and mode != "clean":
@@ -109,6 +120,8 @@ def main() -> None:
     if rank == 1:
         print(f"calls ok: {_calls()}")
         (where / "calls_done").touch()
+        if mode != "clean":
+            _wait_for(where / "read_shutdown_1")
     try:
         rpc.shutdown()
         print("shutdown: returned")
