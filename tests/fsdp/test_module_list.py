@@ -111,15 +111,15 @@ def _gathers_in_forward(ctx, reshard: bool) -> int:
     model = Net()
     with gathering_units():
         _shard(model, fully_shard, reshard_after_forward=reshard)
-    handle = model.norm._shardwise_fsdp_unit.handle
+    path = model.norm._shardwise_fsdp_unit.handle.gather_path  # the unit's gather path
     calls = []
-    start_gather = handle._start_gather
+    start_gather = path.start
 
-    def counted(*args):
+    def counted():
         calls.append(1)
-        return start_gather(*args)
+        return start_gather()
 
-    handle._start_gather = counted
+    path.start = counted
     tokens = torch.randint(0, VOCAB, (2, 6))
     for _ in range(2):
         before = len(calls)

@@ -6,8 +6,12 @@ rows, one all-gather of the packed small parameters) and its gradient reduce-sca
 flat gradient -> this rank's averaged shard), through ``shardwise.dp.fast_collectives``
 so that each backend gets its fastest equivalent collective (see [Note: fast collectives]
 there), issued asynchronously and waited for only when the data is needed; an all-reduce for
-gradient norms. Beside those, every other call FSDP makes into ``torch.distributed``'s
-collectives or point-to-point lives here too, each function saying what it sends and why:
+gradient norms. A unit's gather path is one of two objects chosen once per unit with its full
+buffer (flat_param.py): ``CollectiveGather`` (the gather above, into memory held only while
+unsharded) or ``HostSharedGather`` (parameters held whole once per host: nothing to gather);
+its reduction path is one of reduction.py's. Beside those, every other call FSDP makes into
+``torch.distributed``'s collectives or point-to-point lives here too, each function saying
+what it sends and why:
 the direct exchanges of gradient rows ([Note: direct gradient reduction], reduction.py),
 the barrier of ranks that share parameters on one host, the agreement on unused parameters,
 the all-gathers that tell every rank a mesh's grid, and FSDP1's broadcast of optimizer state.
@@ -22,7 +26,7 @@ shardwise/dp/output_hooks.py.)
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -30,6 +34,9 @@ import torch.distributed as dist
 from shardwise._compat import queue_callback
 from shardwise.dp.fast_collectives import Pending, all_gather_flat, reduce_scatter_flat
 from shardwise.fsdp.layout import UnitLayout, chunks_of, copy_from_chunks
+
+if TYPE_CHECKING:
+    from shardwise.fsdp.flat_param import FlatParamHandle
 
 
 def start_unit_gather(full: torch.Tensor, shard: torch.Tensor, layout: UnitLayout, rank: int,
@@ -65,6 +72,52 @@ def start_unit_gather(full: torch.Tensor, shard: torch.Tensor, layout: UnitLayou
                              rows[:, start : start + p.chunk_numel], p)
 
     return Pending(works, copy_out)
+
+
+class CollectiveGather:
+    """A unit's gather path where each rank holds only its rows: each unshard takes memory for
+    the unit's full buffer (from the root's pool, [Note: unshard buffer pool] in
+    buffer_pool.py) and gathers every rank's rows into it (``start_unit_gather``); each
+    reshard gives the memory back."""
+
+    def __init__(self, handle: FlatParamHandle):
+        self.handle = handle
+
+    def start(self) -> Pending | None:
+        """Issue the gather into the unit's full buffer; what to wait for."""
+        handle = self.handle
+        storage = handle.full_data.untyped_storage()
+        nbytes = handle.layout.total * handle.full_data.element_size()
+        if handle.storage_pool is None or not handle.storage_pool.take(storage, nbytes):
+            storage.resize_(nbytes)
+        return start_unit_gather(handle.full_data, handle.gather_source(), handle.layout,
+                                 handle.rank, handle.global_ranks, handle.group)
+
+    def free(self) -> None:
+        """Give the full buffer's memory back (to the pool, else to the allocator)."""
+        handle = self.handle
+        storage = handle.full_data.untyped_storage()
+        if handle.storage_pool is None or not handle.storage_pool.give(storage):
+            storage.resize_(0)
+        handle.released_bytes = 0  # of the full buffer's pages, by release_param_rows
+
+    def unsharded_bytes(self) -> int:
+        return self.handle.full_data.untyped_storage().nbytes()
+
+
+class HostSharedGather:
+    """A unit's gather path where its ranks hold the parameters whole in one mapping per host
+    for the unit's life ([Note: parameters shared on one host], host_params.py): an unshard
+    gathers nothing, a reshard frees nothing, and nothing is allocated for either."""
+
+    def start(self) -> Pending | None:
+        return None
+
+    def free(self) -> None:
+        pass
+
+    def unsharded_bytes(self) -> int:
+        return 0
 
 
 def start_reduce_scatter(shard_out: torch.Tensor, full_grad: torch.Tensor,

@@ -63,7 +63,7 @@ from shardwise.dp.fast_collectives import Pending, uses_fast_path
 from shardwise.dp.shm_reduce import on_one_host
 from shardwise.fsdp.arrivals import GradArrivals, ReducedSlots
 from shardwise.fsdp.buffer_pool import StoragePool
-from shardwise.fsdp.collectives import start_unit_gather
+from shardwise.fsdp.collectives import CollectiveGather, HostSharedGather, start_unit_gather
 from shardwise.fsdp.host_params import HostParams, shareable
 from shardwise.fsdp.layout import (
     ParamLayout,
@@ -249,9 +249,13 @@ class FlatParamHandle:
         return peer_rows(self.group, len(self.layout.params))
 
     def _make_full(self) -> None:
+        # how each unshard fills full_data (collectives.py): chosen with it
+        self.gather_path: CollectiveGather | HostSharedGather
         if self.host is not None:  # the shared mapping, for the unit's life
             self.full_data = self.host.full
+            self.gather_path = HostSharedGather()
         else:
+            self.gather_path = CollectiveGather(self)
             self.full_data = torch.empty(self.layout.total, dtype=self.param_dtype,
                                          device=self.compute_device)
         storage = self.full_data.untyped_storage()
@@ -312,14 +316,15 @@ class FlatParamHandle:
         """Allocate the full buffer and issue the gather into it (SHARDED -> GATHERING)."""
         if self.state is not ShardState.SHARDED:
             return
-        if self.host is not None:  # nothing to gather: [Note: parameters shared on one host]
+        pending = self.gather_path.start()
+        if pending is None:  # nothing to gather: [Note: parameters shared on one host]
             self.state = ShardState.UNSHARDED
             return
-        self._alloc_full()
-        self._gather = self._start_gather(self.full_data, self._gather_source())
+        self._gather = pending
         self.state = ShardState.GATHERING
 
-    def _gather_source(self) -> torch.Tensor:
+    def gather_source(self) -> torch.Tensor:
+        """This rank's rows as the gather sends them: the shard in the compute device and dtype."""
         source = self.shard
         if source.dtype != self.param_dtype or source.device != self.compute_device:
             source = source.to(self.compute_device, self.param_dtype, non_blocking=True)
@@ -360,29 +365,13 @@ class FlatParamHandle:
             self._gather.wait()  # the collective must finish writing before its buffer goes
             self._gather = None
         self.use_sharded_params()
-        self._free_full()
+        self.gather_path.free()
         self.state = ShardState.SHARDED
-
-    def _alloc_full(self) -> None:
-        storage = self.full_data.untyped_storage()
-        nbytes = self.layout.total * self.full_data.element_size()
-        if self.storage_pool is None or not self.storage_pool.take(storage, nbytes):
-            storage.resize_(nbytes)
-
-    def _free_full(self) -> None:
-        if self.host is not None:  # the shared mapping stays
-            return
-        storage = self.full_data.untyped_storage()
-        if self.storage_pool is None or not self.storage_pool.give(storage):
-            storage.resize_(0)
-        self.released_bytes = 0  # of the full buffer's pages, by release_param_rows
 
     def unsharded_bytes(self) -> int:
         """Bytes of the full buffer's storage right now (0 while sharded, and always 0 where
         the parameters are shared on the host: nothing is allocated to unshard them)."""
-        if self.host is not None:
-            return 0
-        return self.full_data.untyped_storage().nbytes()
+        return self.gather_path.unsharded_bytes()
 
     def release_param_rows(self, index: int) -> int:
         """Give the pages under direct parameter ``index``'s unsharded rows back to the OS
@@ -411,7 +400,9 @@ class FlatParamHandle:
         """Hand leaf ``index``'s ``.grad`` to the unit's reduction path (its arrival is recorded
         there, [Note: gradient arrival]); ``sync``: this backward reduces."""
         leaf = self.leaves[index]
-        grad, leaf.grad = local_grad(leaf.grad, self.tp[index]), None
+        grad, leaf.grad = leaf.grad, None
+        if isinstance(grad, DTensor):  # a TP parameter's: its local tensor (tp_params.py)
+            grad = local_grad(grad, self.tp[index])
         self.reduction.add(index, grad, sync)
 
     def reduced_out(self) -> torch.Tensor:
