@@ -121,7 +121,8 @@ def _simulate(args: argparse.Namespace, record: dict) -> None:
     if args.strategy == "hsdp" and args.replicas < 2:
         raise ValueError("--strategy hsdp needs --replicas R (at least 2 replica groups)")
     runs = [dry_run_for(r["strategy"], args.nproc, rank=args.rank, replicas=args.replicas,
-                        precision=args.precision, tp_plan=None if args.hf_config else gpt_plan)
+                        precision=args.precision, tp_plan=None if args.hf_config else gpt_plan,
+                        zero_partition=args.zero_partition)
             if r["strategy"] in picked else None
             for r in record["rows"]]
     reshard = None

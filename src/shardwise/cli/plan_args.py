@@ -82,6 +82,9 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     add("--rank", type=int_arg(0, 2**24), default=0, help="--simulate: the rank to play")
     add("--strategy", default=None, choices=("ddp", "zero1", "zero2", "fsdp", "hsdp"),
         help="--simulate: dry-run this strategy's rows only (default: every row)")
+    add("--zero-partition", default="parameters", choices=("parameters", "elements"),
+        help="--simulate: ZeRO-1/2 give each rank whole parameters (torch's "
+             "ZeroRedundancyOptimizer, the default) or equal element ranges (DeepSpeed's)")
     add("--reshard-to", type=WORLD, default=None, metavar="M",
         help="--simulate: also plan a checkpoint saved at --nproc ranks and loaded at M ranks "
              "(metadata size, chunks, files; the reads of --rank at M); no data written")

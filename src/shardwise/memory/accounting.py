@@ -37,12 +37,15 @@ def state_bytes(
     optimizer: torch.optim.Optimizer | None = None,
 ) -> StateBytes:
     """Bytes this rank holds in ``params`` (a module or tensors), their ``.grad`` and the
-    optimizer's state tensors. No collective: each rank reports its own."""
+    optimizer's state tensors, plus the ``.grad`` of the tensors the optimizer steps (ZeRO's
+    element partition keeps reduced gradients on its slices of the parameters, not on the
+    parameters). No collective: each rank reports its own."""
     tensors = list(params.parameters()) if isinstance(params, nn.Module) else list(params)
     grads = [p.grad for p in tensors if p.grad is not None]
     opt_tensors: list[torch.Tensor] = []
     if optimizer is not None:
         opt_tensors = _optimizer_tensors(optimizer)
+        grads += [p.grad for p in _stepped(optimizer) if p.grad is not None]
     return StateBytes(_unique_bytes(tensors), _unique_bytes(grads), _unique_bytes(opt_tensors))
 
 
@@ -53,6 +56,14 @@ def _optimizer_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
         optimizer = inner
     return [v for state in optimizer.state.values() for v in state.values()
             if isinstance(v, torch.Tensor)]
+
+
+def _stepped(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The tensors the optimizer (or the local optimizer a wrapper holds in ``.optim``) steps."""
+    inner = getattr(optimizer, "optim", None)
+    if isinstance(inner, torch.optim.Optimizer):
+        optimizer = inner
+    return [p for group in optimizer.param_groups for p in group["params"]]
 
 
 def _unique_bytes(tensors: Iterable[torch.Tensor]) -> int:

@@ -18,6 +18,10 @@ import torch
 
 
 class MasterWeightAdamW(torch.optim.Optimizer):
+    # its update of each element reads only that element's gradient and state: ZeRO's element
+    # partition may step it on slices of parameters ([Note: ZeRO element partition])
+    element_wise = True
+
     def __init__(self, params: Iterable[torch.Tensor], lr: float = 1e-3,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 1e-2):

@@ -23,12 +23,16 @@ from shardwise.sim.step import DryRun, StepResult, simulate_step
 
 def dry_run_for(row: str, world_size: int, *, rank: int = 0, replicas: int = 1,
                 precision: str = "fp32", local_world_size: int | None = None,
-                tp_plan: Callable | None = None) -> DryRun | None:
+                tp_plan: Callable | None = None, zero_partition: str = "parameters"
+                ) -> DryRun | None:
     """The dry run of a plan row by its name; None for a layout that is not simulated (a 3D
-    hsdp x tp mesh, or fsdp x tp without the model's tensor-parallel plan)."""
+    hsdp x tp mesh, or fsdp x tp without the model's tensor-parallel plan). ``zero_partition``
+    is the zero1 and zero2 rows' ``ZeroRedundancyOptimizer(partition=...)``."""
     common = {"world_size": world_size, "rank": rank, "precision": precision,
               "local_world_size": local_world_size}
-    if row in ("ddp", "zero1", "zero2", "fsdp"):
+    if row in ("zero1", "zero2"):
+        return DryRun(row, zero_partition=zero_partition, **common)
+    if row in ("ddp", "fsdp"):
         return DryRun(row, **common)
     if row == "hsdp":
         return DryRun("hsdp", replicas=replicas, **common)

@@ -31,13 +31,15 @@ from shardwise.sim.models import blocks_of, sequence_length
 from shardwise.sim.optim import MasterWeightAdamW
 
 SIM_STRATEGIES = ("ddp", "zero1", "zero2", "fsdp", "hsdp")
+ZERO_PARTITIONS = ("parameters", "elements")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "mixed": torch.bfloat16}
 
 
 @dataclass(frozen=True)
 class DryRun:
     """What to simulate: ``strategy`` on rank ``rank`` of ``world_size`` ranks; ``replicas``
-    (hsdp) and ``tp`` (fsdp x tp) shape the mesh."""
+    (hsdp) and ``tp`` (fsdp x tp) shape the mesh; ``zero_partition`` is zero1's and zero2's
+    ``ZeroRedundancyOptimizer(partition=...)``: whole parameters or element ranges."""
 
     strategy: str
     world_size: int
@@ -47,6 +49,7 @@ class DryRun:
     precision: str = "fp32"
     local_world_size: int | None = None
     batch: int = 1
+    zero_partition: str = "parameters"
     # fsdp x tp: the model's tensor-parallel plan over a group (the demo GPT's is
     # cli/strategy_tp.gpt_plan, passed in by `shardwise plan`: nothing here imports the CLI)
     tp_plan: Callable[[dist.ProcessGroup], tuple[dict, list[str]]] | None = None
@@ -55,6 +58,9 @@ class DryRun:
         if self.strategy not in SIM_STRATEGIES:
             raise SimulationError(f"unknown strategy {self.strategy!r} for a dry run; known: "
                                   f"{', '.join(SIM_STRATEGIES)}")
+        if self.zero_partition not in ZERO_PARTITIONS:
+            raise SimulationError(f"unknown ZeRO partition {self.zero_partition!r}; known: "
+                                  f"{', '.join(ZERO_PARTITIONS)}")
         if self.precision not in DTYPES:
             raise SimulationError(f"unknown precision {self.precision!r}; known: "
                                   f"{', '.join(DTYPES)}")
@@ -171,7 +177,8 @@ def _zero(model, run, world, meshes) -> _Wrapped:
     from shardwise.ddp import DistributedDataParallel
     from shardwise.zero import ZeroDataParallel, ZeroRedundancyOptimizer
 
-    opt = ZeroRedundancyOptimizer(model.parameters(), _optimizer_class(run), process_group=world)
+    opt = ZeroRedundancyOptimizer(model.parameters(), _optimizer_class(run), process_group=world,
+                                  partition=run.zero_partition)
     if run.strategy == "zero1":
         return _Wrapped(DistributedDataParallel(model, process_group=world), model, opt)
     return _Wrapped(ZeroDataParallel(model, opt), model, opt)
