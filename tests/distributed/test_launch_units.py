@@ -196,7 +196,7 @@ def _reads(name):
     from shardwise.launch.preemption import GRACE_VAR, Preemption
     from shardwise.rpc import init_rpc
     from shardwise.rpc.rendezvous import _store_address
-    from shardwise.rpc.shm_channel import channel_mode
+    from shardwise.rpc.wire.shm_channel import channel_mode
 
     return {
         "SHARDWISE_TIMEOUT": default_timeout,
@@ -257,11 +257,9 @@ class _FakeLink:
         if self.store_gone:
             raise RuntimeError("Failed to recv, got 0 bytes. Connection was likely closed.")
 
-    def beat(self):
+    def stopped(self):
         self._store()
         self.looks += 1
-
-    def stopped(self):
         return None
 
     def remote_failure(self, attempt):
@@ -272,6 +270,9 @@ class _FakeLink:
 
     def beaten_since(self, t):
         return self.peer_alive
+
+    def never_connected(self, nodes):
+        return False
 
     def report_failure(self, attempt, text):
         self._store()
@@ -326,24 +327,6 @@ def test_a_python_error_of_its_own_is_reported_without_waiting_for_other_nodes()
     assert "rank two broke" in job.stderr.getvalue() and link.looks <= 1  # no waiting
 
 
-def test_the_link_sees_whether_every_other_node_beat_since_a_moment():
-    import torch.distributed as dist
-
-    from shardwise.launch.nodes import NodeLink
-
-    store = dist.HashStore()
-    links = [NodeLink(store, k, 3, 1, 0, 30.0, b"job secret") for k in range(3)]
-    for link in links:
-        link.beat()
-    links[0].lost_nodes(now=1.0)  # node 0's first look at the others' beats
-    links[1].beat()
-    links[0].lost_nodes(now=2.0)
-    assert not links[0].beaten_since(1.5)  # node 2 has not beaten since
-    links[2].beat()
-    links[0].lost_nodes(now=3.0)
-    assert links[0].beaten_since(1.5) and not links[0].beaten_since(2.5)
-
-
 # -- records a process without the job's secret writes change nothing (issue 25, point 5) --
 
 def _links(n=2, timeout=30.0):
@@ -358,30 +341,10 @@ def _links(n=2, timeout=30.0):
 def test_forged_node_records_are_ignored():
     store, (node0, node1) = _links()
     # what a process that reaches the store but lacks the secret writes, as plain values
-    store.set("shardwise/attempt_0/failed/1", "node 1's ranks failed (forged)")
-    store.set("shardwise/job_stopped", "node 1's launcher received SIGTERM (forged)")
-    store.set("shardwise/attempt_0/finished/1", "1")
-    store.set("shardwise/attempt_0/ready/1", "1")
     store.set("shardwise/nodes/1", '{"nnodes": 2, "nproc": 1, "max_restarts": 5}')
-    assert node0.remote_failure(0) is None
-    assert node0.stopped() is None
-    assert not node0.all_finished(0)
+    store.set("shardwise/node_lost/1", "1")
     assert node0._records().keys() == set()  # node 0 has not written its record either
-    # true records from node 1 are seen
-    node1.report_failure(0, "rank 1 raised")
-    assert node0.remote_failure(0) == (1, "rank 1 raised")
-
-
-def test_a_forged_beat_never_makes_a_node_lost():
-    store, (node0, node1) = _links(timeout=5.0)
-    node1.beat()
-    assert node0.lost_nodes(now=0.0) == []
-    store.set("shardwise/node_beat/1", "1")  # a forged (unsigned) beat, over and over
-    assert node0.lost_nodes(now=10.0) == []
-    assert node0.lost_nodes(now=20.0) == []
-    node1.beat()  # a true one: still alive
-    assert node0.lost_nodes(now=30.0) == []
-    assert node0.lost_nodes(now=36.0) == [1]  # a true silence is still seen
+    assert not node1._take("shardwise/node_lost/1")
 
 
 def test_a_forged_claim_is_taken_over_and_a_true_one_is_not():
@@ -433,3 +396,27 @@ def test_a_real_error_still_comes_before_a_rank_that_left():
     exits = [RankExit(0, 0, 4.0, False, None),
              RankExit(1, 1, 5.0, False, _record(1, 4.9, message="rank one broke"))]
     assert blame(exits).text.startswith("shardwise: rank 1 failed")
+
+
+def test_a_progress_record_of_another_job_or_attempt_is_false():
+    import torch.distributed as dist
+
+    from shardwise.launch import progress
+
+    store = dist.HashStore()
+    mine, other = progress.scope_of("aa" * 32), progress.scope_of("bb" * 32)
+    # another job with the same secret (or an earlier attempt) wrote rank 1's record
+    progress.Heartbeat(store, 0, 1, 2, interval=1.0, secret=b"job secret", scope=other).publish()
+    assert progress.read_progress(store, 0, 1, b"job secret", scope=mine) is progress.FALSE
+    beat = progress.Heartbeat(store, 0, 1, 2, interval=1.0, secret=b"job secret", scope=mine)
+    beat.publish()
+    assert progress.read_progress(store, 0, 1, b"job secret", scope=mine)["n"] == 1
+
+
+def test_a_lost_mark_of_another_job_with_the_same_secret_is_not_taken():
+    store, (node0, node1) = _links()
+    node0.job_id, node1.job_id = b"a" * 32, b"b" * 32  # two jobs, one secret
+    node0.mark_lost([1], 1)
+    assert not node1._take("shardwise/node_lost/1")
+    node1.job_id = node0.job_id
+    assert node1._take("shardwise/node_lost/1") and not node1._take("shardwise/node_lost/1")

@@ -38,7 +38,8 @@ CHECKED: dict[str, Callable[[], object]] = {
 # sets for its own ranks (read there, written here).
 NOT_CHECKED = ("SHARDWISE_RPC_ADDR", "SHARDWISE_RPC_SECRET", "SHARDWISE_RPC_SECRET_FILE",
                "SHARDWISE_LAUNCH_SECRET", "SHARDWISE_LAUNCH_ID", "SHARDWISE_LAUNCHER_PID",
-               "SHARDWISE_LAUNCHER_FD", "SHARDWISE_LIFELINE_ARMED", "SHARDWISE_PROGRESS_FD")
+               "SHARDWISE_LAUNCHER_FD", "SHARDWISE_LIFELINE_ARMED", "SHARDWISE_PROGRESS_FD",
+               "SHARDWISE_ATTEMPT_ID")
 
 
 def env_problem() -> str | None:

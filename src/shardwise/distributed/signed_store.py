@@ -7,8 +7,10 @@ barrier's arrival, a heartbeat) is therefore written as
     b"SWS1" | HMAC-SHA256(secret, "shardwise-store-v1" | scope | key | value) | value
 
 and read back only if its MAC holds. ``scope`` names the job, group or attempt the record
-belongs to (an RPC group's id, a launcher attempt), so a record copied from another job, from
-another key, or from an earlier attempt fails; the key inside the MAC is the key as passed to
+belongs to, so a record copied from another key fails, and one copied from another job or an
+earlier attempt fails when the scope holds an identity no other job or attempt has (a random
+one the members agreed on, distributed/job_identity.py): a constant scope binds nothing, since
+every job of a user may share the secret. The key inside the MAC is the key as passed to
 :func:`put` (under a ``PrefixStore``, the key below its prefix: give the prefix's meaning in
 ``scope``). A record that fails is ignored and logged once (a warning naming the key), and a
 wait goes on for a true one until its timeout. A process without the secret can still delete

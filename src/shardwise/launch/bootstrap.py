@@ -116,7 +116,8 @@ def _start_heartbeat() -> progress.Heartbeat | None:
     heartbeat = progress.Heartbeat(
         store, int_var("TORCHELASTIC_RESTART_COUNT", default=0, minimum=0),
         int_var("RANK", minimum=0), int_var("WORLD_SIZE", minimum=1),
-        interval=min(1.0, timeout / 5), secret=secret, pipe_fd=_progress_pipe())
+        interval=min(1.0, timeout / 5), secret=secret, pipe_fd=_progress_pipe(),
+        scope=progress.scope_of(str_var(progress.ATTEMPT_VAR, "")))
     heartbeat.publish()
     heartbeat.start()
     # registered before the script runs, so it runs after the script's own exit handlers: the

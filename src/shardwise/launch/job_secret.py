@@ -2,12 +2,21 @@
 
 [Note: launcher records] The rendezvous store has no authentication: any process that reaches
 its port can read, list, write and delete any key. So every record the launchers and their
-ranks write there and later act on (progress heartbeats, node records and beats, failure
-reports, stop notices, lost-node marks, the next attempt, readiness) is written with
-distributed/signed_store.py's MAC under this secret, with the record's key inside the MAC; a
-record that fails is ignored and logged. Counters made with the store's ``add`` cannot carry a
-MAC; the launcher keeps none that decides anything: node-rank claims, "finished" and "saw the
-stop" are one signed record per node instead.
+ranks write there and later act on (progress records, node-rank claims, node records, lost-node
+marks, the next attempt, node 0's port for the node link, the job's and each attempt's identity
+rounds) is written with distributed/signed_store.py's MAC under this secret, with the record's
+key inside the MAC; a record that fails is ignored and logged. The MAC proves only who wrote a
+record, and every job of a user who sets ``$SHARDWISE_RPC_SECRET`` shares the secret, so
+records are also bound to their job: the nodes' records are signed under the job's identity
+(agreed at rendezvous, distributed/job_identity.py) and the ranks' progress records under their
+attempt's identity (``$SHARDWISE_ATTEMPT_ID``); only node 0's secret check, claims, node 0's
+port and each node's first record of its flags, written before the job has an identity, are
+signed under the secret alone (their worst copy makes a rendezvous wait or stop, named). And
+since anyone can still delete a record or write a true one back, none of them is evidence that
+a rank or a node is gone: that comes over channels no one else can write into (each rank's
+pipe, progress.py; the launchers' own connections, node_link.py), which also carry failure
+reports, stop notices and "finished". Counters made with the store's ``add`` cannot carry a
+MAC; the launcher keeps none.
 
 Where the secret comes from (the RPC's rule, rpc/secret.py, for several hosts):
 

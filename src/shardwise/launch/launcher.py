@@ -55,7 +55,7 @@ from shardwise.launch.lifeline import LAUNCHER_FD_VAR, LAUNCHER_PID_VAR
 from shardwise.launch.nodes import Layout, NodeError, NodeLink, open_store
 from shardwise.launch.output import PrefixedRelay, Screen, lines_since, stack_dump
 from shardwise.launch.preemption import DEFAULT_GRACE_SECONDS, GRACE_VAR
-from shardwise.launch.progress import PIPE_VAR, SCOPE, ProgressPipe
+from shardwise.launch.progress import ATTEMPT_VAR, PIPE_VAR, SCOPE, ProgressPipe
 from shardwise.launch.watchdog import Hang, Watchdog
 
 LOCALHOST = "127.0.0.1"
@@ -132,6 +132,8 @@ def launch(
             job.trap = trap
             return job.run()
     finally:
+        if job.link is not None:
+            job.link.close()
         if job.secret_file is not None:
             job.secret_file.unlink(missing_ok=True)
 
@@ -209,6 +211,7 @@ class _Job:
     launch_id: str = field(default_factory=lambda: secrets.token_hex(16))  # marks descendants
     secret: bytes = b""  # signs the records in the store ([Note: launcher records])
     secret_file: Path | None = None  # node 0 wrote the secret for launchers on its host
+    attempt_id: str = ""  # the running attempt's identity, hex (agreed by the nodes)
 
     def use_secret(self, secret: bytes) -> None:
         self.secret = secret
@@ -217,10 +220,12 @@ class _Job:
     def connect(self, attempt: int) -> int:
         """Reach (node 0: host) the rendezvous store and join the other nodes; the attempt to
         run first."""
+        if self.link is not None:
+            self.link.close()
         self.store = open_store(self.endpoint, self.node_rank, self.nnodes, self.timeout)
         self.use_secret(self._agree_secret())
         self.link = NodeLink(self.store, self.node_rank, self.nnodes, self.nproc,
-                             self.max_restarts, self.timeout, self.secret)
+                             self.max_restarts, self.timeout, self.secret, host=self.host)
         self.layout, first = self.link.join(attempt)
         return first
 
@@ -317,6 +322,9 @@ class _Job:
             except (NodeError, *_STORE_ERRORS) as exc:
                 self._say(f"shardwise: node {self.node_rank}: {exc}")
                 return 1, True
+        # the attempt's identity binds the ranks' records to it (progress.scope_of)
+        self.attempt_id = (self.link.attempt_id if self.link is not None
+                           else secrets.token_bytes(32)).hex()
         ranks = [self._start(attempt, local, workdir) for local in range(self.nproc)]
         exits: queue.Queue[tuple[int, int, float]] = queue.Queue()
         for i, rank in enumerate(ranks):
@@ -386,26 +394,39 @@ class _Job:
             watchdog.observe(rank.rank, record, now)
 
     def _remote_trouble(self, attempt: int, now: float) -> str | None:
+        """Why this node must stop its ranks because of another node, from the node link
+        ([Note: node link]): a stop notice, another node's failure, a lost node; else None."""
         try:
-            self.link.beat()
             stopped = self.link.stopped()
             remote = self.link.remote_failure(attempt)
             lost = self.link.lost_nodes(now)
         except _STORE_ERRORS as exc:
-            self.store_lost = True
-            return (f"shardwise: node {self.node_rank} lost contact with node 0 (the host of the "
-                    f"rendezvous store) ({exc}); this node's ranks were stopped.")
+            return self._lost_node_0(str(exc))
         if stopped:
             self.job_stopped = True
             return f"shardwise: {stopped}; this node's ranks were stopped."
         if remote is not None:
             return (f"shardwise: node {remote[0]} failed; this node's ranks were stopped. "
                     f"Node {remote[0]} reported:\n{remote[1]}")
+        if 0 in lost and self.node_rank != 0:
+            return self._lost_node_0(f"no word from its launcher for more than "
+                                     f"{self.timeout:g} s, or its connection closed")
         if lost:
             self.lost_nodes = lost
+            if self.link.never_connected(lost):
+                return (f"shardwise: node(s) {', '.join(map(str, lost))} lost: their launcher "
+                        f"never connected to this node's within {self.timeout:g} s (no evidence "
+                        f"of what became of it; the store may be tampered with); this node's "
+                        f"ranks were stopped.")
             return (f"shardwise: node(s) {', '.join(map(str, lost))} lost: no word from their "
-                    f"launcher for more than {self.timeout:g} s; this node's ranks were stopped.")
+                    f"launcher for more than {self.timeout:g} s, or its connection closed; "
+                    f"this node's ranks were stopped.")
         return None
+
+    def _lost_node_0(self, why: str) -> str:
+        self.store_lost = True
+        return (f"shardwise: node {self.node_rank} lost contact with node 0 (the host of the "
+                f"rendezvous store) ({why}); this node's ranks were stopped.")
 
     # -- endings ---------------------------------------------------------------------------
 
@@ -417,8 +438,8 @@ class _Job:
             with contextlib.suppress(*_STORE_ERRORS):
                 self.link.say_stopped(f"node {self.node_rank}'s launcher received {name}")
         self._stop(ranks)
-        if self.link is not None and self.node_rank == 0:  # keep the store up until the other
-            deadline = time.monotonic() + self.timeout  # nodes have read why the job stopped
+        if self.link is not None and self.node_rank == 0:  # stay until the other nodes have
+            deadline = time.monotonic() + self.timeout  # acknowledged why the job stopped
             with contextlib.suppress(*_STORE_ERRORS):
                 while not self.link.others_saw_stop() and time.monotonic() < deadline:
                     time.sleep(POLL_SECONDS)
@@ -483,8 +504,8 @@ class _Job:
         instead (another node's report, a node declared lost, or the store's host gone), else
         None.
 
-        The store is looked at once whatever the failure (so that a restart knows whether node
-        0 must be found again). A failure that only followed from elsewhere waits (up to the
+        The node link is looked at once whatever the failure (so that a restart knows whether
+        node 0 must be found again). A failure that only followed from elsewhere waits (up to the
         timeout) for the cause to show; a rank that crashed in native code waits only while
         some other node's launcher has not beaten since (a launcher that runs beats twice a
         second): a node that has gone silent is declared lost within the timeout, and when
@@ -569,6 +590,7 @@ class _Job:
         )
         env[AGENT_STORE_VAR] = "True"
         env[ERROR_FILE_VAR] = str(error_file)
+        env[ATTEMPT_VAR] = self.attempt_id
         env[LAUNCHER_PID_VAR] = str(os.getpid())
         env[LAUNCHER_FD_VAR] = str(self._read_end)
         env[descendants.LAUNCH_ID_VAR] = self.launch_id

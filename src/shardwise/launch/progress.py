@@ -15,18 +15,21 @@ Reads and writes go through the thread's own store client, under a lock, never t
 process group uses.
 
 Records are signed (distributed/signed_store.py, [Note: launcher records] in job_secret.py)
-under the secret the launcher handed its ranks, and carry a count ``n`` that only grows: a
-reader ignores (and logs) a record that fails its MAC, and reports a record older than one it
-has seen (a genuine record written back by someone else) as false too.
+under the secret the launcher handed its ranks and the attempt's identity (``scope_of``, from
+``$SHARDWISE_ATTEMPT_ID``: agreed by the nodes, or drawn by a one-node launcher), so a record
+copied from another job or attempt fails; they carry a count ``n`` that only grows: a reader
+ignores (and logs) a record that fails its MAC, and reports a record older than one it has seen
+(a genuine record written back by someone else) as false too.
 
 The store cannot prove a rank alive, though: anyone who reaches its port can delete a record,
 or write a genuine one back again and again, and a rank then looks frozen although its MAC
 holds. So the watchdog does not read the store. Our launcher gives each rank one end of a pipe
 of its own (``$SHARDWISE_PROGRESS_FD``), and the heartbeat writes every record there too, one
 JSON line each; the launcher reads the other end (``ProgressPipe``). No other process holds
-either end, so what the watchdog judges by is what the rank wrote. The store's copies serve
-the ranks' own question, who never reached a collective (``stragglers``), and a rank whose
-record is missing there is not named.
+either end, so what the watchdog judges by is what the rank wrote, and no one without the
+secret can make a rank look frozen. The store's copies serve the ranks' own question, who never
+reached a collective (``stragglers``), and a rank whose record is missing or false there is not
+named: no one is.
 """
 
 from __future__ import annotations
@@ -45,7 +48,8 @@ from shardwise.distributed import signed_store
 
 PREFIX = "shardwise/progress/"
 PIPE_VAR = "SHARDWISE_PROGRESS_FD"  # the write end of this rank's pipe to its launcher
-SCOPE = "shardwise-launcher"  # signed_store's scope of every launcher record
+SCOPE = "shardwise-launcher"  # signed_store's scope of the launcher's records
+ATTEMPT_VAR = "SHARDWISE_ATTEMPT_ID"  # the attempt's identity (hex), which binds its records
 _beats = 0
 
 
@@ -54,6 +58,12 @@ class FalseRecord:
 
 
 FALSE = FalseRecord()
+
+
+def scope_of(attempt_id: str) -> str:
+    """The signed scope of one attempt's progress records (``attempt_id``: hex, from the
+    launcher): a record copied from another job or attempt fails its MAC."""
+    return f"{SCOPE}|attempt={attempt_id}"
 
 
 def progress_key(attempt: int, rank: int) -> str:
@@ -90,7 +100,8 @@ def parse_record(raw: bytes | str | None) -> dict[str, Any] | None:
 
 
 def read_progress(store: dist.Store, attempt: int, rank: int, secret: bytes,
-                  newest: dict[str, Any] | None = None) -> dict[str, Any] | FalseRecord | None:
+                  newest: dict[str, Any] | None = None, scope: str = SCOPE
+                  ) -> dict[str, Any] | FalseRecord | None:
     """Rank ``rank``'s latest record; None if it has written none; ``FALSE`` for a record
     that is not a true one of this job (fails its MAC, or is older than ``newest``, a record
     read before). Never blocks."""
@@ -99,7 +110,7 @@ def read_progress(store: dist.Store, attempt: int, rank: int, secret: bytes,
         return None
     raw = store.get(key)
     try:
-        record = parse_record(signed_store.open_record(key, raw, secret, SCOPE))
+        record = parse_record(signed_store.open_record(key, raw, secret, scope))
     except signed_store.BadRecord as why:
         signed_store._warn_once(key, bytes(raw), why)
         return FALSE
@@ -116,9 +127,10 @@ class Heartbeat(threading.Thread):
     """Publishes this rank's progress record every ``interval`` seconds until ``stop()``."""
 
     def __init__(self, store: dist.Store, attempt: int, rank: int, world_size: int,
-                 interval: float, secret: bytes, pipe_fd: int | None = None):
+                 interval: float, secret: bytes, pipe_fd: int | None = None,
+                 scope: str = SCOPE):
         super().__init__(daemon=True, name="shardwise-heartbeat")
-        self.store, self.attempt, self.rank = store, attempt, rank
+        self.store, self.attempt, self.rank, self.scope = store, attempt, rank, scope
         self.pipe_fd = pipe_fd  # the launcher reads the records here ([Note: progress records])
         if pipe_fd is not None:
             os.set_blocking(pipe_fd, False)  # a full pipe drops a record, never blocks a rank
@@ -144,7 +156,7 @@ class Heartbeat(threading.Thread):
                       "n": self._count, "pid": os.getpid(), "exiting": exiting}
             self._to_launcher(json.dumps(record))
             signed_store.put(self.store, progress_key(self.attempt, self.rank),
-                             json.dumps(record), self.secret, SCOPE)
+                             json.dumps(record), self.secret, self.scope)
 
     def _to_launcher(self, line: str) -> None:
         """One record on the pipe; a full pipe (the launcher reads it a few times a second)
@@ -171,7 +183,8 @@ class Heartbeat(threading.Thread):
                 if rank == self.rank:
                     continue
                 try:
-                    record = read_progress(self.store, self.attempt, rank, self.secret)
+                    record = read_progress(self.store, self.attempt, rank, self.secret,
+                                           scope=self.scope)
                 except (RuntimeError, dist.DistError, OSError):
                     return []
                 if record is FALSE or record is None:  # no evidence: name no one
