@@ -95,8 +95,9 @@ class _Peers:
             if "MAC" in why:
                 log.warning("shardwise: node link: closed the connection of node %d: %s",
                             node, why)
-        finally:
+        finally:  # the peer closed its end, or the connection failed: close this end too
             channel.done.set()
+            channel.close()
 
     def _on_message(self, rnd: _Round, node: int, message: dict) -> None:
         raise NotImplementedError
