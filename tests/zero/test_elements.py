@@ -179,6 +179,13 @@ def _errors(ctx):
         opt.add_param_group(param_groups(net)[1])
     with pytest.raises(RuntimeError, match="no one owner"):
         opt.owners()
+    from shardwise.checkpoint import get_state_dict, set_state_dict
+
+    with pytest.raises(ValueError, match="save it with consolidate_state_dict"):
+        get_state_dict(net, opt)
+    with pytest.raises(ValueError, match="save it with consolidate_state_dict"):
+        set_state_dict(net, opt, model_state_dict=net.state_dict(),
+                       optim_state_dict={"state": {}, "param_groups": []})
     return messages
 
 

@@ -117,7 +117,18 @@ def ensure_state(opt: torch.optim.Optimizer) -> None:
             p.grad = None
 
 
+def _check_whole_parameter_state(opt) -> None:
+    """ZeRO's element partition keeps state per slice of a parameter, which these state dicts
+    (one entry per parameter) cannot hold: refused rather than saved or loaded empty."""
+    if isinstance(opt, ZeroRedundancyOptimizer) and opt.partition == "elements":
+        raise ValueError("a ZeroRedundancyOptimizer(partition='elements') keeps each "
+                         "parameter's state in slices across ranks: save it with "
+                         "consolidate_state_dict(to) and state_dict(), load it with "
+                         "load_state_dict()")
+
+
 def _optim_state(opt, names: dict[int, str], model: nn.Module) -> dict[str, Any]:
+    _check_whole_parameter_state(opt)
     tp = _tp_params(model)
     state: dict[str, Any] = {}
     for g in opt.param_groups:
@@ -158,6 +169,7 @@ def _tp_params(model: nn.Module) -> dict[int, ShardedTensor]:
 
 
 def _load_optim(opt, names: dict[int, str], saved: dict[str, Any], offset: int) -> int:
+    _check_whole_parameter_state(opt)
     groups = saved["param_groups"][offset : offset + len(opt.param_groups)]
     if len(groups) != len(opt.param_groups):
         raise ValueError(f"optim_state_dict has {len(saved['param_groups'])} param groups; the "
