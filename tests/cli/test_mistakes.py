@@ -110,7 +110,7 @@ def test_every_shardwise_variable_is_checked_or_named_free_form():
 
 
 def test_the_checks_agree_with_the_librarys_readers(monkeypatch):
-    from shardwise.rpc.shm_channel import MODES, channel_mode
+    from shardwise.rpc.wire.shm_channel import MODES, channel_mode
 
     for mode in MODES:
         monkeypatch.setenv("SHARDWISE_RPC_CHANNEL", mode)

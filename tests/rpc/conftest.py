@@ -21,7 +21,7 @@ import pytest
 
 import shardwise.rpc as rpc
 from shardwise.rpc import rendezvous
-from shardwise.rpc.shm_channel import ENV as CHANNEL_ENV
+from shardwise.rpc.wire.shm_channel import ENV as CHANNEL_ENV
 from tests.harness import procs
 from tests.harness.ports import reserved_port
 from tests.rpc import helpers

@@ -16,8 +16,8 @@ import time
 import torch
 
 import shardwise.rpc as rpc
-from shardwise.rpc import shm_ring
 from shardwise.rpc.current import get_agent
+from shardwise.rpc.wire import shm_ring
 from tests.harness import procs
 from tests.harness.ports import reserved_port
 from tests.rpc import helpers

@@ -18,9 +18,9 @@ import torch
 
 import shardwise.rpc as rpc
 from shardwise.rpc.auth import HELLO_SIZE, address_of, connect_handshake, new_token
-from shardwise.rpc.shm_channel import negotiate
 from shardwise.rpc.transport import HANDSHAKE_SLOTS, RateLimitedLog, Transport
 from shardwise.rpc.wire import MAGIC, send_frame
+from shardwise.rpc.wire.shm_channel import negotiate
 from tests.rpc import helpers
 from tests.rpc.scenarios import lines, run
 

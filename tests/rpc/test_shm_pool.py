@@ -8,8 +8,8 @@ import gc
 import numpy as np
 import pytest
 
-from shardwise.rpc import shm_pool
-from shardwise.rpc.shm_pool import PAGE, PoolError, PoolReader, PoolWriter
+from shardwise.rpc.wire import shm_pool
+from shardwise.rpc.wire.shm_pool import PAGE, PoolError, PoolReader, PoolWriter
 
 MB = 1 << 20
 

@@ -8,7 +8,7 @@ import threading
 import numpy as np
 import pytest
 
-from shardwise.rpc import wire
+from shardwise.rpc.wire import frames as wire
 from tests.rpc.pairs import sessions
 
 

@@ -130,7 +130,7 @@ def _load() -> str:
 
 def available_impls() -> tuple[str, ...]:
     """The implementations this install has (the shared-memory channel is newer than TCP)."""
-    has_shm = importlib.util.find_spec("shardwise.rpc.shm_channel") is not None
+    has_shm = importlib.util.find_spec("shardwise.rpc.wire.shm_channel") is not None
     return tuple(i for i in IMPLS if i != "shardwise-shm" or has_shm)
 
 

@@ -31,7 +31,7 @@ import struct
 import time
 
 from shardwise.rpc.session import Session, derive
-from shardwise.rpc.wire import PeerClosed
+from shardwise.rpc.wire.frames import PeerClosed
 
 MAGIC = b"SWA2"
 NONCE = 16

@@ -47,7 +47,7 @@ from collections.abc import Callable
 from typing import Any
 
 from shardwise.distributed.env import int_var
-from shardwise.rpc.wire import FrameError, PeerClosed
+from shardwise.rpc.wire.frames import FrameError, PeerClosed
 
 log = logging.getLogger("shardwise.rpc")
 

@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 from shardwise.rpc.callables import register
 from shardwise.rpc.device_maps import DeviceMap, normalize_device_map, normalize_devices
-from shardwise.rpc.wire import DEFAULT_MAX_MESSAGE
+from shardwise.rpc.wire.frames import DEFAULT_MAX_MESSAGE
 
 DEFAULT_RPC_TIMEOUT = 60.0  # seconds, as torch's
 DEFAULT_SHUTDOWN_TIMEOUT = 0.0  # torch's: no limit

@@ -36,7 +36,7 @@ import hashlib
 import hmac
 import struct
 
-from shardwise.rpc.wire import FrameError
+from shardwise.rpc.wire.frames import FrameError
 
 TAG = 16
 KEY = 32

@@ -39,10 +39,10 @@ import socket
 import threading
 import time
 
-from shardwise.rpc import shm_channel
 from shardwise.rpc.auth import AuthError, accept_handshake, address_of, connect_handshake
 from shardwise.rpc.connection import Defer, FrameHandler, LostHandler, QueuedConnection
-from shardwise.rpc.wire import (
+from shardwise.rpc.wire import shm_channel
+from shardwise.rpc.wire.frames import (
     DEFAULT_MAX_MESSAGE,
     FrameReader,
     PeerClosed,

@@ -51,11 +51,9 @@ from collections.abc import Callable
 import numpy as np
 
 from shardwise.distributed.env import choice_var, int_var
-from shardwise.rpc import shm_ring
 from shardwise.rpc.connection import Defer, FrameHandler, LostHandler, QueuedConnection
-from shardwise.rpc.shm_pool import PAGE, PoolError, PoolReader, PoolWriter, pool_bytes
-from shardwise.rpc.shm_ring import Ring, SegmentError
-from shardwise.rpc.wire import (
+from shardwise.rpc.wire import shm_ring
+from shardwise.rpc.wire.frames import (
     _FIXED,
     DEFAULT_MAX_MESSAGE,
     MAGIC,
@@ -66,6 +64,8 @@ from shardwise.rpc.wire import (
     check_lengths,
     recv_exact,
 )
+from shardwise.rpc.wire.shm_pool import PAGE, PoolError, PoolReader, PoolWriter, pool_bytes
+from shardwise.rpc.wire.shm_ring import Ring, SegmentError
 
 log = logging.getLogger("shardwise.rpc")
 
