@@ -12,9 +12,11 @@ asynchronous (the schedule waits for them at the end of the step, keeping each s
 until then). Receives are posted early (the next activation's as soon as the current one
 arrived, a gradient's as soon as its activation is sent), so that data lands while the stage
 computes, and waited for when needed. The order of messages on each (sender, receiver) pair is
-the order both sides run their schedules in, and receives match in the order they were posted,
-so no tags are needed. A step that fails midway leaves the pipeline unusable (peers wait in
-their receives until the group's timeout).
+the order both sides run their schedules in, and receives match in the order they were posted.
+A rank that holds several stages (interleaved schedules: stage k on rank k % size) talks to the
+same peer over several boundaries, so each boundary's two directions have their own tags; within
+one tag the order argument above holds. A step that fails midway leaves the pipeline unusable
+(peers wait in their receives until the group's timeout).
 """
 
 from __future__ import annotations
@@ -53,9 +55,14 @@ class P2PRuntime:
     def __init__(self, group: dist.ProcessGroup, stage_index: int, num_stages: int,
                  device: torch.device):
         self.group, self.device = group, device
-        self.prev = dist.get_global_rank(group, stage_index - 1) if stage_index > 0 else None
-        nxt = stage_index + 1 < num_stages
-        self.next = dist.get_global_rank(group, stage_index + 1) if nxt else None
+        size = dist.get_world_size(group)
+        first, last = stage_index == 0, stage_index == num_stages - 1
+        self.prev = None if first else dist.get_global_rank(group, (stage_index - 1) % size)
+        self.next = None if last else dist.get_global_rank(group, (stage_index + 1) % size)
+        # the messages over boundary b (stage b to b + 1) carry tags 2b (forward) and 2b + 1
+        # (backward): a rank's stages exchange with the same peer over separate channels
+        self._tag_in = (2 * (stage_index - 1), 2 * (stage_index - 1) + 1)
+        self._tag_out = (2 * stage_index, 2 * stage_index + 1)
         self._sends: list[tuple[dist.Work, torch.Tensor]] = []
         self._in_meta: tuple[torch.Size, torch.dtype] | None = None
         self._sent_meta = False
@@ -72,7 +79,7 @@ class P2PRuntime:
         lands while this one computes."""
         if self._in_meta is None:
             meta = torch.empty(2 + MAX_DIMS, dtype=torch.int64, device=self.device)
-            dist.recv(meta, src=self.prev, group=self.group)
+            dist.recv(meta, src=self.prev, group=self.group, tag=self._tag_in[0])
             self._in_meta = decode_meta(meta.cpu())
         if not self._fwd_recvs:
             self._post_fwd_recv()
@@ -88,13 +95,14 @@ class P2PRuntime:
         (unless the step runs forwards only); gradients come back in the order activations
         went out."""
         if not self._sent_meta:
-            self._isend(encode_meta(out).to(self.device), self.next)
+            self._isend(encode_meta(out).to(self.device), self.next, self._tag_out[0])
             self._sent_meta = True
-        self._isend(out.detach().contiguous(), self.next)
+        self._isend(out.detach().contiguous(), self.next, self._tag_out[0])
         if not expect_grad:
             return
         grad = torch.empty(out.shape, dtype=out.dtype, device=self.device)
-        self._bwd_recvs.append((dist.irecv(grad, src=self.next, group=self.group), grad))
+        work = dist.irecv(grad, src=self.next, group=self.group, tag=self._tag_out[1])
+        self._bwd_recvs.append((work, grad))
 
     def recv_backward(self, like: torch.Tensor) -> torch.Tensor:
         work, grad = self._bwd_recvs.popleft()
@@ -107,10 +115,11 @@ class P2PRuntime:
     def _post_fwd_recv(self) -> None:
         shape, dtype = self._in_meta
         x = torch.empty(shape, dtype=dtype, device=self.device)
-        self._fwd_recvs.append((dist.irecv(x, src=self.prev, group=self.group), x))
+        work = dist.irecv(x, src=self.prev, group=self.group, tag=self._tag_in[0])
+        self._fwd_recvs.append((work, x))
 
     def send_backward(self, grad: torch.Tensor) -> None:
-        self._isend(grad.contiguous(), self.prev)
+        self._isend(grad.contiguous(), self.prev, self._tag_in[1])
 
     def end_step(self) -> None:
         """Wait for every send of the step (the peers have received them all by now or soon)."""
@@ -118,5 +127,5 @@ class P2PRuntime:
             work.wait()
         self._sends.clear()
 
-    def _isend(self, t: torch.Tensor, dst: int) -> None:
-        self._sends.append((dist.isend(t, dst=dst, group=self.group), t))
+    def _isend(self, t: torch.Tensor, dst: int, tag: int) -> None:
+        self._sends.append((dist.isend(t, dst=dst, group=self.group, tag=tag), t))

@@ -10,8 +10,10 @@ has run (the RPC engine sends the gradients back hop by hop). The last stage the
 other stages, last-but-one down to stage 0, that micro-batch j is done; each reads its
 gradients from context j in that call and queues them for its schedule thread. Then the last
 stage releases context j on itself and, one RPC each, on every earlier stage (freeing the
-graphs, so 1F1B keeps few micro-batches alive); an earlier stage's backward action for j
-returns once both its gradients and that release have arrived. Gradients are summed per
+graphs, so 1F1B keeps few micro-batches alive; a worker that holds several stages, as in
+interleaved schedules, is told once and releases once); an earlier stage's backward action for
+j returns once both its gradients and that release have arrived. A worker's gradients in a
+context are those of all its stages; each stage keeps its own parameters'. Gradients are summed per
 parameter over the step and put into ``.grad`` by one local ``torch.autograd.backward`` from the
 parameters, so a stage wrapped in DistributedDataParallel reduces exactly once per step.
 
@@ -81,11 +83,13 @@ def backward_done(box: str, rnd: int, micro: int, context_id: int) -> None:
 
 
 @register
-def release_here(box: str, rnd: int, micro: int, context_id: int) -> None:
-    """Run by RPC on an earlier stage once every stage has its gradients: free the context
-    (its graph) here, then let the schedule go on."""
+def release_here(boxes: list[str], rnd: int, micro: int, context_id: int) -> None:
+    """Run by RPC on a worker of earlier stages once every stage has its gradients: free the
+    context (its graph) here, once however many stages the worker holds, then let each of those
+    stages' schedules go on."""
     _contexts().release(context_id)  # peers that still hold it are told; not waited for here
-    _box(box).put(("B", rnd, micro), None)
+    for box in boxes:
+        _box(box).put(("B", rnd, micro), None)
 
 
 def _contexts():
@@ -124,15 +128,23 @@ class RpcRuntime:
         gradients after every earlier stage has taken its own, then frees the context."""
         dist_autograd.backward(context_id, [loss])
         grads = dist_autograd.get_gradients(context_id)
-        earlier = range(self.index - 1, -1, -1)
-        for k in earlier:
-            rpc.rpc_sync(self.ranks[k], backward_done,
-                         args=(self.keys[k], self.round, micro, context_id))
+        here = self.ranks[self.index]
+        by_rank: dict[int, list[str]] = {}  # the earlier stages' boxes, per worker
+        for k in range(self.index - 1, -1, -1):
+            by_rank.setdefault(self.ranks[k], []).append(self.keys[k])
+            if self.ranks[k] == here:  # another stage of this worker (interleaved)
+                backward_done(self.keys[k], self.round, micro, context_id)
+            else:
+                rpc.rpc_sync(self.ranks[k], backward_done,
+                             args=(self.keys[k], self.round, micro, context_id))
         for fut in _contexts().release(context_id):
             fut.wait()
-        for k in earlier:
-            rpc.rpc_sync(self.ranks[k], release_here,
-                         args=(self.keys[k], self.round, micro, context_id))
+        for rank, boxes in by_rank.items():
+            if rank == here:
+                for box in boxes:
+                    _box(box).put(("B", self.round, micro), None)
+            else:
+                rpc.rpc_sync(rank, release_here, args=(boxes, self.round, micro, context_id))
         return grads
 
     def wait_backward(self, micro: int) -> dict:

@@ -20,10 +20,12 @@ import contextlib
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 
 from shardwise.pipeline.stage import PipelineStage
 
 Action = tuple[str, int]  # ("F" or "B", micro-batch)
+StageAction = tuple[str, int, int]  # ("F" or "B", local stage, micro-batch)
 
 
 def gpipe_order(n_microbatches: int, backward: bool = True) -> list[Action]:
@@ -52,22 +54,44 @@ def max_in_flight(order: list[Action]) -> int:
 
 
 class _Schedule:
+    """What GPipe, 1F1B and interleaved 1F1B share: splitting the batch into micro-batches and
+    running one rank's actions, in order, on its stages (one, or several for interleaved)."""
+
     def __init__(self, stage: PipelineStage, n_microbatches: int,
                  loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
                  scale_grads: bool = True):
-        if not isinstance(stage, PipelineStage):
-            raise TypeError(f"a schedule runs a PipelineStage, got {type(stage).__name__}")
+        self._init(_one_stage(stage), n_microbatches, loss_fn, scale_grads)
+
+    def _init(self, stages: list[PipelineStage], n_microbatches: int,
+              loss_fn: Callable | None, scale_grads: bool) -> None:
+        for stage in stages:
+            if not isinstance(stage, PipelineStage):
+                raise TypeError(f"a schedule runs a PipelineStage, got {type(stage).__name__}")
         if not isinstance(n_microbatches, int) or n_microbatches < 1:
             raise ValueError(f"n_microbatches must be a positive int, got {n_microbatches!r}")
-        self._stage, self._n, self._loss_fn = stage, n_microbatches, loss_fn
+        self._stages, self._n, self._loss_fn = stages, n_microbatches, loss_fn
+        self._stage = stages[0]
         self.scale_grads = scale_grads
+        first = [s for s in stages if s.is_first]
+        last = [s for s in stages if s.is_last]
+        self._first = first[0] if first else None
+        self._last = last[0] if last else None
 
     def _order(self) -> list[Action]:
         raise NotImplementedError
 
+    def _actions(self) -> list[StageAction]:
+        """This rank's actions as (kind, local stage, micro-batch)."""
+        return [(kind, 0, i) for kind, i in self._order()]
+
+    def _eval_actions(self) -> list[StageAction]:
+        """Forwards only: every micro-batch through the rank's first stage, then its next, ..."""
+        return [("F", j, i) for j in range(len(self._stages)) for i in range(self._n)]
+
     def step(self, *args: torch.Tensor, target: torch.Tensor | None = None,
              losses: list | None = None, return_outputs: bool = True) -> torch.Tensor | None:
-        """One training step of this stage (forward only when the schedule has no loss_fn).
+        """One training step of this rank's stages (forward only when the schedule has no
+        loss_fn).
 
         Returns the last stage's output (the micro-batches' outputs concatenated, detached)
         when ``return_outputs``; None elsewhere. Point-to-point sends and RPCs happen as the
@@ -83,39 +107,43 @@ class _Schedule:
 
     def _run(self, args: tuple, target: torch.Tensor | None, losses: list | None,
              return_outputs: bool, train: bool) -> torch.Tensor | None:
-        stage = self._stage
         micro_x = self._split_inputs(args)
         micro_t = self._split_target(target, needed=train)
-        order = self._order() if train else gpipe_order(self._n, backward=False)
-        stage.begin_step(self._n, backward=train)
-        outputs, micro_losses, out = [], {}, None
+        actions = self._actions() if train else self._eval_actions()
+        for stage in self._stages:
+            stage.begin_step(self._n, backward=train)
+        outputs, micro_losses = [], {}
         try:
-            for kind, i in order:
+            for kind, j, i in actions:
+                stage = self._stages[j]
                 if kind == "F":
-                    out = stage.forward_one_chunk(i, micro_x[i] if micro_x else None)
+                    x = micro_x[i] if stage.is_first else None
+                    out = stage.forward_one_chunk(i, x)
                     if stage.is_last and self._loss_fn is not None and micro_t is not None:
                         with contextlib.nullcontext() if train else torch.no_grad():
                             micro_losses[i] = self._loss_fn(out, micro_t[i])
                     if stage.is_last and return_outputs:
                         outputs.append(out.detach())
+                    del out
                 else:
-                    loss = micro_losses.get(i)
+                    loss = micro_losses.get(i) if stage.is_last else None
                     if loss is not None and self.scale_grads:
                         loss = loss / self._n
                     stage.backward_one_chunk(i, loss, last_backward=i == self._n - 1)
-                    if i in micro_losses:  # drop the graph (RPC's backward retains it)
+                    if stage.is_last and i in micro_losses:  # drop the graph (RPC retains it)
                         micro_losses[i] = micro_losses[i].detach()
         except BaseException:
-            stage._saved.clear()
+            for stage in self._stages:
+                stage._saved.clear()
             raise
-        stage.end_step()
+        for stage in self._stages:
+            stage.end_step()
         if losses is not None and micro_losses:
             losses.extend(micro_losses[i].detach() for i in range(self._n))
-        del out
         return torch.cat(outputs) if outputs else None
 
     def _split_inputs(self, args: tuple) -> list[torch.Tensor] | None:
-        if not self._stage.is_first:
+        if self._first is None:
             if args:
                 raise ValueError(f"stage {self._stage.stage_index} got inputs: only the first "
                                  "stage passes inputs to step()")
@@ -126,7 +154,7 @@ class _Schedule:
 
     def _split_target(self, target: torch.Tensor | None,
                       needed: bool) -> list[torch.Tensor] | None:
-        if not self._stage.is_last:
+        if self._last is None:
             if target is not None:
                 raise ValueError(f"stage {self._stage.stage_index} got a target: only the last "
                                  "stage takes target= (and losses=)")
@@ -141,6 +169,18 @@ class _Schedule:
             raise ValueError(f"{self._n} micro-batches do not divide the {what} batch of "
                              f"{size}: the batch size must be a multiple of n_microbatches")
         return list(t.chunk(self._n))
+
+
+def _one_stage(stage: PipelineStage) -> list[PipelineStage]:
+    """GPipe and 1F1B run one stage per rank: the stage's pipeline has as many stages as its
+    group has ranks."""
+    if isinstance(stage, PipelineStage):
+        size = dist.get_world_size(stage.group)
+        if stage.num_stages != size:
+            raise ValueError(f"this schedule runs one stage per rank, but the stage is one of "
+                             f"{stage.num_stages} over {size} ranks; use "
+                             "ScheduleInterleaved1F1B for several stages per rank")
+    return [stage]
 
 
 class ScheduleGPipe(_Schedule):

@@ -50,7 +50,9 @@ def bubble_fraction(num_stages: int, n_microbatches: int) -> float:
 
 class PipelineStage:
     """Stage ``stage_index`` of ``num_stages``; this rank's position in ``group`` (default: the
-    world group) must be ``stage_index`` and the group must have ``num_stages`` ranks.
+    world group) must be ``stage_index`` modulo the group's size, and ``num_stages`` a multiple
+    of that size: one stage per rank (GPipe, 1F1B), or several, stage k on rank k % size
+    (``ScheduleInterleaved1F1B``, which runs a rank's stages together).
 
     ``submodule`` may be wrapped in ``shardwise.DistributedDataParallel`` over a data-parallel
     group: its gradients are then reduced once per step (``no_sync`` for all but the last
@@ -78,17 +80,19 @@ class PipelineStage:
         self.submod, self.stage_index, self.num_stages = submodule, stage_index, num_stages
         self.device = torch.device(device) if device is not None else _device_of(submodule)
         self.transport = transport
-        ranks = [dist.get_global_rank(self.group, k) for k in range(num_stages)]
+        size = dist.get_world_size(self.group)
+        ranks = [dist.get_global_rank(self.group, k % size) for k in range(num_stages)]
         if transport == "p2p":
             self._p2p = P2PRuntime(self.group, stage_index, num_stages, self.device)
         else:
-            self._rpc = RpcRuntime(name or "pp" + "-".join(map(str, ranks)), stage_index,
+            self._rpc = RpcRuntime(name or "pp" + "-".join(map(str, ranks[:size])), stage_index,
                                    num_stages, ranks)
         self.meter = ActivationMeter(exclude=submodule.parameters()) if measure_activations \
             else None
         self.stats: StepStats | None = None
         self._saved: dict[int, tuple] = {}
         self._grads: dict[torch.Tensor, torch.Tensor] = {}
+        self._own_params = set(submodule.parameters())
 
     @property
     def is_first(self) -> bool:
@@ -180,8 +184,10 @@ class PipelineStage:
             grads = self._rpc.run_backward(micro, cid, loss)
         else:
             grads = self._rpc.wait_backward(micro)
+        own = self._own_params
         for p, g in grads.items():
-            self._grads[p] = self._grads[p] + g if p in self._grads else g
+            if p in own:  # the worker's other stages' parameters are theirs to keep
+                self._grads[p] = self._grads[p] + g if p in self._grads else g
 
     def _apply_rpc_grads(self) -> None:
         """The step's summed gradients into ``.grad`` by one local backward from the parameters,
@@ -203,14 +209,15 @@ class PipelineStage:
 
 def _check_place(stage_index: int, num_stages: int, group: dist.ProcessGroup) -> None:
     size, rank = dist.get_world_size(group), dist.get_rank(group)
-    if num_stages != size:
+    if num_stages < size or num_stages % size:
         raise ValueError(f"num_stages={num_stages} does not match the pipeline group, which has "
-                         f"{size} ranks (one stage per rank)")
+                         f"{size} ranks (one stage per rank, or a multiple of {size} stages for "
+                         "an interleaved schedule)")
     if not 0 <= stage_index < num_stages:
         raise ValueError(f"stage_index={stage_index} is outside 0..{num_stages - 1}")
-    if stage_index != rank:
+    if stage_index % size != rank:
         raise ValueError(f"stage_index={stage_index} but this process is rank {rank} of the "
-                         "pipeline group; stage k runs on the group's rank k")
+                         f"pipeline group; stage k runs on the group's rank k % {size}")
 
 
 def _device_of(module: nn.Module) -> torch.device:
