@@ -1,8 +1,7 @@
-"""Reading a peer's memory ([Note: reading a peer's memory], dp/peer_read.py): the bytes come
-back exactly, a failed read names the process, and a rank cannot send its peers to read a
+"""Reading a peer's memory ([Note: reading a peer's memory], distributed/host/peer_read.py): the
+bytes come back exactly, a failed read names the process, and a rank cannot send its peers to read a
 process other than itself."""
 
-import ctypes
 import errno
 import multiprocessing
 import os
@@ -10,11 +9,11 @@ import os
 import pytest
 import torch
 
-from shardwise.dp import peer_read
-from shardwise.dp.peer_read import DISABLE_VAR, PeerReadError, peer_pids, read_into
+from shardwise.distributed.host import peer_read
+from shardwise.distributed.host.peer_read import DISABLE_VAR, PeerReadError, peer_pids, read_into
 from tests.harness import peer_reads_permitted, run_on_ranks
 
-pytestmark = pytest.mark.skipif(peer_read._READV is None, reason="process_vm_readv needs Linux")
+pytestmark = pytest.mark.skipif(peer_read._READ is None, reason="process_vm_readv needs Linux")
 needs_permission = pytest.mark.skipif(not peer_reads_permitted(),
                                       reason="this host forbids reading a sibling's memory")
 
@@ -86,18 +85,17 @@ def test_a_rank_claiming_another_process_is_not_believed(world_size):
 
 def _refused(ctx, refusing_rank: int):
     """One rank's reads fail as Yama or a container's seccomp profile would make them fail."""
-    real = peer_read._READV
+    real = peer_read._READ
 
     def denied(*args):
-        ctypes.set_errno(errno.EPERM)
-        return -1
+        return -1, errno.EPERM
 
     if ctx.rank == refusing_rank:
-        peer_read._READV = denied
+        peer_read._READ = denied
     try:
         return peer_pids(ctx.group)
     finally:
-        peer_read._READV = real
+        peer_read._READ = real
 
 
 @pytest.mark.parametrize("world_size", [2, 4])

@@ -10,9 +10,10 @@ import torch.distributed as dist
 from torch import nn
 
 from shardwise.ddp import DistributedDataParallel
-from shardwise.dp import shm_reduce, shm_segment
+from shardwise.distributed.host import segment as shm_segment
+from shardwise.distributed.host.segment import SHM_DIR
+from shardwise.dp import shm_reduce
 from shardwise.dp.shm_reduce import DISABLE_VAR, ShmReducer, usable
-from shardwise.dp.shm_segment import SHM_DIR
 from shardwise.launch.errors import is_consequence
 from tests.harness import WORLD_SIZES, assert_rel_close, run_on_ranks
 

@@ -52,10 +52,8 @@ touched. ``SHARDWISE_NO_SHM_REDUCE=1`` turns the path off.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import queue
-import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -64,38 +62,22 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from shardwise.distributed.env import flag_var, int_var
+from shardwise.distributed.env import flag_var
+from shardwise.distributed.host.same_host import on_one_host
+from shardwise.distributed.host.segment import (
+    SharedSegment,
+    process_alive,
+    room_for,
+    stores_in_order,
+)
 from shardwise.distributed.timeouts import default_timeout
-from shardwise.dp.shm_segment import SharedSegment, process_alive, room_for, stores_in_order
 
 DISABLE_VAR = "SHARDWISE_NO_SHM_REDUCE"
 Step = Callable[[torch.Tensor], object]  # element-wise work on a part of the result, in place
-NODE_VAR = "GROUP_RANK"  # the launch's node of this process
 _ALIGN = 64  # bytes: slots and words start on their own cache line
 _WORDS = 4  # posted, reduced, read; the rank's process id
 _POSTED, _REDUCED, _READ, _PID = range(_WORDS)
 _LIVENESS_S = 0.05  # how often a waiter checks that the ranks it waits for still exist
-
-
-def host_id() -> bytes:
-    """32 bytes that equal another process's exactly when both run on this host and boot and
-    belong to the same node of the launch (``GROUP_RANK``, set by torchrun and our launcher):
-    nodes simulated on one host keep the path real nodes take, so their restarts behave alike."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id", "rb") as f:
-            boot = f.read().strip()
-    except OSError:
-        boot = b""
-    node = str(int_var(NODE_VAR, 0, minimum=0)).encode()
-    return hashlib.sha256(socket.gethostname().encode() + b"\0" + boot + b"\0" + node).digest()
-
-
-def same_host(group: dist.ProcessGroup) -> bool:
-    """Whether every rank of ``group`` runs on this host (one all-gather of 32 bytes)."""
-    mine = torch.frombuffer(bytearray(host_id()), dtype=torch.uint8)
-    everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(everyone, mine, group=group)
-    return all(torch.equal(mine, other) for other in everyone)
 
 
 def usable(group: dist.ProcessGroup, device: torch.device,
@@ -109,21 +91,6 @@ def usable(group: dist.ProcessGroup, device: torch.device,
     return on_one_host(group, device, lambda: (
         stores_in_order() and not flag_var(DISABLE_VAR)
         and room_for(segment_bytes(layouts, dist.get_world_size(group)))))
-
-
-def on_one_host(group: dist.ProcessGroup, device: torch.device,
-                local_ok: Callable[[], bool]) -> bool:
-    """Whether a shared-memory path may serve ``group`` on ``device``: CPU tensors, more than
-    one rank, not a dry run's fake group, ``local_ok()`` on every rank, and every rank on this
-    host. Collective (every rank must call it): an all-reduce of the ranks' verdicts, then
-    ``same_host`` where they all agree."""
-    if device.type != "cpu" or dist.get_world_size(group) < 2:
-        return False
-    if dist.get_backend(group) == "fake":  # a dry run's ranks share no host (shardwise.sim)
-        return False
-    flag = torch.tensor([1 if local_ok() else 0], dtype=torch.int32)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
-    return bool(flag.item()) and same_host(group)
 
 
 def segment_bytes(layouts: Sequence[tuple[int, torch.dtype]], world: int) -> int:

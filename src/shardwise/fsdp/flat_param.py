@@ -59,8 +59,8 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from shardwise._compat import DTensor
 from shardwise.distributed.groups import rank_table
+from shardwise.distributed.host.same_host import on_one_host
 from shardwise.dp.fast_collectives import Pending, uses_fast_path
-from shardwise.dp.shm_reduce import on_one_host
 from shardwise.fsdp.arrivals import GradArrivals, ReducedSlots
 from shardwise.fsdp.buffer_pool import StoragePool
 from shardwise.fsdp.collectives import CollectiveGather, HostSharedGather, start_unit_gather

@@ -6,15 +6,15 @@ a unit's parameters is pure overhead: on gloo each rank copies its rows into loo
 kernel copies them out on the other side, and the receiver writes them into a buffer it
 allocated (and whose pages the kernel zeroed) only to free it after the unit's forward or
 backward. So there the unit's unsharded buffer, ``full_data`` ([Note: flat parameters]), is one
-mapping shared by the group's ranks instead (``SharedSegment``, dp/shm_segment.py), made once
-when the unit is built and kept for its life. Each parameter is sharded on dim 0 as everywhere
-else ([Note: FSDP layout]), so the rows a rank owns are one contiguous run of that parameter in
-the mapping, and the local tensor of the parameter's ``DTensor`` is a view of exactly those
-rows: the optimizer updates them in place, and the peers read the update where it is. Nothing is
-gathered, copied or freed per step; an unshard only points the module's attributes at the
-leaves, a reshard points them back. Every rank's shard together is the whole model once per
-host, the memory the shards took before; a rank's resident set counts the pages of the whole
-mapping that it reads (all of them), as it did its own shard and the units it gathered.
+mapping shared by the group's ranks instead (``SharedSegment``, distributed/host/segment.py),
+made once when the unit is built and kept for its life. Each parameter is sharded on dim 0 as
+everywhere else ([Note: FSDP layout]), so the rows a rank owns are one contiguous run of that
+parameter in the mapping, and the local tensor of the parameter's ``DTensor`` is a view of exactly
+those rows: the optimizer updates them in place, and the peers read the update where it is. Nothing
+is gathered, copied or freed per step; an unshard only points the module's attributes at the leaves,
+a reshard points them back. Every rank's shard together is the whole model once per host, the memory
+the shards took before; a rank's resident set counts the pages of the whole mapping that it reads
+(all of them), as it did its own shard and the units it gathered.
 
 What replaces the gathers' ordering is a barrier over the group at three points of an
 iteration, which the root issues (``RootState.sync_host``):
@@ -43,8 +43,8 @@ import torch
 import torch.distributed as dist
 
 from shardwise.distributed.env import flag_var
-from shardwise.dp.shm_reduce import on_one_host
-from shardwise.dp.shm_segment import SharedSegment, room_for
+from shardwise.distributed.host.same_host import on_one_host
+from shardwise.distributed.host.segment import SharedSegment, room_for
 from shardwise.fsdp.collectives import host_barrier
 from shardwise.fsdp.layout import ParamLayout, UnitLayout
 

@@ -77,15 +77,15 @@ thread. It is done once every phase has run; the first error any phase met is ra
 compute thread by ``finish``.
 
 [Note: gradient rows read from the peers]
-Where every rank of a unit's group may read the others' memory ([Note: reading a peer's memory],
-dp/peer_read.py), an exchange of [Note: direct gradient reduction] moves no gradient bytes
-through gloo. The ranks' notes go through the unit's ``NoteBoard`` ([Note: notes through shared
-memory], dp/shm_notes.py), numbered by how many exchanges of that parameter the unit has issued
-(the same on every rank). Each parameter has ``DEPTH`` slots, used in turn, because a gradient
-that arrives twice in one reduction (a reentrant checkpoint) has two exchanges in flight; a
-rank posts a note only once its peers have acknowledged the one posted ``DEPTH`` exchanges
-before in that slot (so far in the past that it never waits in practice). For each other rank
-``r``, this rank
+Where every rank of a unit's group may read the others' memory ([Note: reading a peer's
+memory], distributed/host/peer_read.py), an exchange of [Note: direct gradient reduction] moves
+no gradient bytes through gloo. The ranks' notes go through the unit's ``NoteBoard`` ([Note:
+notes through shared memory], distributed/host/notes.py), numbered by how many exchanges of that
+parameter the unit has issued (the same on every rank). Each parameter has ``DEPTH`` slots, used
+in turn, because a gradient that arrives twice in one reduction (a reentrant checkpoint) has two
+exchanges in flight; a rank posts a note only once its peers have acknowledged the one posted
+``DEPTH`` exchanges before in that slot (so far in the past that it never waits in practice). For
+each other rank ``r``, this rank
 
 1. when the gradient arrives (the compute thread): posts ``r`` a note saying where in this
    process the rows ``r`` owns lie, and how many bytes they are;
@@ -116,10 +116,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from shardwise.dp import shm_notes
+from shardwise.distributed.host import notes as shm_notes
+from shardwise.distributed.host.notes import NoteBoard
+from shardwise.distributed.host.peer_read import DISABLE_VAR, peer_pids, read_into
 from shardwise.dp.fast_collectives import Pending, reduce_scatter_flat, uses_fast_path
-from shardwise.dp.peer_read import DISABLE_VAR, peer_pids, read_into
-from shardwise.dp.shm_notes import NoteBoard
 from shardwise.fsdp.arrivals import GradArrivals
 from shardwise.fsdp.collectives import exchange_rows, start_reduce_scatter, then_average_across
 from shardwise.fsdp.layout import UnitLayout, chunks_of, copy_into_chunks

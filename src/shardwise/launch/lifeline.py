@@ -19,8 +19,6 @@ without rank_boot.py) does nothing.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import importlib.util
 import os
 import signal
@@ -33,6 +31,7 @@ PR_SET_PDEATHSIG = 1
 EXIT_LAUNCHER_GONE = 128 + signal.SIGHUP
 ARMED_VAR = "SHARDWISE_LIFELINE_ARMED"
 _BOOT_ENV = "_shardwise_boot_env"  # env.py loaded by its path (see boot_env)
+_BOOT_LIBC = "_shardwise_boot_libc"  # distributed/host/libc.py, likewise
 
 
 def install() -> None:
@@ -55,21 +54,25 @@ def boot_env():
     """The environment's readers (distributed/env.py) without importing shardwise's package,
     which imports torch: the package's module once it is imported, else env.py (standard library
     only) loaded by its path under a private name, as rank_boot.py loads this file."""
-    module = sys.modules.get("shardwise.distributed.env") or sys.modules.get(_BOOT_ENV)
+    return _by_path("shardwise.distributed.env", _BOOT_ENV, "env.py")
+
+
+def _by_path(name: str, private: str, *parts: str):
+    """Module ``name`` once imported, else its file under distributed/ loaded as ``private``."""
+    module = sys.modules.get(name) or sys.modules.get(private)
     if module is None:
         path = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir,
-                            "distributed", "env.py")
-        spec = importlib.util.spec_from_file_location(_BOOT_ENV, path)
+                            "distributed", *parts)
+        spec = importlib.util.spec_from_file_location(private, path)
         module = importlib.util.module_from_spec(spec)
-        sys.modules[_BOOT_ENV] = module
+        sys.modules[private] = module
         spec.loader.exec_module(module)
     return module
 
 
 def _die_with_parent(launcher_pid: int) -> None:
-    if sys.platform.startswith("linux"):
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    libc = _by_path("shardwise.distributed.host.libc", _BOOT_LIBC, "host", "libc.py")
+    libc.die_with_parent(signal.SIGKILL)  # prctl(PR_SET_PDEATHSIG) on Linux
     if os.getppid() != launcher_pid:  # the launcher died before prctl took effect
         _launcher_gone()
 

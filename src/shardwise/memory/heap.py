@@ -50,81 +50,23 @@ so ZeRO stage 1 and ZeroDataParallel (stage 2, built on that optimizer) run with
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-import functools
 import mmap
-import sys
-from collections.abc import Callable
 
 import torch
 
-
-@functools.cache
-def _libc() -> ctypes.CDLL | None:
-    """The C library, loaded once; None where none is found."""
-    try:
-        return ctypes.CDLL(ctypes.util.find_library("c") or None)
-    except OSError:
-        return None
-
-
-@functools.cache
-def _malloc_trim() -> Callable[[int], int] | None:
-    """The C library's ``malloc_trim``, looked up once; None where there is none."""
-    trim = getattr(_libc(), "malloc_trim", None)  # not glibc: none
-    if trim is None:
-        return None
-    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
-    return trim
+from shardwise.distributed.host import libc
 
 
 def release_free_heap() -> bool:
     """Give the C heap's free pages back to the OS (see [Note: allocator slack]); whether the
     C library could (False: not glibc, nothing done)."""
-    trim = _malloc_trim()
-    if trim is None:
-        return False
-    trim(0)
-    return True
+    return libc.malloc_trim()
 
 
-# glibc's largest dynamic mmap threshold: 4 MiB times sizeof(long)
-_DYNAMIC_MMAP_MAX = 4 * 1024 * 1024 * ctypes.sizeof(ctypes.c_long)
-
-
-@functools.cache
 def keep_heap_resident() -> bool:
     """Raise glibc's dynamic mmap and trim thresholds to their largest values, once per process
     (see [Note: heap kept resident across steps]); whether it could (False: not glibc)."""
-    libc = _libc()
-    if libc is None or not hasattr(libc, "gnu_get_libc_version"):
-        return False
-    malloc, free = libc.malloc, libc.free
-    malloc.argtypes, malloc.restype = [ctypes.c_size_t], ctypes.c_void_p
-    free.argtypes, free.restype = [ctypes.c_void_p], None
-    # an mmap'd chunk is the request plus a header, rounded up to a page: stay under the maximum
-    block = malloc(_DYNAMIC_MMAP_MAX - 2 * mmap.PAGESIZE)
-    if not block:
-        return False
-    free(block)  # glibc's rule: mmap threshold = this chunk's size, trim threshold = twice that
-    return True
-
-
-_MADV_DONTNEED = 4  # Linux
-
-
-@functools.cache
-def _madvise() -> Callable[[int, int, int], int] | None:
-    """The C library's ``madvise``, looked up once; None where there is none or not Linux."""
-    if not sys.platform.startswith("linux"):
-        return None
-    advise = getattr(_libc(), "madvise", None)
-    if advise is None:
-        return None
-    advise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    advise.restype = ctypes.c_int
-    return advise
+    return libc.keep_heap_resident()
 
 
 def release_pages(tensor: torch.Tensor) -> int:
@@ -132,13 +74,13 @@ def release_pages(tensor: torch.Tensor) -> int:
     releasing a dead parameter's rows], fsdp/unit.py): they leave the resident set, and read
     as zeros if touched again. Only for memory nothing will read before it is written or
     freed. Returns the bytes released (0 where ``madvise`` is not available)."""
-    advise = _madvise()
-    if advise is None or tensor.device.type != "cpu" or not tensor.is_contiguous():
+    if not libc.can_release_pages() or tensor.device.type != "cpu" \
+            or not tensor.is_contiguous():
         return 0
     page = mmap.PAGESIZE
     begin = tensor.data_ptr()
     start = -(-begin // page) * page  # whole pages only: the first and last may be shared
     end = (begin + tensor.numel() * tensor.element_size()) // page * page
-    if end <= start or advise(start, end - start, _MADV_DONTNEED) != 0:
+    if end <= start or not libc.madvise_dontneed(start, end - start):
         return 0
     return end - start

@@ -26,8 +26,6 @@ notes (different backward passes): an error, not a silent pairing of the wrong n
 
 from __future__ import annotations
 
-import ctypes
-import sys
 import time
 from collections.abc import Sequence
 from datetime import timedelta
@@ -35,36 +33,22 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from shardwise.distributed.host import libc
+from shardwise.distributed.host.segment import (
+    SharedSegment,
+    process_alive,
+    room_for,
+    stores_in_order,
+)
 from shardwise.distributed.timeouts import default_timeout
-from shardwise.dp.shm_segment import SharedSegment, process_alive, room_for, stores_in_order
 
 _SEQ, _A, _B, _ACK = range(4)  # the words of one (slot, sender, receiver)
 _LIVENESS_S = 0.05
-_SYS_FUTEX = 202  # x86-64
-_FUTEX_WAIT, _FUTEX_WAKE = 0, 1  # shared between processes: not the private variants
-
-
-class _Timespec(ctypes.Structure):
-    _fields_ = [("sec", ctypes.c_long), ("nsec", ctypes.c_long)]
-
-
-def _bind_syscall():
-    if not sys.platform.startswith("linux") or not stores_in_order():
-        return None
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).syscall
-    except (OSError, AttributeError):
-        return None
-    fn.restype = ctypes.c_long
-    return fn
-
-
-_SYSCALL = _bind_syscall()  # ctypes releases the GIL for the call
 
 
 def supported() -> bool:
     """Whether this machine can carry notes on a board (Linux on x86-64)."""
-    return _SYSCALL is not None
+    return stores_in_order() and libc.has_futex()
 
 
 def board_bytes(slots: int, world: int) -> int:
@@ -122,8 +106,7 @@ class NoteBoard:
         return self._base + 8 * index
 
     def _wake(self, slot: int, sender: int, receiver: int, field: int) -> None:
-        address = self._address(slot, sender, receiver, field)
-        _futex(address, _FUTEX_WAKE, 2**31 - 1, None)
+        libc.futex_wake(self._address(slot, sender, receiver, field))
 
     def _await(self, slot: int, sender: int, receiver: int, field: int, seq: int, peer: int,
                what: str) -> None:
@@ -131,9 +114,9 @@ class NoteBoard:
         address = self._address(slot, sender, receiver, field)
         now = time.monotonic()
         deadline, next_check = now + self.timeout, now + _LIVENESS_S
-        pause = _Timespec(0, int(_LIVENESS_S * 1e9))
+        pause = libc.pause(_LIVENESS_S)
         while (seen := int(word[field])) < seq:
-            _futex(address, _FUTEX_WAIT, seen & 0xFFFFFFFF, ctypes.byref(pause))
+            libc.futex_wait(address, seen & 0xFFFFFFFF, pause)
             now = time.monotonic()
             if now < next_check or int(word[field]) >= seq:
                 continue
@@ -153,9 +136,3 @@ class NoteBoard:
     def close(self) -> None:
         self._segment.close()
 
-
-def _futex(address: int, op: int, value: int, timeout) -> None:
-    """One futex call on the 32-bit word at ``address`` (every argument passed as 64 bits:
-    ``syscall`` is variadic)."""
-    _SYSCALL(ctypes.c_long(_SYS_FUTEX), ctypes.c_void_p(address), ctypes.c_long(op),
-             ctypes.c_long(value), timeout, ctypes.c_void_p(0), ctypes.c_long(0))

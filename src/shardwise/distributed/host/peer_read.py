@@ -26,15 +26,14 @@ error naming the process (a peer that exited, an address that is not mapped).
 
 from __future__ import annotations
 
-import ctypes
 import os
 import secrets
-import sys
 
 import torch
 import torch.distributed as dist
 
 from shardwise.distributed.env import flag_var
+from shardwise.distributed.host import libc
 
 DISABLE_VAR = "SHARDWISE_NO_PEER_READ"
 _MAX_READ = 1 << 30  # bytes per call: the kernel caps one read near 2 GiB
@@ -44,25 +43,8 @@ class PeerReadError(RuntimeError):
     """A read from a peer's memory failed (the peer exited, or its address was wrong)."""
 
 
-class _IoVec(ctypes.Structure):
-    _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
-
-
-def _bind_readv():
-    """libc's ``process_vm_readv``, or None where there is none (not Linux, an old libc)."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).process_vm_readv
-    except (OSError, AttributeError):
-        return None
-    fn.restype = ctypes.c_ssize_t
-    fn.argtypes = [ctypes.c_int, ctypes.POINTER(_IoVec), ctypes.c_ulong,
-                   ctypes.POINTER(_IoVec), ctypes.c_ulong, ctypes.c_ulong]
-    return fn
-
-
-_READV = _bind_readv()  # ctypes releases the GIL for the call: other threads go on meanwhile
+# libc's ``process_vm_readv`` (libc.py), or None where there is none (not Linux, an old libc)
+_READ = libc.read_peer if libc.can_read_peers() else None
 
 
 def read_into(dest: torch.Tensor, pid: int, address: int) -> None:
@@ -70,16 +52,13 @@ def read_into(dest: torch.Tensor, pid: int, address: int) -> None:
     if not dest.is_contiguous() or dest.device.type != "cpu":
         raise ValueError("read_into needs a contiguous CPU tensor")
     nbytes = dest.numel() * dest.element_size()
-    if _READV is None:
+    if _READ is None:
         raise PeerReadError("reading another process's memory needs Linux")
     done = 0
     while done < nbytes:
         size = min(_MAX_READ, nbytes - done)
-        local = _IoVec(dest.data_ptr() + done, size)
-        remote = _IoVec(address + done, size)
-        got = _READV(pid, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0)
+        got, err = _READ(pid, dest.data_ptr() + done, address + done, size)
         if got != size:
-            err = ctypes.get_errno() if got < 0 else 0
             why = os.strerror(err) if err else f"{max(got, 0)} of {size} bytes"
             raise PeerReadError(f"reading {size} bytes at {address + done:#x} of process {pid} "
                                 f"failed: {why} (has that rank exited?)")
@@ -99,7 +78,7 @@ def peer_pids(group: dist.ProcessGroup, enabled: bool = True) -> list[int] | Non
     claim = torch.tensor([os.getpid(), echo.data_ptr()], dtype=torch.int64)
     claims = [torch.empty_like(claim) for _ in range(world)]
     dist.all_gather(claims, claim, group=group)
-    ok = enabled and _READV is not None and not flag_var(DISABLE_VAR)
+    ok = enabled and _READ is not None and not flag_var(DISABLE_VAR)
     if ok:
         ok = all(_answers(claims[r], rank, challenge) for r in range(world) if r != rank)
     verdict = torch.tensor([1 if ok else 0], dtype=torch.int32)
