@@ -1,4 +1,4 @@
-"""The unshard buffer pool ([Note: unshard buffer pool], fsdp/buffer_pool.py): each step
+"""The unshard buffer pool ([Note: unshard buffer pool], fsdp/collectives.py): each step
 allocates only for its first gathers of forward and of backward, every other gather reuses
 memory a unit gave back, and nothing waits in the pool while backward computes or after it.
 (That results do not change: the equivalence tests of test_fsdp_training.py run with the
@@ -9,7 +9,7 @@ import torch
 
 from shardwise import fully_shard
 from shardwise.fsdp import units_of, unsharded_bytes
-from shardwise.fsdp.buffer_pool import StoragePool
+from shardwise.fsdp.collectives import StoragePool
 from shardwise.models import GPT, GPTConfig, lm_loss
 from tests.fsdp.gathering import gathering_units
 from tests.harness import run_on_ranks

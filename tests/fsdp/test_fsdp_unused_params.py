@@ -1,5 +1,5 @@
 """Parameters that forward does not use ([Note: gradients of unused parameters],
-fsdp/arrivals.py). Every rank reduces every parameter of a unit, with zeros for the ones it
+fsdp/reduction.py). Every rank reduces every parameter of a unit, with zeros for the ones it
 got no gradient for; a parameter that no rank used keeps ``grad is None``, as in the one-process
 reference and torch's FSDP2, so AdamW leaves it alone. Before, it got a zero gradient, and AdamW
 decayed it and moved it with its old moments: the parameters drifted from the reference's."""

@@ -86,7 +86,7 @@ def test_fsdp_sends_the_gather_and_reduce_scatter_pattern_at_1024_ranks(tmp_path
     assert _close(r.sent_bytes["all_gather"], gathers)
     assert _close(r.sent_bytes["reduce_scatter"], share * (sum(blocks) + root))
     # and the end of backward's agreement on unused parameters, a 4-byte flag per parameter
-    # ([Note: gradients of unused parameters], fsdp/arrivals.py): next to nothing
+    # ([Note: gradients of unused parameters], fsdp/reduction.py): next to nothing
     assert 0 < r.sent_bytes["all_reduce"] < 1e-3 * r.sent_bytes["reduce_scatter"]
     assert set(r.sent_bytes) == {"all_gather", "reduce_scatter", "all_reduce"}
 

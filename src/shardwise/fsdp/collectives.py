@@ -21,6 +21,33 @@ Autograd: the end-of-backward callback is queued on autograd's engine so that it
 whole backward pass has finished. (The pre-backward hook, a tensor hook on a unit's forward
 outputs that fires just before the unit's own backward starts, is shared with ZeRO stage 2:
 shardwise/dp/output_hooks.py.)
+
+[Note: unshard buffer pool]
+A unit's ``full_data`` keeps one storage for its life ([Note: flat parameters]): autograd's saved
+tensors point at it. Unsharding gives that storage memory, resharding takes it away. With
+``resize_`` on the CPU that is one ``malloc`` and one ``free`` of the whole unit per gather: a
+unit's buffer (tens of MB) is above glibc's largest mmap threshold, so every gather maps fresh
+pages and faults each of them in (a zero-filled page per 4 KiB: about as much CPU as copying
+the buffer three to four times), and every reshard unmaps them. On the FSDP benchmark GPT that
+was a third of a GB of fresh pages per rank and step, in forward and again in backward.
+
+The pool instead keeps the memory a unit gives back at reshard (``give``: its storage's data
+pointer is swapped into an empty holder storage) and hands it to the next unit of the same size
+that unshards (``take``: swapped back into that unit's empty storage), so the pages stay
+resident and are written without faults. No value changes: every gather overwrites all of the
+buffer. The pool never holds more buffers of a size than were unsharded at once (a buffer joins
+it only when a unit reshards, and leaves when a unit unshards), so it adds nothing to the peak
+of gathered memory; and it holds a buffer only from a unit's reshard to the gathers that follow
+at once (the next unit's pre-forward in forward, the prefetch issued by the same post-backward
+in backward). What no gather took then is freed: the pool is emptied after each pre-forward's
+gathers and each post-backward's prefetch, at the end of the root's forward and at the end of
+backward (unit.py, root.py), so no pooled buffer is held while a unit computes, nor through the
+optimizer step or between steps. Per step, the first gathers of forward (the root and the units
+gathered with it) and the first prefetch of backward allocate; every other gather reuses.
+One pool per root unit, so the trees of different models share nothing.
+
+Only for CPU storages, and only where torch has ``UntypedStorage._swap_data_ptr_``; elsewhere
+(and on CUDA, whose caching allocator already reuses blocks) ``resize_`` does the work.
 """
 
 from __future__ import annotations
@@ -39,6 +66,48 @@ if TYPE_CHECKING:
     from shardwise.fsdp.flat_param import FlatParamHandle
 
 
+# ---- memory handed from unit to unit ([Note: unshard buffer pool]) ------------------------
+def _swappable(storage: torch.UntypedStorage) -> bool:
+    return storage.device.type == "cpu" and hasattr(storage, "_swap_data_ptr_")
+
+
+class StoragePool:
+    """Free unit buffers by (bytes, device); see [Note: unshard buffer pool]."""
+
+    def __init__(self) -> None:
+        self._free: dict[tuple[int, str], list[torch.UntypedStorage]] = {}
+
+    def take(self, storage: torch.UntypedStorage, nbytes: int) -> bool:
+        """Give the empty ``storage`` a pooled buffer of ``nbytes``; False if none is free (the
+        caller allocates)."""
+        if storage.nbytes() or not _swappable(storage):
+            return False
+        free = self._free.get((nbytes, str(storage.device)))
+        if not free:
+            return False
+        storage._swap_data_ptr_(free.pop())
+        return True
+
+    def give(self, storage: torch.UntypedStorage) -> bool:
+        """Move ``storage``'s memory into the pool, leaving it empty; False if it cannot be
+        pooled (the caller frees it)."""
+        if not storage.nbytes() or not _swappable(storage):
+            return False
+        holder = torch.UntypedStorage(0, device=storage.device)
+        holder._swap_data_ptr_(storage)
+        self._free.setdefault((holder.nbytes(), str(holder.device)), []).append(holder)
+        return True
+
+    def pooled_bytes(self) -> int:
+        """Bytes of free buffers the pool holds right now."""
+        return sum(s.nbytes() for free in self._free.values() for s in free)
+
+    def clear(self) -> None:
+        """Let every pooled buffer go (freed when nothing else holds it)."""
+        self._free.clear()
+
+
+# ---- collectives ----------------------------------------------------------------------------
 def start_unit_gather(full: torch.Tensor, shard: torch.Tensor, layout: UnitLayout, rank: int,
                       global_ranks: Sequence[int], group: dist.ProcessGroup) -> Pending:
     """Issue the gather of every rank's ``shard`` (1D, ``layout.shard_numel``) into ``full``
@@ -76,8 +145,8 @@ def start_unit_gather(full: torch.Tensor, shard: torch.Tensor, layout: UnitLayou
 
 class CollectiveGather:
     """A unit's gather path where each rank holds only its rows: each unshard takes memory for
-    the unit's full buffer (from the root's pool, [Note: unshard buffer pool] in
-    buffer_pool.py) and gathers every rank's rows into it (``start_unit_gather``); each
+    the unit's full buffer (from the root's pool, [Note: unshard buffer pool]
+    above) and gathers every rank's rows into it (``start_unit_gather``); each
     reshard gives the memory back."""
 
     def __init__(self, handle: FlatParamHandle):
@@ -181,7 +250,7 @@ def host_barrier(group: dist.ProcessGroup) -> None:
 def max_over(flags: torch.Tensor, groups: Sequence[dist.ProcessGroup | None]) -> set[int]:
     """All-reduce ``flags`` (1D) in place with MAX over each group of ``groups`` that has more
     than one rank, in order: a flag is then set wherever any rank of the mesh set it (which
-    parameters any rank had a gradient for: arrivals.py). Returns the ids of the groups it
+    parameters any rank had a gradient for: reduction.py). Returns the ids of the groups it
     ran over (each was also a barrier)."""
     synced: set[int] = set()
     for group in groups:

@@ -61,9 +61,12 @@ from shardwise._compat import DTensor
 from shardwise.distributed.groups import rank_table
 from shardwise.distributed.host.same_host import on_one_host
 from shardwise.dp.fast_collectives import Pending, uses_fast_path
-from shardwise.fsdp.arrivals import GradArrivals, ReducedSlots
-from shardwise.fsdp.buffer_pool import StoragePool
-from shardwise.fsdp.collectives import CollectiveGather, HostSharedGather, start_unit_gather
+from shardwise.fsdp.collectives import (
+    CollectiveGather,
+    HostSharedGather,
+    StoragePool,
+    start_unit_gather,
+)
 from shardwise.fsdp.host_params import HostParams, shareable
 from shardwise.fsdp.layout import (
     ParamLayout,
@@ -74,7 +77,15 @@ from shardwise.fsdp.layout import (
     sharded_like,
     sharded_parameter,
 )
-from shardwise.fsdp.reduction import TAG_BASE, PeerRows, Reduction, choose_reduction, peer_rows
+from shardwise.fsdp.reduction import (
+    TAG_BASE,
+    GradArrivals,
+    PeerRows,
+    ReducedSlots,
+    Reduction,
+    choose_reduction,
+    peer_rows,
+)
 from shardwise.fsdp.tp_params import TPLayout, local_grad
 from shardwise.memory.heap import release_pages
 from shardwise.memory.kept_buffer import KeptBuffer
@@ -176,7 +187,7 @@ class FlatParamHandle:
         # torch FSDP2's gradient divide factor: None divides the sum over the data-parallel
         # ranks by their number (the mean every reduction path computes)
         self.divide_factor: float | None = None
-        # this backward's reductions: [Note: gradients of unused parameters] (arrivals.py)
+        # this backward's reductions: [Note: gradients of unused parameters] (reduction.py)
         self.reduced = ReducedSlots(len(self.slots))
         # where reductions write this rank's reduced shard: [Note: a reduced-gradient buffer
         # kept across steps] (memory/kept_buffer.py)
@@ -469,7 +480,7 @@ class FlatParamHandle:
     def drop_grads_of_unused(self, used: list[int]) -> None:
         """``used[i]``: whether any rank had a gradient for slot i in this backward's
         reductions. The ``.grad`` they created for a slot no rank used goes back to None
-        ([Note: gradients of unused parameters], arrivals.py)."""
+        ([Note: gradients of unused parameters], reduction.py)."""
         for index in self.reduced.made:
             if not used[index]:
                 self.slots[index].shard_param.grad = None

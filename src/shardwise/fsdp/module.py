@@ -87,7 +87,7 @@ _REFUSED = {
     "_set_unshard_async_op": _STREAMS,
     "set_keep_unsharded_storage": "it keeps torch's unsharded storage fixed for CUDA graph "
                                   "capture; shardwise's units hand gathered memory from unit "
-                                  "to unit (fsdp/buffer_pool.py); leave it out",
+                                  "to unit (fsdp/collectives.py); leave it out",
     "set_manual_backward_finalization": _FINALIZE,
     "finalize_backward": _FINALIZE,
     "_get_fsdp_state": "it is torch's internal FSDP2 state, which a shardwise module does not "
@@ -185,7 +185,7 @@ class FSDPModule(TorchFSDPModuleBase):
                                          recurse: bool = True) -> None:
         """True: a parameter that no rank used gets a zero gradient, as with torch's FSDP2
         under this setting. False (the default): it keeps ``grad is None`` ([Note: gradients of
-        unused parameters], fsdp/arrivals.py). Either way every rank reduces every
+        unused parameters], fsdp/reduction.py). Either way every rank reduces every
         parameter of the unit, with zeros for those it got no gradient for, so ranks may use
         different parameters."""
         _check_bool("reduce_scatter_unused_params", reduce_scatter_unused_params)

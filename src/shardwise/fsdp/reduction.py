@@ -16,8 +16,8 @@ it changes: a communication hook registered, the unit moved to another device):
 - ``AcrossReplicas``: hybrid sharding, any of the above within the shard group and then an
   all-reduce across the replicas.
 
-Each path owns the unit's record of which gradients arrived ([Note: gradient arrival],
-arrivals.py). The handle (flat_param.py) hands it each gradient (``add``), asks it to take part
+Each path owns the unit's record of which gradients arrived ([Note: gradient arrival]
+below). The handle (flat_param.py) hands it each gradient (``add``), asks it to take part
 with zeros where none arrived (``expect``), and issues the reduction (``start``).
 
 The direct exchanges: a unit's gradient reduce-scatter sent straight from autograd's gradients
@@ -104,6 +104,40 @@ for this rank's read of that next parameter. Each thread waits only for what a c
 posts, or for what a peer's exchange thread does after waiting only for compute threads, so no
 wait is circular. A note whose size differs from the rows it should describe is an error naming
 the peer.
+
+[Note: gradient arrival]
+One ``GradArrivals`` per unit, owned by its reduction path (reduction.py), answers the
+questions a gradient raises:
+- for the unit's state machine ([Note: FSDP unit states]): did any gradient arrive in this
+  backward? (Where the unit's backward ends does not depend on which gradients arrived: [Note:
+  where a unit's backward ends], unit.py.)
+- for the handle's gradient buffers ([Note: flat parameters], [Note: direct gradient
+  reduction]): is a parameter's gradient already in the buffers waiting to be reduced (a second
+  one is added, a first one copied), and which never arrived (their chunks are sent as zeros)?
+Both come from one map, slot index -> the backward in which that slot's gradient last arrived,
+holding the gradients not yet handed to a reduction. Handing them over (``taken``) empties the
+map; a new backward (``new_backward``) keeps it, since gradients accumulated without sync
+(``no_sync``) stay in the buffers until a backward reduces them.
+
+[Note: gradients of unused parameters]
+Every rank reduces every parameter of a unit whose backward ended, with zeros for those it got
+no gradient for ([Note: where a unit's backward ends], unit.py): the ranks' messages must pair
+up although a branch or an expert ran on some ranks only. A parameter that no rank used (a
+pooler that the loss never reaches, a head that is only used for evaluation) would so get a
+zero gradient where plain torch and torch's FSDP2 leave ``None``, and the optimizer would not
+skip it: AdamW decays its weights and moves it with its old moments, so training drifts away
+from the one-process run. So at the end of backward, after every reduction has finished, the
+ranks agree on which parameters any of them had a gradient for: one all-reduce (MAX) per group
+of a flag per parameter (and across the replicas of hybrid sharding), and a ``.grad`` that this
+backward's reductions created for a parameter no rank used is set back to ``None``. A
+gradient that existed before the backward (accumulated over steps) keeps its values, which
+adding zeros did not change. The all-reduce also serves as the end-of-backward barrier of a
+group whose parameters are shared on one host ([Note: parameters shared on one host]), which
+then issues no barrier of its own. On a GPU the flags are read on the host, so the end of each
+backward waits for the device once (as DDP's ``find_unused_parameters=True`` does). Units under
+``set_reduce_scatter_unused_params(True)`` keep their zero gradients, as torch's FSDP2 does with
+that setting, and join no agreement (nor wait); units with gradient sync off reduce nothing and
+join none. tests/fsdp/test_fsdp_unused_params.py.
 """
 
 from __future__ import annotations
@@ -120,12 +154,17 @@ from shardwise.distributed.host import notes as shm_notes
 from shardwise.distributed.host.notes import NoteBoard
 from shardwise.distributed.host.peer_read import DISABLE_VAR, peer_pids, read_into
 from shardwise.dp.fast_collectives import Pending, reduce_scatter_flat, uses_fast_path
-from shardwise.fsdp.arrivals import GradArrivals
-from shardwise.fsdp.collectives import exchange_rows, start_reduce_scatter, then_average_across
+from shardwise.fsdp.collectives import (
+    exchange_rows,
+    max_over,
+    start_reduce_scatter,
+    then_average_across,
+)
 from shardwise.fsdp.layout import UnitLayout, chunks_of, copy_into_chunks
 
 if TYPE_CHECKING:
     from shardwise.fsdp.flat_param import FlatParamHandle
+    from shardwise.fsdp.unit import FSDPUnit
 
 Reduced = tuple[Pending, torch.Tensor, list[torch.Tensor]]  # (pending, out, held): see start
 
@@ -145,7 +184,6 @@ def unit_tag_bases(slot_counts: Sequence[int]) -> list[int]:
     return [TAG_BASE + k * stride for k in range(len(slot_counts))]
 
 
-
 # ---- what both kinds of exchange share -----------------------------------------------------------
 def receive_buffers(own: torch.Tensor, dest: torch.Tensor, into_dest: bool, rank: int,
                     world: int) -> tuple[list[tuple[int, torch.Tensor]], list[torch.Tensor]]:
@@ -162,6 +200,97 @@ def receive_buffers(own: torch.Tensor, dest: torch.Tensor, into_dest: bool, rank
     return reads, pieces
 
 
+# ---- which gradients arrived ([Note: gradient arrival]) ---------------------------------
+class GradArrivals:
+    """Arrival of each slot's gradient; see [Note: gradient arrival]."""
+
+    def __init__(self) -> None:
+        self._pending: dict[int, int] = {}  # slot index -> backward of its last arrival
+        self._backward = 0  # counts backward passes
+        self._count = 0  # slots in `_pending` that arrived in this backward
+
+    def record(self, index: int) -> bool:
+        """Slot ``index``'s gradient arrived. Returns whether a gradient of this slot is already
+        waiting (add to it, not copy)."""
+        last = self._pending.get(index)
+        if last != self._backward:
+            self._count += 1
+            self._pending[index] = self._backward
+        return last is not None
+
+    def any_now(self) -> bool:
+        """Whether a gradient arrived in this backward (and was not handed over since)."""
+        return self._count > 0
+
+    def waiting(self, index: int) -> bool:
+        """Whether slot ``index``'s gradient is in the buffers, waiting to be reduced."""
+        return index in self._pending
+
+    def taken(self) -> None:
+        """The waiting gradients were handed to a reduction."""
+        self._pending.clear()
+        self._count = 0
+
+    def new_backward(self) -> None:
+        """A new backward pass: nothing has arrived in it yet."""
+        self._backward += 1
+        self._count = 0
+
+
+class ReducedSlots:
+    """One handle's record of this backward's reductions: which slots this rank contributed a
+    gradient to, and which slots' ``.grad`` the reductions created."""
+
+    def __init__(self, count: int):
+        self.count = count
+        self.used = [False] * count  # a gradient of the slot arrived here and was reduced
+        self.made: list[int] = []  # slots whose .grad a reduction of this backward created
+
+    def reduced(self, arrived: Sequence[bool]) -> None:
+        """A reduction was issued; ``arrived[i]``: slot i's gradient was in it on this rank."""
+        self.used = [u or a for u, a in zip(self.used, arrived, strict=True)]
+
+    def grad_made(self, index: int) -> None:
+        self.made.append(index)
+
+    def clear(self) -> None:
+        self.used = [False] * self.count
+        self.made = []
+
+
+def _joins(unit: FSDPUnit) -> bool:
+    """Whether ``unit`` takes part in the agreement: the same answer on every rank, as it
+    depends only on the unit's settings."""
+    return (unit.handle is not None and unit.handle.requires_grad and not unit.no_sync
+            and not unit.reduce_scatter_unused_params)
+
+
+def drop_unused_grads(units: Sequence[FSDPUnit]) -> set[int]:
+    """Agree over each unit's group (and replicas) on the parameters no rank had a gradient
+    for in this backward, and set the ``.grad`` its reductions made for them back to None. One
+    all-reduce per group; returns the ids of the groups it ran over (each was a barrier)."""
+    by_group: dict[tuple[int, int], list[FSDPUnit]] = {}
+    for unit in units:
+        if _joins(unit):
+            key = (id(unit.handle.group), id(unit.handle.replicate_group))
+            by_group.setdefault(key, []).append(unit)
+    synced: set[int] = set()
+    for members in by_group.values():
+        handle = members[0].handle
+        flags = torch.tensor([int(u) for m in members for u in m.handle.reduced.used],
+                             dtype=torch.int32, device=handle.compute_device)
+        synced |= max_over(flags, (handle.group, handle.replicate_group))
+        if dist.get_backend(handle.group) == "fake":  # a dry run's flags carry no values
+            continue
+        used = flags.tolist()
+        for member in members:
+            count = member.handle.reduced.count
+            member.handle.drop_grads_of_unused(used[:count])
+            used = used[count:]
+    return synced
+
+
+# ---- the reduction paths --------------------------------------------------------------------
 class PhasedExchange:
     """An exchange whose phases, the methods named in ``PHASES``, run on the unit's threads,
     one thread per phase (see the module's doc)."""

@@ -47,10 +47,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from shardwise._compat import backward_running
-from shardwise.fsdp.arrivals import drop_unused_grads
-from shardwise.fsdp.buffer_pool import StoragePool
-from shardwise.fsdp.collectives import host_barrier, queue_end_of_backward
+from shardwise.fsdp.collectives import StoragePool, host_barrier, queue_end_of_backward
 from shardwise.fsdp.flat_param import GradReduction, ShardState
+from shardwise.fsdp.reduction import drop_unused_grads
 
 if TYPE_CHECKING:
     from shardwise.fsdp.unit import FSDPUnit

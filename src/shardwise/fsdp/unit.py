@@ -96,7 +96,7 @@ class TrainingState(Enum):
 # same point on every rank.
 # Each rank then reduces every parameter, with zeros for the ones it got no gradient for, even a
 # unit none of whose gradients arrived here (``expect_gradient``). A parameter that no rank used
-# still keeps ``grad is None`` ([Note: gradients of unused parameters], arrivals.py). The
+# still keeps ``grad is None`` ([Note: gradients of unused parameters], reduction.py). The
 # direct exchanges that do run while the unit's backward goes on never wait without end for a
 # peer ([Note: direct gradient reduction]). tests/fsdp/test_direct_reduction.py.
 
