@@ -18,8 +18,8 @@ from shardwise.sim.step import DryRun, simulate_step
 from tests.sim.configs import DEMO, TINY
 
 # a GPT-2-shaped 7.5B model: GPT-2's vocabulary and context, d = 2048, 145 layers. Its
-# embedding and head (103M elements each) are close to a rank's share at 64 ranks (117M), so
-# the whole-parameter partition leaves rank 0 well above 1/N of the optimizer state
+# embedding and head (103M elements each) are larger than a rank's share at 1,024 ranks (7.3M),
+# so there the whole-parameter partition gives rank 0 many times 1/N of the optimizer state
 GPT2_7_5B = ["--n-layer", "145", "--d-model", "2048", "--n-head", "16", "--vocab-size",
              "50257", "--seq-len", "1024"]
 
