@@ -39,15 +39,19 @@ def _gpt() -> GPT:
     return GPT(CFG).double()
 
 
-def reference() -> tuple[list[float], dict[str, torch.Tensor]]:
-    """One process, the whole batch: each step's loss, and the first step's gradients."""
+def reference() -> tuple[list[float], dict[str, torch.Tensor], float]:
+    """One process, the whole batch: each step's loss, the first step's gradients, and the
+    trained model's loss on batch 0."""
     def loss(model, step):
         x, y = batch(step)
         return lm_loss(model(x), y)
 
     run = reference_train(_gpt, loss, lambda m: torch.optim.AdamW(m.parameters(), lr=LR),
                           STEPS, seed=None, keep_grads=True)
-    return run.losses, run.grads[0]
+    x, y = batch(0)
+    with torch.no_grad():
+        after = lm_loss(run.model(x), y).item()
+    return run.losses, run.grads[0], after
 
 
 def _train(stages: list[PipelineStage], schedule, gpt: GPT) -> dict:
@@ -89,6 +93,12 @@ def interleaved_and_gpipe(ctx, transport: str, local_stages: int = 2, micro: int
         sched = ScheduleInterleaved1F1B(stages, micro, loss_fn=lm_loss)
         inter = _train(stages, sched, gpt)
         inter["idle"] = sched.idle_fraction
+        x, y = batch(0)
+        evals: list = []
+        sched.eval(*((x,) if 0 in range(rank, n, world) else ()),
+                   target=y if rank == world - 1 else None, losses=evals)
+        inter["eval"] = torch.stack(evals).mean().item() if evals else None
+        inter["grads_kept"] = all(p.grad is None for s in stages for p in s.submod.parameters())
         if transport == "rpc":
             dist.barrier()  # every stage done with its RPCs before the agents stop
         return {"gpipe": gpipe, "interleaved": inter}

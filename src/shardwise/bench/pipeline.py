@@ -1,21 +1,28 @@
 """Our point-to-point pipeline against torch.distributed.pipelining, on the same split of the
-demo GPT: step time per schedule (GPipe, 1F1B) and the bubble.
+demo GPT: step time per schedule (GPipe, 1F1B, interleaved 1F1B) and the bubble.
 
-Both run one stage per rank (2 stages by default) over gloo, the same cut (``split_gpt``), the
-same micro-batches, loss and AdamW. The bubble is measured the same way for both: each rank
-first times its stage's forwards and backwards of one step's micro-batches alone (no
-communication; the median of a few runs), and a schedule's idle fraction is
-1 - that busy time / the median step time. Ours also reports its own per-step accounting
-(``StepStats.idle_fraction``). The formula (p - 1) / (m + p - 1) is printed beside them.
+GPipe and 1F1B run one stage per rank (2 stages by default), interleaved 1F1B ``VIRTUAL``
+stages per rank (stage k on rank k % ranks; the GPT cut into ranks x VIRTUAL stages), over
+gloo, the same cut (``split_gpt``) for ours and torch's, the same micro-batches, loss and
+AdamW. The bubble is measured the same way for both: each rank first times its stages'
+forwards and backwards of one step's micro-batches alone (no communication; the median of a
+few runs), and a schedule's idle fraction is 1 - that busy time / the median step time
+(``bubble_per_rank``; ``bubble_mean`` over the ranks). Ours also reports its own per-step accounting
+(``StepStats.idle_fraction``; interleaved: ``schedule.idle_fraction``, over the rank's stages).
+``bubble_formula`` is the schedule's idle fraction with equal stage times and free
+communication: (p - 1) / (m + p - 1) for GPipe and 1F1B, and for interleaved 1F1B that of its
+orders (``simulated_bubble``: (p - 1) / (v m + p - 1) when p divides m).
 
-``alternating`` runs all four in the same ranks, one step of each in turn, so that load from
+``alternating`` runs all six in the same ranks, one step of each in turn, so that load from
 other jobs on the machine falls on all four alike; its ``ours_over_torch`` is the steadier
-ratio on a busy machine (its peak RSS is of all four together).
+ratio on a busy machine (its peak RSS is of all six together).
 
 Each schedule's row also gets its physical limit (limits.py): the computation on the
 schedule's critical path, from every stage's busy time alone and its optimizer step timed alone,
 plus one activation and one gradient transfer per stage boundary (``limit_compute_ms`` and
-``exposed_comm_ms``).
+``exposed_comm_ms``). For interleaved rows the fill and drain are counted in chunks of one
+stage's micro-batch (v m of them per rank, each 1/v of a rank's per-micro-batch work) and the
+transfers over its v p - 1 boundaries.
 
 Prints the table, then per schedule our step time over torch's (kept in the record as
 ``per_schedule``). CPU and gloo only (no ``--device cuda`` yet).
@@ -40,13 +47,17 @@ from shardwise.pipeline import (
     PipelineStage,
     Schedule1F1B,
     ScheduleGPipe,
+    ScheduleInterleaved1F1B,
     bubble_fraction,
+    simulated_bubble,
     split_gpt,
 )
 
-IMPLS = ["torch-gpipe", "shardwise-gpipe", "torch-1f1b", "shardwise-1f1b", "alternating"]
+KINDS = ("gpipe", "1f1b", "interleaved")
+IMPLS = [f"{who}-{kind}" for kind in KINDS for who in ("torch", "shardwise")] + ["alternating"]
 PATTERN = PATTERNS["pipeline"]
-ALTERNATED = IMPLS[:4]
+ALTERNATED = IMPLS[:-1]
+VIRTUAL = 2  # stages per rank of the interleaved rows
 
 
 def _args(parser) -> None:
@@ -58,43 +69,63 @@ def _args(parser) -> None:
     parser.add_argument("--microbatches", type=int, default=4)
 
 
-def _make_schedule(impl: str, module, rank: int, pp: int, group, micro: int):
+def _stages_per_rank(impl: str) -> int:
+    return VIRTUAL if impl.endswith("interleaved") else 1
+
+
+def _modules(impl: str, cfg: GPTConfig, rank: int, pp: int) -> tuple[list, list[int], int]:
+    """This rank's stage modules of a fresh GPT (seed 0), their stage indices and the stage
+    count."""
+    n = pp * _stages_per_rank(impl)
+    torch.manual_seed(0)
+    parts = split_gpt(GPT(cfg), n)
+    indices = list(range(rank, n, pp))
+    return [parts[k] for k in indices], indices, n
+
+
+def _make_schedule(impl: str, modules: list, indices: list[int], n: int, group, micro: int):
     kind = impl.split("-")[1]
     if impl.startswith("torch"):
         from torch.distributed import pipelining as tp
 
-        stage = tp.PipelineStage(module, rank, pp, torch.device("cpu"), group=group)
+        stages = [tp.PipelineStage(m, k, n, torch.device("cpu"), group=group)
+                  for m, k in zip(modules, indices)]
+        if kind == "interleaved":
+            return stages, tp.ScheduleInterleaved1F1B(stages, micro, loss_fn=lm_loss)
         cls = tp.ScheduleGPipe if kind == "gpipe" else tp.Schedule1F1B
-        return stage, cls(stage, micro, loss_fn=lm_loss)
-    stage = PipelineStage(module, rank, pp, group=group)
+        return stages, cls(stages[0], micro, loss_fn=lm_loss)
+    stages = [PipelineStage(m, k, n, group=group) for m, k in zip(modules, indices)]
+    if kind == "interleaved":
+        return stages, ScheduleInterleaved1F1B(stages, micro, loss_fn=lm_loss)
     cls = ScheduleGPipe if kind == "gpipe" else Schedule1F1B
-    return stage, cls(stage, micro, loss_fn=lm_loss)
+    return stages, cls(stages[0], micro, loss_fn=lm_loss)
 
 
-def _busy_alone(module, cfg: GPTConfig, rank: int, pp: int, micro_batch: int, micro: int,
-                repeats: int = 5) -> tuple[float, float]:
-    """Seconds of one step's forwards and backwards on this stage with no communication, and
-    of an AdamW step over the stage's parameters (on a copy: the stage itself is untouched)."""
+def _busy_alone(modules: list, indices: list[int], n: int, cfg: GPTConfig, micro_batch: int,
+                micro: int, repeats: int = 5) -> tuple[float, float]:
+    """Seconds of one step's forwards and backwards on this rank's stages with no
+    communication, and of an AdamW step over their parameters (on a copy: the stages
+    themselves are untouched)."""
     gen = torch.Generator().manual_seed(7)
-    if rank == 0:
-        x = torch.randint(0, cfg.vocab_size, (micro_batch, cfg.seq_len), generator=gen)
-    else:
-        x = torch.randn(micro_batch, cfg.seq_len, cfg.d_model, generator=gen)
+    tokens = torch.randint(0, cfg.vocab_size, (micro_batch, cfg.seq_len), generator=gen)
+    hidden = torch.randn(micro_batch, cfg.seq_len, cfg.d_model, generator=gen)
     y = torch.randint(0, cfg.vocab_size, (micro_batch, cfg.seq_len), generator=gen)
     runs = []
     for _ in range(repeats + 1):
         start = time.perf_counter()
-        for _ in range(micro):
-            inp = x if rank == 0 else x.clone().requires_grad_(True)
-            out = module(inp)
-            if rank == pp - 1:
-                (lm_loss(out, y) / micro).backward()
-            else:
-                out.backward(torch.ones_like(out))
+        for module, k in zip(modules, indices):
+            for _ in range(micro):
+                inp = tokens if k == 0 else hidden.clone().requires_grad_(True)
+                out = module(inp)
+                if k == n - 1:
+                    (lm_loss(out, y) / micro).backward()
+                else:
+                    out.backward(torch.ones_like(out))
         runs.append(time.perf_counter() - start)
         if len(runs) <= repeats:
-            module.zero_grad(set_to_none=True)
-    return statistics.median(runs[1:]), _optimizer_alone(module)
+            for module in modules:
+                module.zero_grad(set_to_none=True)
+    return statistics.median(runs[1:]), _optimizer_alone(torch.nn.ModuleList(modules))
 
 
 def _optimizer_alone(module, repeats: int = 3) -> float:
@@ -147,11 +178,11 @@ def alternating(args, group: dist.ProcessGroup):
                     seq_len=args.seq_len)
     runs = []
     for impl in ALTERNATED:
-        torch.manual_seed(0)
-        module = split_gpt(GPT(cfg), pp)[rank]
+        modules, indices, n = _modules(impl, cfg, rank, pp)
         sub = dist.new_group(list(range(pp)))
-        _, schedule = _make_schedule(impl, module, rank, pp, sub, args.microbatches)
-        runs.append((impl, schedule, torch.optim.AdamW(module.parameters(), lr=1e-3)))
+        _, schedule = _make_schedule(impl, modules, indices, n, sub, args.microbatches)
+        params = [p for m in modules for p in m.parameters()]
+        runs.append((impl, schedule, torch.optim.AdamW(params, lr=1e-3)))
     times: dict[str, list[float]] = {impl: [] for impl in ALTERNATED}
     for step in range(args.warmup + args.steps):
         tokens = _batch(step, cfg, args.batch_size)
@@ -165,7 +196,7 @@ def alternating(args, group: dist.ProcessGroup):
     dist.all_gather_object(gathered, medians, group=group)
     slowest = {impl: max(m[impl] for m in gathered) for impl in ALTERNATED}
     ratios = {kind: round(slowest[f"shardwise-{kind}"] / slowest[f"torch-{kind}"], 3)
-              for kind in ("gpipe", "1f1b")}
+              for kind in KINDS}
     if rank == 0:  # every round's figures (the summary table shows the first round's)
         print(f"alternating round: median ms {slowest}, ours / torch {ratios}", flush=True)
     return [sum(ts) for ts in zip(*times.values())], {"median_ms": slowest,
@@ -178,19 +209,20 @@ def worker(impl: str, args, group: dist.ProcessGroup):
     rank, pp = dist.get_rank(group), dist.get_world_size(group)
     cfg = GPTConfig(n_layer=args.n_layer, d_model=args.d_model, n_head=args.n_head,
                     seq_len=args.seq_len)
-    torch.manual_seed(0)
-    module = split_gpt(GPT(cfg), pp)[rank]
+    modules, indices, n = _modules(impl, cfg, rank, pp)
+    v = _stages_per_rank(impl)
     micro_batch = args.batch_size // args.microbatches
-    busy, opt_alone = _busy_alone(module, cfg, rank, pp, micro_batch, args.microbatches)
-    stage, schedule = _make_schedule(impl, module, rank, pp, group, args.microbatches)
-    opt = torch.optim.AdamW(module.parameters(), lr=1e-3)
+    busy, opt_alone = _busy_alone(modules, indices, n, cfg, micro_batch, args.microbatches)
+    stages, schedule = _make_schedule(impl, modules, indices, n, group, args.microbatches)
+    opt = torch.optim.AdamW([p for m in modules for p in m.parameters()], lr=1e-3)
     times, own_idle = [], []
     for step in range(args.warmup + args.steps):
         took = _timed_step(schedule, opt, _batch(step, cfg, args.batch_size), rank, pp, group)
         if step >= args.warmup:
             times.append(took)
             if impl.startswith("shardwise"):
-                own_idle.append(stage.stats.idle_fraction)
+                own_idle.append(schedule.idle_fraction if v > 1 else
+                                stages[0].stats.idle_fraction)
     step_s = statistics.median(times)
     own = round(statistics.median(own_idle), 3) if own_idle else None
     mine = (round(1 - busy / step_s, 3), own, busy * 1e3, opt_alone * 1e3)
@@ -198,11 +230,16 @@ def worker(impl: str, args, group: dist.ProcessGroup):
     dist.all_gather_object(per_rank, mine, group=group)  # rank 0's record shows every rank
     transfers = boundary_transfers_ms((micro_batch, cfg.seq_len, cfg.d_model), group,
                                       torch.device("cpu"))
+    if pp > 1:  # every boundary moves the same shapes; v p - 1 of them
+        transfers = transfers * (n - 1) / (pp - 1)
+    formula = simulated_bubble(pp, v, args.microbatches) if v > 1 else \
+        bubble_fraction(pp, args.microbatches)
     extra = {"bubble_per_rank": [r[0] for r in per_rank],
-             "bubble_formula": round(bubble_fraction(pp, args.microbatches), 3),
+             "bubble_mean": round(statistics.mean(r[0] for r in per_rank), 3),
+             "bubble_formula": round(formula, 3),
              "limit_compute_ms": round(pipeline_critical_path_ms(
-                 [r[2] for r in per_rank], [r[3] for r in per_rank], args.microbatches), 2),
-             "exposed_comm_ms": transfers}
+                 [r[2] for r in per_rank], [r[3] for r in per_rank], args.microbatches * v), 2),
+             "exposed_comm_ms": round(transfers, 3)}
     if own_idle:
         extra["own_idle_per_rank"] = [r[1] for r in per_rank]
     return times, extra
@@ -211,7 +248,7 @@ def worker(impl: str, args, group: dist.ProcessGroup):
 def per_schedule(summary: dict) -> list[dict]:
     """Per schedule whose both implementations ran: both median step times and ours / torch."""
     rows = []
-    for kind in ("gpipe", "1f1b"):
+    for kind in KINDS:
         ours, theirs = summary.get(f"shardwise-{kind}"), summary.get(f"torch-{kind}")
         if ours and theirs:
             rows.append({"schedule": kind, "ours_step_s": ours["median_step_s"],
@@ -225,16 +262,32 @@ def per_schedule_lines(rows: list[dict]) -> list[str]:
             f"{r['torch_step_s'] * 1e3:.1f} ms per step: {r['ratio']:.3f}x torch's" for r in rows]
 
 
+def bubble_lines(summary: dict) -> list[str]:
+    """Per schedule that ran: its formula bubble and each implementation's measured mean (the
+    interleaved schedule's is meant to sit below 1F1B's)."""
+    lines = []
+    for kind in KINDS:
+        rows = {who: summary.get(f"{who}-{kind}") for who in ("shardwise", "torch")}
+        rows = {who: r for who, r in rows.items() if r and "bubble_formula" in r.get("extra", {})}
+        if not rows:
+            continue
+        formula = next(iter(rows.values()))["extra"]["bubble_formula"]
+        measured = ", ".join(f"{who} {r['extra']['bubble_mean']}" for who, r in rows.items())
+        lines.append(f"bubble {kind}: formula {formula}, measured mean over ranks {measured}")
+    return lines
+
+
 _BENCH = SideBySide("pipeline", worker, IMPLS, "torch-gpipe", _args,
                     "our p2p pipeline against torch.distributed.pipelining", pattern=PATTERN,
                     cuda=False)
 
 
 def run(argv: Sequence[str]) -> dict | None:
-    """The side-by-side run, plus ours / torch per schedule (printed after the table as the
-    record's ``notes``)."""
+    """The side-by-side run, plus ours / torch per schedule and each schedule's bubble (printed
+    after the table as the record's ``notes``)."""
     record = run_side_by_side(_BENCH, argv)
     if record is None:
         return None
     rows = per_schedule(record["impls"])
-    return {**record, "per_schedule": rows, "notes": per_schedule_lines(rows)}
+    notes = per_schedule_lines(rows) + bubble_lines(record["impls"])
+    return {**record, "per_schedule": rows, "notes": notes}
