@@ -263,8 +263,9 @@ def per_schedule_lines(rows: list[dict]) -> list[str]:
 
 
 def bubble_lines(summary: dict) -> list[str]:
-    """Per schedule that ran: its formula bubble and each implementation's measured mean (the
-    interleaved schedule's is meant to sit below 1F1B's)."""
+    """Per schedule that ran: its formula bubble, each implementation's measured mean and ours
+    from our own per-step accounting (``idle_fraction``: busy time inside the step itself, less
+    exposed to load that changes between the busy-alone timing and the steps)."""
     lines = []
     for kind in KINDS:
         rows = {who: summary.get(f"{who}-{kind}") for who in ("shardwise", "torch")}
@@ -273,7 +274,11 @@ def bubble_lines(summary: dict) -> list[str]:
             continue
         formula = next(iter(rows.values()))["extra"]["bubble_formula"]
         measured = ", ".join(f"{who} {r['extra']['bubble_mean']}" for who, r in rows.items())
-        lines.append(f"bubble {kind}: formula {formula}, measured mean over ranks {measured}")
+        line = f"bubble {kind}: formula {formula}, measured mean over ranks {measured}"
+        own = rows.get("shardwise", {}).get("extra", {}).get("own_idle_per_rank")
+        if own and None not in own:
+            line += f"; our per-step accounting's mean {round(statistics.mean(own), 3)}"
+        lines.append(line)
     return lines
 
 
