@@ -6,9 +6,9 @@ import os
 import socket
 import threading
 
-from shardwise.rpc.session import derive
-from shardwise.rpc.transport import Connection
 from shardwise.rpc.wire import shm_channel
+from shardwise.rpc.wire.session import derive
+from shardwise.rpc.wire.transport import Connection
 
 
 def sessions() -> tuple:

@@ -12,12 +12,11 @@ import time
 import numpy as np
 import pytest
 
-from shardwise.rpc import auth
-from shardwise.rpc.auth import AuthError, new_token
 from shardwise.rpc.messages import ENVELOPE, Kind
-from shardwise.rpc.transport import Transport
+from shardwise.rpc.wire import auth, shm_channel
 from shardwise.rpc.wire import frames as wire
-from shardwise.rpc.wire import shm_channel
+from shardwise.rpc.wire.auth import AuthError, new_token
+from shardwise.rpc.wire.transport import Transport
 from tests.rpc.pairs import shm_pair, tcp_pair
 from tests.rpc.relay import Relay
 

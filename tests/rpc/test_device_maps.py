@@ -10,7 +10,7 @@ import torch
 
 import shardwise.rpc as rpc
 from shardwise.rpc.agent import start_agent
-from shardwise.rpc.device_maps import (
+from shardwise.rpc.wire.device_maps import (
     DeviceMapError,
     check_present,
     inferred_devices,

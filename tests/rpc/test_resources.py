@@ -17,10 +17,10 @@ import pytest
 import torch
 
 import shardwise.rpc as rpc
-from shardwise.rpc.auth import HELLO_SIZE, address_of, connect_handshake, new_token
-from shardwise.rpc.transport import HANDSHAKE_SLOTS, RateLimitedLog, Transport
 from shardwise.rpc.wire import MAGIC, send_frame
+from shardwise.rpc.wire.auth import HELLO_SIZE, address_of, connect_handshake, new_token
 from shardwise.rpc.wire.shm_channel import negotiate
+from shardwise.rpc.wire.transport import HANDSHAKE_SLOTS, RateLimitedLog, Transport
 from tests.rpc import helpers
 from tests.rpc.scenarios import lines, run
 
@@ -64,6 +64,15 @@ class _Server:
         self.sessions[sock.fileno()] = session
         return sock
 
+    def conn(self, rank: int, timeout: float = 60.0):
+        """The server's connection to ``rank`` once it is registered: the acceptor adds it after
+        its own side of the channel hello, which may finish after the joiner's."""
+        deadline = time.monotonic() + timeout
+        while rank not in self.t.conns:
+            assert time.monotonic() < deadline, f"rank {rank}'s connection was never registered"
+            time.sleep(0.01)
+        return self.t.conns[rank]
+
 
 @pytest.fixture
 def server():
@@ -104,7 +113,7 @@ def test_header_claiming_4_gib_costs_only_what_arrives(server):
     sock = srv.join_as(1)
     before = _rss()
     sock.sendall(_FIXED.pack(MAGIC, 0, 4 << 30) + b"\x00" * (8 * MB))  # 8 MB of the 4 GiB
-    _wait_read(sock, srv.t.conns[1].sock)  # all 8 MB are in the server's hands
+    _wait_read(sock, srv.conn(1).sock)  # all 8 MB are in the server's hands
     grown = _rss() - before
     assert grown < 100 * MB, f"{grown / MB:.0f} MB for a 4 GiB header and 8 MB of payload"
     assert srv.t.conns[1].closed is False  # still waiting for the rest

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 import shardwise.rpc as rpc
-from shardwise.rpc.auth import AuthError, accept_handshake, connect_handshake, new_token
-from shardwise.rpc.transport import Connection
 from shardwise.rpc.wire import MAGIC, send_frame
+from shardwise.rpc.wire.auth import AuthError, accept_handshake, connect_handshake, new_token
+from shardwise.rpc.wire.transport import Connection
 from tests.rpc import helpers
 from tests.rpc.pairs import sessions
 

@@ -14,10 +14,9 @@ import pytest
 import torch
 
 import shardwise.rpc as rpc
-from shardwise.rpc import transport
 from shardwise.rpc.current import get_agent
 from shardwise.rpc.wire import frames as wire
-from shardwise.rpc.wire import shm_channel, shm_ring
+from shardwise.rpc.wire import shm_channel, shm_ring, transport
 from tests.harness import procs
 from tests.rpc import helpers
 from tests.rpc.conftest import ROOT, python_path

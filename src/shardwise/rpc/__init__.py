@@ -24,7 +24,6 @@ from shardwise.rpc.api import (
     shutdown,
 )
 from shardwise.rpc.callables import ForbiddenCallable, register, register_module
-from shardwise.rpc.device_maps import DeviceMapError
 from shardwise.rpc.messages import RemoteException
 from shardwise.rpc.optimizer import DistributedOptimizer
 from shardwise.rpc.options import (
@@ -35,6 +34,7 @@ from shardwise.rpc.options import (
 from shardwise.rpc.remote_module import RemoteModule
 from shardwise.rpc.rendezvous import RendezvousError
 from shardwise.rpc.rref import RRef
+from shardwise.rpc.wire.device_maps import DeviceMapError
 
 __all__ = [
     "DeviceMapError",

@@ -44,15 +44,6 @@ import torch.distributed as dist
 from shardwise.rpc import rendezvous, secret
 from shardwise.rpc.autograd.container import AutogradContainer
 from shardwise.rpc.callables import qualified_name, resolve
-from shardwise.rpc.cuda_transfer import CudaTransfer
-from shardwise.rpc.device_maps import (
-    DeviceMap,
-    check_present,
-    inferred_devices,
-    inverse,
-    local_devices,
-    validate_device_maps,
-)
 from shardwise.rpc.functions import check_async_result, is_future
 from shardwise.rpc.messages import (
     ENVELOPE,
@@ -65,7 +56,16 @@ from shardwise.rpc.options import UNSET_RPC_TIMEOUT, TensorPipeRpcBackendOptions
 from shardwise.rpc.pending import PendingCall, PendingCalls
 from shardwise.rpc.rref_context import ForbiddenRRef, RRefContext
 from shardwise.rpc.serialization import Session, dumps, loads
-from shardwise.rpc.transport import PeerUnavailable, Transport
+from shardwise.rpc.wire.cuda_transfer import CudaTransfer
+from shardwise.rpc.wire.device_maps import (
+    DeviceMap,
+    check_present,
+    inferred_devices,
+    inverse,
+    local_devices,
+    validate_device_maps,
+)
+from shardwise.rpc.wire.transport import PeerUnavailable, Transport
 from shardwise.rpc.workers import WorkerPool
 
 log = logging.getLogger("shardwise.rpc")

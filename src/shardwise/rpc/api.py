@@ -12,10 +12,10 @@ from shardwise.distributed.env import int_var, is_set
 from shardwise.rpc import current
 from shardwise.rpc.agent import start_agent
 from shardwise.rpc.callables import qualified_name, register_module, set_program_roots
-from shardwise.rpc.device_maps import normalize_device_map, validate_device_maps
 from shardwise.rpc.messages import Kind
 from shardwise.rpc.options import UNSET_RPC_TIMEOUT, TensorPipeRpcBackendOptions, WorkerInfo
 from shardwise.rpc.rref import RRef
+from shardwise.rpc.wire.device_maps import normalize_device_map, validate_device_maps
 
 
 def init_rpc(name: str, backend: Any = None, rank: int = -1, world_size: int | None = None,

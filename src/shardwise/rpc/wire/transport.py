@@ -39,9 +39,9 @@ import socket
 import threading
 import time
 
-from shardwise.rpc.auth import AuthError, accept_handshake, address_of, connect_handshake
-from shardwise.rpc.connection import Defer, FrameHandler, LostHandler, QueuedConnection
 from shardwise.rpc.wire import shm_channel
+from shardwise.rpc.wire.auth import AuthError, accept_handshake, address_of, connect_handshake
+from shardwise.rpc.wire.connection import Defer, FrameHandler, LostHandler, QueuedConnection
 from shardwise.rpc.wire.frames import (
     DEFAULT_MAX_MESSAGE,
     FrameReader,

@@ -30,8 +30,8 @@ import socket
 import struct
 import time
 
-from shardwise.rpc.session import Session, derive
 from shardwise.rpc.wire.frames import PeerClosed
+from shardwise.rpc.wire.session import Session, derive
 
 MAGIC = b"SWA2"
 NONCE = 16
