@@ -11,7 +11,8 @@ the peak. 1F1B runs ``num_stages - stage_index`` forwards first, then alternates
 one forward: at most ``num_stages - stage_index`` micro-batches are in flight on a stage. Both
 idle for (p - 1) / (m + p - 1) of the step with equal stage times. Losses are divided by m
 before backward (torch's ``scale_grads=True``), so the gradients are those of the whole batch's
-mean loss.
+mean loss. ``_Schedule`` runs a rank's actions on its stages, one for these two and several for
+the interleaved schedule (interleaved.py), which shares the batch splitting and the runner.
 """
 
 from __future__ import annotations
