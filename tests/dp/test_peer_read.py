@@ -1,4 +1,4 @@
-"""Reading a peer's memory ([Note: reading a peer's memory], distributed/host/peer_read.py): the
+"""Reading a peer's memory ([Note: reading a peer's memory], distributed/host/peers.py): the
 bytes come back exactly, a failed read names the process, and a rank cannot send its peers to read a
 process other than itself."""
 
@@ -9,8 +9,8 @@ import os
 import pytest
 import torch
 
-from shardwise.distributed.host import peer_read
-from shardwise.distributed.host.peer_read import DISABLE_VAR, PeerReadError, peer_pids, read_into
+from shardwise.distributed.host import peers as peer_read
+from shardwise.distributed.host.peers import DISABLE_VAR, PeerReadError, peer_pids, read_into
 from tests.harness import peer_reads_permitted, run_on_ranks
 
 pytestmark = pytest.mark.skipif(peer_read._READ is None, reason="process_vm_readv needs Linux")

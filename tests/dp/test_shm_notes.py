@@ -1,4 +1,4 @@
-"""Notes through shared memory ([Note: notes through shared memory], distributed/host/notes.py):
+"""Notes through shared memory ([Note: notes through shared memory], distributed/host/peers.py):
 values arrive with their sequence number, waiters wake when a note comes late, and a wait fails with
 a message naming the rank when that rank exited, never answers, or is out of step."""
 
@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from shardwise.distributed.host import notes as shm_notes
-from shardwise.distributed.host.notes import NoteBoard
+from shardwise.distributed.host import peers as shm_notes
+from shardwise.distributed.host.peers import NoteBoard
 from tests.harness import run_on_ranks
 
 pytestmark = pytest.mark.skipif(not shm_notes.supported(), reason="needs Linux on x86-64")

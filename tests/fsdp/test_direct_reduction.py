@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from shardwise import fully_shard
-from shardwise.distributed.host.peer_read import DISABLE_VAR
+from shardwise.distributed.host.peers import DISABLE_VAR
 from shardwise.fsdp import reduction
 from tests.fsdp.unit_grads import assert_unit_grads
 from tests.harness import WORLD_SIZES, peer_reads_permitted, run_on_ranks

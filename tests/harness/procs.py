@@ -305,7 +305,7 @@ atexit.register(_stop_programs)
 
 def peer_reads_permitted() -> bool:
     """Whether this host lets the test's ranks (siblings: forked by one server) read each other's
-    memory ([Note: reading a peer's memory], distributed/host/peer_read.py): Linux, and Yama's
+    memory ([Note: reading a peer's memory], distributed/host/peers.py): Linux, and Yama's
     ``ptrace_scope`` 0 or no Yama at all."""
     if not sys.platform.startswith("linux"):
         return False

@@ -78,9 +78,9 @@ compute thread by ``finish``.
 
 [Note: gradient rows read from the peers]
 Where every rank of a unit's group may read the others' memory ([Note: reading a peer's
-memory], distributed/host/peer_read.py), an exchange of [Note: direct gradient reduction] moves
+memory], distributed/host/peers.py), an exchange of [Note: direct gradient reduction] moves
 no gradient bytes through gloo. The ranks' notes go through the unit's ``NoteBoard`` ([Note:
-notes through shared memory], distributed/host/notes.py), numbered by how many exchanges of that
+notes through shared memory], distributed/host/peers.py), numbered by how many exchanges of that
 parameter the unit has issued (the same on every rank). Each parameter has ``DEPTH`` slots, used
 in turn, because a gradient that arrives twice in one reduction (a reentrant checkpoint) has two
 exchanges in flight; a rank posts a note only once its peers have acknowledged the one posted
@@ -150,9 +150,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from shardwise.distributed.host import notes as shm_notes
-from shardwise.distributed.host.notes import NoteBoard
-from shardwise.distributed.host.peer_read import DISABLE_VAR, peer_pids, read_into
+from shardwise.distributed.host import peers as shm_notes
+from shardwise.distributed.host.peers import DISABLE_VAR, NoteBoard, peer_pids, read_into
 from shardwise.dp.fast_collectives import Pending, reduce_scatter_flat, uses_fast_path
 from shardwise.fsdp.collectives import (
     exchange_rows,

@@ -4,9 +4,9 @@
   rule of memory ordering that every protocol over them follows ([Note: memory ordering on one
   host]);
 - same_host.py: whether a group's ranks share this host (``same_host``, ``on_one_host``);
-- notes.py: short notes between ranks through one segment, with futex wake-ups (``NoteBoard``);
-- peer_read.py: copying bytes out of a peer's memory (``process_vm_readv``), after checking
-  which process the peer is;
+- peers.py: copying bytes out of a peer's memory (``process_vm_readv``), after checking which
+  process the peer is, and short notes between ranks through one segment with futex wake-ups
+  (``NoteBoard``);
 - libc.py: the one binding of the C library through ``ctypes``.
 
 The mechanisms above keep only their own protocols: DDP's and ZeRO's same-host reduction

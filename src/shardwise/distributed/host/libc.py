@@ -6,9 +6,9 @@ once (when this file loads, or on first use); where it is missing (not Linux, no
 libc) the functions say so and the callers keep their slower path. ``ctypes`` releases the GIL
 for every call, so other threads go on meanwhile.
 
-- ``read_peer`` (``process_vm_readv``): bytes out of another process's memory (peer_read.py);
+- ``read_peer`` (``process_vm_readv``): bytes out of another process's memory (peers.py);
 - ``futex_wait`` / ``futex_wake`` (``syscall(SYS_futex)``, x86-64): sleeping on a word of a
-  shared mapping and waking its sleepers (notes.py);
+  shared mapping and waking its sleepers (peers.py);
 - ``malloc_trim``, ``keep_heap_resident`` and ``madvise_dontneed``: the C heap (memory/heap.py);
 - ``die_with_parent`` (``prctl(PR_SET_PDEATHSIG)``): the launcher's lifeline.
 """

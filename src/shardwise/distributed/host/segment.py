@@ -9,7 +9,7 @@ crash later leaves nothing behind. Two ways to make one:
   pages (``posix_fallocate``: a full /dev/shm is an error at creation, never a bus error when
   a page is first touched); the name is broadcast as bytes (nothing is unpickled); every rank
   maps it, and after a barrier rank 0 unlinks it. Users: the same-host gradient reduction
-  (dp/shm_reduce.py, and through it ZeRO's), the note board (notes.py) and FSDP's parameters
+  (dp/shm_reduce.py, and through it ZeRO's), the note board (peers.py) and FSDP's parameters
   shared on one host (fsdp/host_params.py).
 - ``create_private`` / ``map_private`` / ``open_private``, between two processes that agree on a
   name by other means (RPC's shared-memory channel, rpc/wire/shm_channel.py): one side creates
@@ -193,4 +193,9 @@ def open_private(name: str, size: int, populate: bool = True) -> mmap.mmap:
         return map_private(fd, size, populate)
     finally:
         os.close(fd)
-        _unlink(path_of(name))
+        unlink_private(name)
+
+
+def unlink_private(name: str) -> None:
+    """Remove segment ``name``'s name (gone already: nothing to do)."""
+    _unlink(path_of(name))

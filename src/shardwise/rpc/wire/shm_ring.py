@@ -7,65 +7,38 @@ cache line, and two flags: ``reader_sleeping`` (the reader found nothing and is 
 on the doorbell) and ``writer_waiting`` (the writer found the ring full). A side that changes a
 cursor and then finds the other side's flag set clears it and rings the doorbell (one byte on
 the connection's socket, shm_channel.py). The flag store and the cursor load on each side are
-separated by a full memory fence (:class:`Fence`), so either the sleeper sees the new cursor
-or the other side sees the flag: no wake-up is lost. Cursors are 8-byte aligned and written
-with single 8-byte stores (a ``memoryview`` cast to ``Q``), so a reader never sees half of one.
+separated by a full memory fence (``Fence``, [Note: memory ordering on one host]), so either the
+sleeper sees the new cursor or the other side sees the flag: no wake-up is lost. Cursors are 8-byte
+aligned and written with single 8-byte stores (a ``memoryview`` cast to ``Q``), so a reader never
+sees half of one.
 
-Segments are files in /dev/shm created with ``O_EXCL`` and mode 0600 by one side and opened by
-the other, which checks that the file is a regular file of this user, private, and of the
-expected size before it maps it, then unlinks the name: once both ends have mapped a segment
-its name is gone, so a crash leaves nothing behind. Names start with the connection's id
-(shm_channel.py), so the side that survives a dead peer removes whatever the peer created and
-the reader never opened (:func:`remove_all`).
+Segments (distributed/host/segment.py) are files in /dev/shm created with ``O_EXCL`` and mode 0600
+by one side and opened by the other, which checks that the file is a regular file of this user,
+private, and of the expected size before it maps it, then unlinks the name: once both ends have
+mapped a segment its name is gone, so a crash leaves nothing behind. Names start with the
+connection's id (shm_channel.py), so the side that survives a dead peer removes whatever the peer
+created and the reader never opened (:func:`remove_all`).
 """
 
 from __future__ import annotations
 
-import contextlib
-import mmap
 import os
-import stat
-import threading
 from pathlib import Path
 
-SHM_DIR = Path("/dev/shm")
+# the segments themselves come from the same-host layer (its one creator); the names below are
+# the ones the channel (shm_channel.py) uses
+from shardwise.distributed.host.segment import SHM_DIR as _SHM_DIR
+from shardwise.distributed.host.segment import Fence, SegmentError, path_of  # noqa: F401
+from shardwise.distributed.host.segment import create_private as create_file  # noqa: F401
+from shardwise.distributed.host.segment import map_private as map_file  # noqa: F401
+from shardwise.distributed.host.segment import open_private as open_mapped  # noqa: F401
+from shardwise.distributed.host.segment import unlink_private as unlink  # noqa: F401
+
+SHM_DIR = Path(_SHM_DIR)
 PREFIX = "shardwise-rpc-"
 _HEADER = 4096  # the header page; data follows
 _WRITE, _READ, _SLEEPING, _WAITING, _MAGIC = 8, 16, 24, 32, 0  # 8-byte word offsets
 RING_MAGIC = 0x5357524E47303031  # "SWRNG001"
-_FLAGS = os.O_RDWR | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
-_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
-
-
-class SegmentError(OSError):
-    """A segment could not be created, or the file found under its name is not ours."""
-
-
-class Fence:
-    """A full memory barrier: taking and releasing a lock is an atomic read-modify-write
-    (a locked instruction on x86), which orders every earlier load and store before every
-    later one; Python offers no other portable fence. Each side of a ring has a lock of its
-    own, used by one thread at a time, so the lock is never contended (no system call)."""
-
-    def __init__(self) -> None:
-        lock = threading.Lock()
-        self._acquire, self._release = lock.acquire, lock.release
-
-    def __call__(self) -> None:
-        self._acquire()
-        self._release()
-
-
-def path_of(name: str) -> Path:
-    return SHM_DIR / name
-
-
-def create_file(name: str) -> int:
-    """Create segment ``name`` (mode 0600, must not exist); returns its descriptor."""
-    try:
-        return os.open(path_of(name), _FLAGS | os.O_CREAT | os.O_EXCL, 0o600)
-    except OSError as exc:
-        raise SegmentError(f"cannot create shared-memory segment {name}: {exc}") from exc
 
 
 def write_file(fd: int, data: memoryview, at: int = 0) -> None:
@@ -74,34 +47,6 @@ def write_file(fd: int, data: memoryview, at: int = 0) -> None:
     done, total = 0, len(data)
     while done < total:
         done += os.pwrite(fd, data[done:done + (1 << 30)], at + done)
-
-
-def open_mapped(name: str, size: int, populate: bool = True) -> mmap.mmap:
-    """Map segment ``name`` after checking it (ours, private, ``size`` bytes); unlink it."""
-    path = path_of(name)
-    try:
-        fd = os.open(path, _FLAGS)
-    except OSError as exc:
-        raise SegmentError(f"cannot open shared-memory segment {name}: {exc}") from exc
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077 \
-                or st.st_nlink != 1:
-            raise SegmentError(f"shared-memory segment {name} is not a private file of this "
-                               f"user (mode {st.st_mode:o}, uid {st.st_uid})")
-        if st.st_size != size:
-            raise SegmentError(f"shared-memory segment {name} holds {st.st_size} bytes, the "
-                               f"frame declares {size}")
-        flags = mmap.MAP_SHARED | (_POPULATE if populate else 0)
-        return mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-    finally:
-        os.close(fd)
-        unlink(name)
-
-
-def unlink(name: str) -> None:
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(path_of(name))
 
 
 def remove_all(prefix: str) -> int:
