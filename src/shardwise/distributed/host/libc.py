@@ -16,7 +16,6 @@ for every call, so other threads go on meanwhile.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import functools
 import mmap
 import platform
@@ -33,10 +32,11 @@ _DYNAMIC_MMAP_MAX = 4 * 1024 * 1024 * ctypes.sizeof(ctypes.c_long)
 
 @functools.cache
 def _libc() -> ctypes.CDLL | None:
-    """The C library, loaded once (errno kept for the callers that read it); None where none
-    is found."""
+    """The C library as this process already has it (the symbols of the program and the
+    libraries it loaded, libc among them: no search for the file), opened once, errno kept for
+    the callers that read it; None where that is not possible."""
     try:
-        return ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+        return ctypes.CDLL(None, use_errno=True)
     except OSError:
         return None
 
