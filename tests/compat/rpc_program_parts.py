@@ -2,7 +2,7 @@
 the shape of pytorch/examples' distributed RNN (``rnn.py`` beside ``main.py``). Peers name these
 functions and classes (``rpc_program_parts:_call_method``, ``EmbeddingTable.forward``, ...);
 torch resolves anything, shardwise resolves them as the program's own code ([Note: allow-list]
-rule 2 in shardwise/rpc/callables.py), the two private helpers that peers call once registered
+rule 2 in shardwise/rpc/trust/callables.py), the two private helpers that peers call once registered
 (the block at the end: rule 2 leaves a program module's private names to registration).
 """
 

@@ -379,7 +379,7 @@ def shm_sent(to: str) -> tuple[int, int]:
 
 
 # every worker that imports this module lets its peers call the functions above (shardwise
-# resolves only allowed names: [Note: allow-list] in shardwise/rpc/callables.py)
+# resolves only allowed names: [Note: allow-list] in shardwise/rpc/trust/callables.py)
 rpc.register_module(__name__)
 
 

@@ -1,4 +1,4 @@
-"""A peer can call only what the worker allowed ([Note: allow-list] in rpc/callables.py).
+"""A peer can call only what the worker allowed ([Note: allow-list] in rpc/trust/callables.py).
 
 Each attack below ran shell commands or wrote files on a worker under the old deny-list; every
 one must now be refused with an error naming what was refused, and leave no marker file.
@@ -15,11 +15,11 @@ import pytest
 import torch
 
 import shardwise.rpc as rpc
-from shardwise.rpc import callables
-from shardwise.rpc.callables import ForbiddenCallable, resolve, resolve_global
 from shardwise.rpc.current import get_agent
 from shardwise.rpc.messages import Kind
-from shardwise.rpc.serialization import Session, dumps, loads
+from shardwise.rpc.trust import callables
+from shardwise.rpc.trust.callables import ForbiddenCallable, resolve, resolve_global
+from shardwise.rpc.trust.serialization import Session, dumps, loads
 from tests.rpc import helpers
 
 
@@ -216,8 +216,31 @@ def test_error_replies_rebuild_only_allowed_exception_types():
     from shardwise.rpc.messages import RemoteException, decode_exception
 
     assert type(decode_exception(("builtins:ValueError", "m", "tb"), "w")) is ValueError
-    assert type(decode_exception(("shardwise.rpc.callables:ForbiddenCallable", "m", "tb"),
+    assert type(decode_exception(("shardwise.rpc.trust.callables:ForbiddenCallable", "m", "tb"),
                                  "w")) is ForbiddenCallable
     for info in (("os:system", "m", "tb"), ("builtins:eval", "m", "tb"),
                  ("subprocess:CalledProcessError", "m", "tb"), 5, ("a", "b")):
         assert type(decode_exception(info, "w")) is RemoteException
+
+
+# the modules of rpc/trust/ and rpc/wire/ lived in rpc/ itself; their old names name nothing
+_OLD_PATHS = [("shardwise.rpc.serialization", "_rebuild_tensor"),
+              ("shardwise.rpc.serialization", "_rebuild_ndarray"),
+              ("shardwise.rpc.callables", "register"), ("shardwise.rpc.secret", "group_key"),
+              ("shardwise.rpc.transport", "Transport"), ("shardwise.rpc.methods", "PURE_METHODS")]
+
+
+@pytest.mark.parametrize("module, name", _OLD_PATHS)
+def test_old_module_paths_of_moved_code_stay_refused(module, name):
+    data = b"\x80\x04c" + f"{module}\n{name}\n".encode() + b"."
+    with pytest.raises(pickle.UnpicklingError, match=f"{module}.{name}"):
+        _unpickle(data)
+    with pytest.raises(ForbiddenCallable):
+        resolve(f"{module}:{name}")
+
+
+def test_an_old_exception_path_rebuilds_no_class():
+    from shardwise.rpc.messages import RemoteException, decode_exception
+
+    info = ("shardwise.rpc.callables:ForbiddenCallable", "m", "tb")
+    assert type(decode_exception(info, "w")) is RemoteException

@@ -17,9 +17,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from shardwise.rpc import serialization
 from shardwise.rpc.options import WorkerInfo
-from shardwise.rpc.serialization import Session, loads
+from shardwise.rpc.trust import serialization
+from shardwise.rpc.trust.serialization import Session, loads
 from tests.rpc import helpers
 from tests.rpc.test_fuzz_decoder import DANGEROUS, _mutate
 from tests.rpc.test_fuzz_decoder import no_code as no_code  # a fixture
@@ -27,9 +27,10 @@ from tests.rpc.test_fuzz_decoder import no_code as no_code  # a fixture
 N_GENERATED = 3000
 N_MUTATED = 1000
 
+SERIALIZATION = "shardwise.rpc.trust.serialization"
 FUNCTIONS = [("tests.rpc.helpers", "add"), ("tests.rpc.helpers", "identity"),
-             ("tests.rpc.helpers", "echo"), ("shardwise.rpc.serialization", "_rebuild_tensor"),
-             ("shardwise.rpc.serialization", "_rebuild_ndarray"), ("torch", "add"),
+             ("tests.rpc.helpers", "echo"), (SERIALIZATION, "_rebuild_tensor"),
+             (SERIALIZATION, "_rebuild_ndarray"), ("torch", "add"),
              ("shardwise.rpc.rref", "invoke_method")]
 CLASSES = [("shardwise.rpc.options", "WorkerInfo"), ("torch.nn.modules.linear", "Linear"),
            ("tests.rpc.helpers", "Tracked"), ("torch.optim.sgd", "SGD"),
@@ -127,13 +128,13 @@ class _Gen:
 
     def tensor(self) -> bytes:
         rng = self.rng
-        return (glob(("shardwise.rpc.serialization", "_rebuild_tensor")) + b"(C\x08" + bytes(8)
+        return (glob((SERIALIZATION, "_rebuild_tensor")) + b"(C\x08" + bytes(8)
                 + s(rng.choice(DTYPES)) + self.dims() + rng.choice([b"\x88", b"\x89", b"K\x01"])
                 + b"\x89tR")
 
     def array(self) -> bytes:
         rng = self.rng
-        return (glob(("shardwise.rpc.serialization", "_rebuild_ndarray")) + b"(C\x08" + bytes(8)
+        return (glob((SERIALIZATION, "_rebuild_ndarray")) + b"(C\x08" + bytes(8)
                 + s(rng.choice(DTYPES)) + self.dims() + b"tR")
 
     def pickle(self) -> bytes:

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from shardwise.rpc.serialization import Session, dumps, loads
+from shardwise.rpc.trust.serialization import Session, dumps, loads
 from shardwise.rpc.wire import FrameReader, frame_parts
 from tests.rpc.pairs import sessions
 
@@ -25,7 +25,7 @@ DANGEROUS = [("os", "system"), ("posix", "system"), ("subprocess", "Popen"),
              ("torch.storage", "_load_from_bytes"), ("torch", "load"), ("torch", "save"),
              ("torch.fx.graph_module", "_exec_with_source"), ("operator", "attrgetter"),
              ("operator", "methodcaller"), ("torch.serialization", "os.system"),
-             ("shardwise.rpc.serialization", "pickle.loads"), ("io", "open"),
+             ("shardwise.rpc.trust.serialization", "pickle.loads"), ("io", "open"),
              ("runpy", "run_path"), ("importlib", "import_module"), ("pty", "spawn")]
 PLAIN = (type(None), bool, int, float, complex, str, bytes, bytearray, slice, torch.Tensor,
          torch.dtype, torch.device, torch.layout, torch.Size)

@@ -23,9 +23,9 @@ import torch
 from torch import nn
 
 import shardwise.rpc as rpc
-from shardwise.rpc.callables import ForbiddenCallable
-from shardwise.rpc.methods import PURE_METHODS, resolve_method
 from shardwise.rpc.rref import invoke_method
+from shardwise.rpc.trust.callables import ForbiddenCallable
+from shardwise.rpc.trust.methods import PURE_METHODS, resolve_method
 from tests.rpc import helpers
 
 N_RANDOM = 500

@@ -21,11 +21,11 @@ from torch import nn
 
 import shardwise.rpc as rpc
 from shardwise.rpc import agent as agent_module
-from shardwise.rpc import callables, serialization
 from shardwise.rpc.current import get_agent
 from shardwise.rpc.messages import Kind
 from shardwise.rpc.options import WorkerInfo
-from shardwise.rpc.serialization import Session, dumps, loads
+from shardwise.rpc.trust import callables, serialization
+from shardwise.rpc.trust.serialization import Session, dumps, loads
 from tests.rpc import helpers, netlike
 
 
@@ -100,7 +100,7 @@ def _refused(data: bytes, match: str) -> None:
 
 
 def test_build_on_globals_is_refused_and_changes_nothing():
-    from shardwise.rpc.serialization import _rebuild_tensor
+    from shardwise.rpc.trust.serialization import _rebuild_tensor
 
     add = helpers.add
     before = (add.__defaults__, dict(add.__kwdefaults__), dict(vars(add)))
@@ -117,7 +117,7 @@ def test_build_on_globals_is_refused_and_changes_nothing():
     assert (add.__defaults__, add.__kwdefaults__, vars(add)) == before
     assert add(1) == 2
 
-    rebuild = glob("shardwise.rpc.serialization", "_rebuild_tensor")
+    rebuild = glob("shardwise.rpc.trust.serialization", "_rebuild_tensor")
     _refused(pk(rebuild + KWDEFAULTS + b"b"), r"BUILD.*_rebuild_tensor")
     assert _rebuild_tensor.__kwdefaults__ is None and vars(_rebuild_tensor) == {}
 
@@ -327,7 +327,7 @@ def test_nesting_within_the_bound_and_shared_parts_are_data():
 def _tensor_pickle(dtype, shape, nbytes: int, requires_grad=False, buf=None) -> tuple:
     args = (buf if buf is not None else pickle.PickleBuffer(bytearray(nbytes)), dtype, shape,
             requires_grad, False)
-    rebuild = glob("shardwise.rpc.serialization", "_rebuild_tensor")
+    rebuild = glob("shardwise.rpc.trust.serialization", "_rebuild_tensor")
 
     class R:
         def __reduce__(self):
@@ -413,7 +413,7 @@ def test_numpy_arrays_never_rebuild_through_numpy():
         with pytest.raises(pickle.UnpicklingError, match="numpy"):
             _loads(data, [np.frombuffer(bytes(b), np.uint8) for b in bufs])
     # our rebuild function with a dtype it does not take, or bytes that do not fit
-    rebuild = glob("shardwise.rpc.serialization", "_rebuild_ndarray")
+    rebuild = glob("shardwise.rpc.trust.serialization", "_rebuild_ndarray")
     for dtype, shape in (("object", (1,)), ("O", (1,)), ("<U1", (1,)), ("float128", (1,)),
                          ("float64", (2,)), ("float64", (-1,))):
         with pytest.raises(serialization.BadTensorData):

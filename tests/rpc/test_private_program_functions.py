@@ -17,8 +17,8 @@ import sys
 
 import pytest
 
-from shardwise.rpc import callables
-from shardwise.rpc.callables import ForbiddenCallable, is_allowed_class, resolve
+from shardwise.rpc.trust import callables
+from shardwise.rpc.trust.callables import ForbiddenCallable, is_allowed_class, resolve
 from tests.harness import procs
 
 SPYHOOKS = '''

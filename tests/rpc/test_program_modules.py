@@ -21,9 +21,9 @@ import torch
 
 import shardwise
 import shardwise.checkpoint
-from shardwise.rpc import callables
-from shardwise.rpc.callables import ForbiddenCallable, resolve, resolve_global
-from shardwise.rpc.methods import ForbiddenMethod, resolve_method
+from shardwise.rpc.trust import callables
+from shardwise.rpc.trust.callables import ForbiddenCallable, resolve, resolve_global
+from shardwise.rpc.trust.methods import ForbiddenMethod, resolve_method
 
 SIBLING = '''
 import os

@@ -23,8 +23,8 @@ from pathlib import Path
 
 import pytest
 
-from shardwise.rpc import callables
-from shardwise.rpc.callables import ForbiddenCallable, resolve
+from shardwise.rpc.trust import callables
+from shardwise.rpc.trust.callables import ForbiddenCallable, resolve
 
 LIBRARY = "import os\n\ndef fromfile(path):\n    return open(path, 'rb').read()\n"
 MINE = "def double(x):\n    return 2 * x\n"

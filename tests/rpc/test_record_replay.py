@@ -22,7 +22,8 @@ import pytest
 import torch.distributed as dist
 
 from shardwise.distributed.env import RPC_SECRET_FILE_VAR, RPC_SECRET_VAR
-from shardwise.rpc import rendezvous, secret
+from shardwise.rpc import rendezvous
+from shardwise.rpc.trust import secret
 from tests.harness import procs
 from tests.rpc.conftest import ROOT, python_path
 from tests.rpc.replayed_records import CALLS

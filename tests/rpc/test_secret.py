@@ -15,8 +15,8 @@ import torch.distributed as dist
 
 import shardwise.rpc as rpc
 from shardwise.distributed.env import RPC_SECRET_FILE_VAR, RPC_SECRET_VAR
-from shardwise.rpc import secret
 from shardwise.rpc.current import get_agent
+from shardwise.rpc.trust import secret
 from shardwise.rpc.wire.auth import AuthError, address_of, connect_handshake
 from tests.rpc import helpers
 

@@ -32,7 +32,7 @@ import torch
 import shardwise.rpc as rpc
 from shardwise.distributed.timeouts import default_timeout
 from shardwise.rpc import autograd as dist_autograd
-from shardwise.rpc.callables import register
+from shardwise.rpc.trust.callables import register
 
 _boxes: dict[str, _Mailbox] = {}
 _boxes_lock = threading.Lock()

@@ -23,7 +23,6 @@ from shardwise.rpc.api import (
     set_device_map,
     shutdown,
 )
-from shardwise.rpc.callables import ForbiddenCallable, register, register_module
 from shardwise.rpc.messages import RemoteException
 from shardwise.rpc.optimizer import DistributedOptimizer
 from shardwise.rpc.options import (
@@ -34,6 +33,7 @@ from shardwise.rpc.options import (
 from shardwise.rpc.remote_module import RemoteModule
 from shardwise.rpc.rendezvous import RendezvousError
 from shardwise.rpc.rref import RRef
+from shardwise.rpc.trust.callables import ForbiddenCallable, register, register_module
 from shardwise.rpc.wire.device_maps import DeviceMapError
 
 __all__ = [

@@ -41,9 +41,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from shardwise.rpc import rendezvous, secret
+from shardwise.rpc import rendezvous
 from shardwise.rpc.autograd.container import AutogradContainer
-from shardwise.rpc.callables import qualified_name, resolve
 from shardwise.rpc.functions import check_async_result, is_future
 from shardwise.rpc.messages import (
     ENVELOPE,
@@ -55,7 +54,9 @@ from shardwise.rpc.messages import (
 from shardwise.rpc.options import UNSET_RPC_TIMEOUT, TensorPipeRpcBackendOptions, WorkerInfo
 from shardwise.rpc.pending import PendingCall, PendingCalls
 from shardwise.rpc.rref_context import ForbiddenRRef, RRefContext
-from shardwise.rpc.serialization import Session, dumps, loads
+from shardwise.rpc.trust import secret
+from shardwise.rpc.trust.callables import qualified_name, resolve
+from shardwise.rpc.trust.serialization import Session, dumps, loads
 from shardwise.rpc.wire.cuda_transfer import CudaTransfer
 from shardwise.rpc.wire.device_maps import (
     DeviceMap,

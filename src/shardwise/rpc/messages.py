@@ -12,7 +12,7 @@ import struct
 import traceback
 from enum import IntEnum
 
-from shardwise.rpc.callables import resolve_exception
+from shardwise.rpc.trust.callables import resolve_exception
 
 
 class Kind(IntEnum):

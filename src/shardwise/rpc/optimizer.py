@@ -15,9 +15,9 @@ from typing import Any
 import torch
 
 from shardwise.rpc import api
-from shardwise.rpc.callables import ForbiddenCallable, register, require_class
 from shardwise.rpc.current import get_agent
 from shardwise.rpc.rref import RRef
+from shardwise.rpc.trust.callables import ForbiddenCallable, register, require_class
 
 
 class _LocalOptimizer:

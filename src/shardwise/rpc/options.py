@@ -7,7 +7,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from shardwise.rpc.callables import register
+from shardwise.rpc.trust.callables import register
 from shardwise.rpc.wire.device_maps import DeviceMap, normalize_device_map, normalize_devices
 from shardwise.rpc.wire.frames import DEFAULT_MAX_MESSAGE
 

@@ -20,11 +20,11 @@ import torch
 from torch import nn
 
 from shardwise.rpc import api
-from shardwise.rpc.callables import register, require_class
 from shardwise.rpc.current import get_agent
-from shardwise.rpc.methods import resolve_method
 from shardwise.rpc.rref import RRef
-from shardwise.rpc.serialization import current_session
+from shardwise.rpc.trust.callables import register, require_class
+from shardwise.rpc.trust.methods import resolve_method
+from shardwise.rpc.trust.serialization import current_session
 
 __all__ = ["RemoteModule"]
 

@@ -10,13 +10,13 @@ from typing import Any, Generic, TypeVar
 
 import torch
 
-from shardwise.rpc.callables import ForbiddenCallable, register
 from shardwise.rpc.current import get_agent
 from shardwise.rpc.functions import check_async_result
 from shardwise.rpc.messages import Kind
-from shardwise.rpc.methods import check_method_name, resolve_method
 from shardwise.rpc.options import UNSET_RPC_TIMEOUT, WorkerInfo
-from shardwise.rpc.serialization import current_session
+from shardwise.rpc.trust.callables import ForbiddenCallable, register
+from shardwise.rpc.trust.methods import check_method_name, resolve_method
+from shardwise.rpc.trust.serialization import current_session
 
 T = TypeVar("T")
 

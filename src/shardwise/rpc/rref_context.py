@@ -53,7 +53,7 @@ from typing import Any
 import torch
 
 from shardwise.rpc.messages import Kind
-from shardwise.rpc.serialization import current_session
+from shardwise.rpc.trust.serialization import current_session
 
 log = logging.getLogger("shardwise.rpc")
 

@@ -18,8 +18,8 @@ from collections.abc import Iterator
 
 import torch
 
-from shardwise.rpc.callables import register
-from shardwise.rpc.serialization import cpu_buffer, current_session, tensor_from_buffer
+from shardwise.rpc.trust.callables import register
+from shardwise.rpc.trust.serialization import cpu_buffer, current_session, tensor_from_buffer
 from shardwise.rpc.wire.device_maps import DeviceMap, DeviceMapError, target_device
 
 log = logging.getLogger("shardwise.rpc")

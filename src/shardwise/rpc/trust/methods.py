@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from shardwise.rpc.callables import ForbiddenCallable, is_allowed_class
+from shardwise.rpc.trust.callables import ForbiddenCallable, is_allowed_class
 
 _TENSOR_READS = (
     "size", "dim", "numel", "nelement", "element_size", "stride", "is_contiguous",
@@ -104,7 +104,7 @@ def resolve_method(value: Any, name: Any) -> Callable[..., Any]:
     raise ForbiddenMethod(
         f"RRef method {name!r} of {_name(cls)} is not allowed on this worker: methods of a "
         "library class are limited to the pure methods of tensors, modules and optimizers "
-        "(shardwise.rpc.methods.PURE_METHODS); to allow the methods of a class, define it in "
+        "(shardwise.rpc.trust.methods.PURE_METHODS); to allow the methods of a class, define it in "
         "the program (the script or a module beside it) or register it "
         "(@shardwise.rpc.register on the class, or init_rpc(..., allowed_modules=[...]))")
 

@@ -29,8 +29,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from shardwise.rpc import pickle_rules, pickle_scan
-from shardwise.rpc.callables import (
+from shardwise.rpc.trust import pickle_rules, pickle_scan
+from shardwise.rpc.trust.callables import (
     ForbiddenCallable,
     register,
     resolve_data,

@@ -35,8 +35,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from shardwise.rpc.callables import is_registered, resolve_data
-from shardwise.rpc.pickle_scan import UnsafePickle
+from shardwise.rpc.trust.callables import is_registered, resolve_data
+from shardwise.rpc.trust.pickle_scan import UnsafePickle
 
 MAX_DEPTH = 256  # levels of containers and objects in one message
 
