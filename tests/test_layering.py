@@ -256,3 +256,94 @@ def test_the_collective_check_sees_each_way_of_calling_one(tmp_path, source, cal
     (tmp_path / "fsdp1").mkdir()
     (tmp_path / "fsdp1" / "m.py").write_text(source)  # any other file may not
     assert len(_fsdp_collective_violations(tmp_path)) == calls
+
+
+# The same-host layer (distributed/host/): only its segment module creates shared-memory
+# segments (a ``mmap`` of a shared file, or a path in /dev/shm), and only its libc module binds
+# the C library through ``ctypes``; every mechanism keeps its own protocol over them.
+SEGMENT_MODULE = "distributed/host/segment.py"
+LIBC_MODULE = "distributed/host/libc.py"
+
+
+def _docstrings(tree: ast.AST) -> set[int]:
+    """ids of the string constants that are docstrings (of a module, class or function)."""
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            body = node.body
+            if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+                found.add(id(body[0].value))
+    return found
+
+
+def _same_host_uses(path: Path) -> tuple[list[str], list[str]]:
+    """(``line: what`` of each segment made, ``line: what`` of each libc binding) in the file:
+    a call of ``mmap.mmap`` (or of ``mmap`` imported from it), a path in /dev/shm (assigned or
+    passed to a call); an import of ``ctypes`` (binding a library needs it)."""
+    tree = ast.parse(path.read_text(), str(path))
+    docs, segments, bindings = _docstrings(tree), [], []
+    mmap_names = {"mmap.mmap"}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module == "mmap":
+            mmap_names |= {a.asname or a.name for a in node.names if a.name == "mmap"}
+        if isinstance(node, ast.Import) and any(a.name.split(".")[0] == "ctypes"
+                                                for a in node.names):
+            bindings.append(f"{node.lineno}: import ctypes")
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "ctypes":
+            bindings.append(f"{node.lineno}: from ctypes")
+    parents = {id(child): node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and ast.unparse(node.func) in mmap_names:
+            segments.append(f"{node.lineno}: {ast.unparse(node.func)}")
+        elif (isinstance(node, ast.Constant) and isinstance(node.value, str)
+              and "/dev/shm" in node.value and id(node) not in docs
+              and _used_as_path(node, parents)):
+            segments.append(f"{node.lineno}: {node.value!r}")
+    return segments, bindings
+
+
+def _used_as_path(node: ast.AST, parents: dict[int, ast.AST]) -> bool:
+    """Whether a string (or the f-string or sum it is part of) is assigned to a name or passed
+    to a call: a path about to be opened, not a directory named in a list of them."""
+    parent = parents.get(id(node))
+    while isinstance(parent, (ast.JoinedStr, ast.FormattedValue, ast.BinOp)):
+        node, parent = parent, parents.get(id(parent))
+    return isinstance(parent, (ast.Call, ast.Assign, ast.AnnAssign, ast.keyword))
+
+
+def _same_host_violations(root: Path = SRC) -> list[str]:
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        name = path.relative_to(root).as_posix()
+        segments, bindings = _same_host_uses(path)
+        found += [f"{name}:{s} (a shared segment)" for s in segments if name != SEGMENT_MODULE]
+        found += [f"{name}:{b} (libc through ctypes)" for b in bindings if name != LIBC_MODULE]
+    return found
+
+
+def test_only_the_same_host_layer_makes_segments_and_binds_libc():
+    assert _same_host_violations() == []
+
+
+@pytest.mark.parametrize("source,kind", [
+    ("import mmap\ndef f(fd):\n    return mmap.mmap(fd, 8)\n", "segment"),
+    ("from mmap import mmap as m\ndef f(fd):\n    return m(fd, 8)\n", "segment"),
+    ("import os\ndef f():\n    return os.open('/dev/shm/x', os.O_RDWR)\n", "segment"),
+    ("from pathlib import Path\nDIR = Path('/dev/shm')\n", "segment"),
+    ("import ctypes\n", "libc"),
+    ("import ctypes.util\n", "libc"),
+    ("from ctypes import CDLL\n", "libc"),
+    ("import os\ndef f(n):\n    return os.path.join('/dev/shm', n)\n", "segment"),
+    ("def f(n):\n    return open(f'/dev/shm/{n}', 'rb')\n", "segment"),
+    ("'''Segments live in /dev/shm.'''\nimport mmap\nPAGE = mmap.PAGESIZE\n", None),
+    ("ROOTS = {'/tmp', '/dev/shm'}\n", None),
+])
+def test_the_same_host_check_sees_each_way_of_making_a_segment(tmp_path, source, kind):
+    home = {"segment": SEGMENT_MODULE, "libc": LIBC_MODULE, None: "distributed/host/x.py"}
+    for module in (home[kind], "dp/m.py"):
+        (tmp_path / module).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / module).write_text(source)
+    found = _same_host_violations(tmp_path)  # its own module may; any other may not
+    assert [v.split(":")[0] for v in found] == (["dp/m.py"] if kind else []), found
+    if kind:
+        assert ("libc" if kind == "libc" else "segment") in found[0]

@@ -51,6 +51,7 @@ from collections.abc import Callable
 import numpy as np
 
 from shardwise.distributed.env import choice_var, int_var
+from shardwise.distributed.host.segment import stores_in_order
 from shardwise.rpc.wire import shm_ring
 from shardwise.rpc.wire.connection import Defer, FrameHandler, LostHandler, QueuedConnection
 from shardwise.rpc.wire.frames import (
@@ -128,8 +129,7 @@ class ShmLink:
         fd = shm_ring.create_file(self.ring_name(self.me))
         try:
             os.ftruncate(fd, size)  # (pages are allocated as they are first written)
-            mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED,
-                           prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            mm = shm_ring.map_file(fd, size)
         finally:
             os.close(fd)
         ring_view, pool_view = self._views_of(mm, capacity)
@@ -238,6 +238,8 @@ def _shm_impossible(peer_boot: bytes, peer_uid: int, peer_ring: int, peer_seg: i
                     peer_pool: int):
     if peer_boot != boot_id() or peer_boot == bytes(16):
         return "the peer runs on another host"
+    if not stores_in_order():  # both ends share this machine, so both decide alike
+        return "this machine may show stores out of order ([Note: memory ordering on one host])"
     if peer_uid != os.geteuid():
         return f"the peer runs as user {peer_uid}, this worker as {os.geteuid()}"
     if peer_seg != SEGMENT_MIN or not 4096 <= peer_ring <= MAX_RING \
