@@ -192,7 +192,7 @@ def test_memo_index_opcodes_are_refused_before_unpickling():
 
 
 def test_rref_proxy_cannot_name_special_methods(rpc_world):
-    from shardwise.rpc.rref import invoke_method
+    from shardwise.rpc.rrefs.rref import invoke_method
 
     rref = rpc.remote("worker1", helpers.Tracked, args=(3,))
     for method in ("__setattr__", "__class__", "__reduce_ex__", "__init__"):

@@ -31,7 +31,7 @@ SERIALIZATION = "shardwise.rpc.trust.serialization"
 FUNCTIONS = [("tests.rpc.helpers", "add"), ("tests.rpc.helpers", "identity"),
              ("tests.rpc.helpers", "echo"), (SERIALIZATION, "_rebuild_tensor"),
              (SERIALIZATION, "_rebuild_ndarray"), ("torch", "add"),
-             ("shardwise.rpc.rref", "invoke_method")]
+             ("shardwise.rpc.rrefs.rref", "invoke_method")]
 CLASSES = [("shardwise.rpc.options", "WorkerInfo"), ("torch.nn.modules.linear", "Linear"),
            ("tests.rpc.helpers", "Tracked"), ("torch.optim.sgd", "SGD"),
            ("fuzzvision", "Net"), ("fuzzvision", "OwnState"), ("collections", "OrderedDict")]

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 import shardwise.rpc as rpc
-from shardwise.rpc.rref import invoke_method
+from shardwise.rpc.rrefs.rref import invoke_method
 from shardwise.rpc.trust.callables import ForbiddenCallable
 from shardwise.rpc.trust.methods import PURE_METHODS, resolve_method
 from tests.rpc import helpers

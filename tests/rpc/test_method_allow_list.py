@@ -18,7 +18,7 @@ from torch import nn
 import shardwise.rpc as rpc
 from shardwise.rpc.optimizer import _new_local_optimizer, _step_local
 from shardwise.rpc.remote_module import _create_module, _param_rrefs, _remote_forward
-from shardwise.rpc.rref import invoke_method
+from shardwise.rpc.rrefs.rref import invoke_method
 from shardwise.rpc.trust.callables import ForbiddenCallable
 from tests.rpc import helpers
 

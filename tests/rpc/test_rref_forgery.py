@@ -16,8 +16,8 @@ import torch
 import shardwise.rpc as rpc
 from shardwise.rpc.current import get_agent
 from shardwise.rpc.messages import Kind
-from shardwise.rpc.rref import RRef
-from shardwise.rpc.rref_context import ForbiddenRRef
+from shardwise.rpc.rrefs.rref import RRef
+from shardwise.rpc.rrefs.rref_context import ForbiddenRRef
 from tests.rpc import helpers
 
 OWNER, VICTIM = "worker2", "worker1"

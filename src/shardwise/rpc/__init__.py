@@ -32,7 +32,7 @@ from shardwise.rpc.options import (
 )
 from shardwise.rpc.remote_module import RemoteModule
 from shardwise.rpc.rendezvous import RendezvousError
-from shardwise.rpc.rref import RRef
+from shardwise.rpc.rrefs.rref import RRef
 from shardwise.rpc.trust.callables import ForbiddenCallable, register, register_module
 from shardwise.rpc.wire.device_maps import DeviceMapError
 

@@ -53,7 +53,7 @@ from shardwise.rpc.messages import (
 )
 from shardwise.rpc.options import UNSET_RPC_TIMEOUT, TensorPipeRpcBackendOptions, WorkerInfo
 from shardwise.rpc.pending import PendingCall, PendingCalls
-from shardwise.rpc.rref_context import ForbiddenRRef, RRefContext
+from shardwise.rpc.rrefs.rref_context import ForbiddenRRef, RRefContext
 from shardwise.rpc.trust import secret
 from shardwise.rpc.trust.callables import qualified_name, resolve
 from shardwise.rpc.trust.serialization import Session, dumps, loads

@@ -13,7 +13,7 @@ from shardwise.rpc import current
 from shardwise.rpc.agent import start_agent
 from shardwise.rpc.messages import Kind
 from shardwise.rpc.options import UNSET_RPC_TIMEOUT, TensorPipeRpcBackendOptions, WorkerInfo
-from shardwise.rpc.rref import RRef
+from shardwise.rpc.rrefs.rref import RRef
 from shardwise.rpc.trust.callables import qualified_name, register_module, set_program_roots
 from shardwise.rpc.wire.device_maps import normalize_device_map, validate_device_maps
 

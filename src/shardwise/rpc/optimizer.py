@@ -16,7 +16,7 @@ import torch
 
 from shardwise.rpc import api
 from shardwise.rpc.current import get_agent
-from shardwise.rpc.rref import RRef
+from shardwise.rpc.rrefs.rref import RRef
 from shardwise.rpc.trust.callables import ForbiddenCallable, register, require_class
 
 

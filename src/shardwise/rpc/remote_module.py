@@ -21,7 +21,7 @@ from torch import nn
 
 from shardwise.rpc import api
 from shardwise.rpc.current import get_agent
-from shardwise.rpc.rref import RRef
+from shardwise.rpc.rrefs.rref import RRef
 from shardwise.rpc.trust.callables import register, require_class
 from shardwise.rpc.trust.methods import resolve_method
 from shardwise.rpc.trust.serialization import current_session

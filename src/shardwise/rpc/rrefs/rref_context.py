@@ -192,7 +192,7 @@ class RRefContext:
 
     # ---------------------------------------------------------------- pickling
     def reduce(self, rref, dest: int) -> tuple:
-        from shardwise.rpc.rref import rebuild_rref
+        from shardwise.rpc.rrefs.rref import rebuild_rref
 
         if rref._agent is not self._agent:
             raise RuntimeError("an RRef from an RPC agent that has been shut down")
