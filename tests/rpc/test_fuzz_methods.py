@@ -1,4 +1,4 @@
-"""Fuzzed RRef method names (rule 5 of [Note: allow-list], rpc/methods.py): thousands of names
+"""Fuzzed RRef method names (rule 5 of [Note: allow-list], rpc/trust/methods.py): thousands of names
 and chains on the values a worker can own (tensors, parameters, modules, optimizers, numpy
 arrays, storages, classes, functions, modules, program objects with instance attributes).
 

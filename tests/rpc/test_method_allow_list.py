@@ -1,5 +1,5 @@
 """Methods a peer calls on a value the worker owns go through the allow-list too ([Note:
-allow-list] in rpc/callables.py, rule 5; rpc/methods.py).
+allow-list] in rpc/trust/callables.py, rule 5; rpc/trust/methods.py).
 
 Each attack below wrote or read a file on the worker when RRef proxy calls resolved any
 attribute of the owned value; each must now be refused with a ForbiddenCallable that names the

@@ -1,6 +1,6 @@
 """The program's own private helpers are not callable from a peer (issue 46 point 5): a function
 or class whose name (or a part of whose qualified name) starts with ``_``, in a module of the
-program found by rule 2 of [Note: allow-list] (rpc/callables.py: a module beside the script or
+program found by rule 2 of [Note: allow-list] (rpc/trust/callables.py: a module beside the script or
 in the working directory), resolves only once registered (``@rpc.register``,
 ``allowed_modules``). The attack: ``spyhooks._spy_system``, a private wrapper of ``os.system``
 in a module beside the victim's script, called by name from a peer.

@@ -1,5 +1,5 @@
 """A library under the working directory is not "the program" (issue 46 point 3): rule 2 of
-[Note: allow-list] (rpc/callables.py) counts a module as the program's only if its file lies
+[Note: allow-list] (rpc/trust/callables.py) counts a module as the program's only if its file lies
 under the script's directory or the working directory, is part of no installed distribution
 (its top-level name provided by none, no ``*.dist-info`` / ``*.egg-info`` in a directory above
 it), lies under no ``PYTHONPATH`` entry but the script's own, and the directory is not ``/``, a

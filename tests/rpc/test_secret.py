@@ -1,4 +1,5 @@
-"""The group secret never travels through the store ([Note: group secret] in rpc/secret.py)."""
+"""The group secret never travels through the store ([Note: group secret] in
+rpc/trust/secret.py)."""
 
 from __future__ import annotations
 

@@ -25,9 +25,9 @@ CHECKED: dict[str, Callable[[], object]] = {
     "SHARDWISE_NO_SHM_REDUCE": lambda: flag_var("SHARDWISE_NO_SHM_REDUCE"),  # dp/shm_reduce.py
     "SHARDWISE_FSDP_NO_SHARED_PARAMS":  # fsdp/host_params.py
         lambda: flag_var("SHARDWISE_FSDP_NO_SHARED_PARAMS"),
-    "SHARDWISE_RPC_CHANNEL":  # rpc/shm_channel.py (MODES)
+    "SHARDWISE_RPC_CHANNEL":  # rpc/wire/shm_channel.py (MODES)
         lambda: choice_var("SHARDWISE_RPC_CHANNEL", ("auto", "tcp", "shm"), "auto"),
-    "SHARDWISE_RPC_SHM_POOL_MB":  # rpc/shm_channel.py
+    "SHARDWISE_RPC_SHM_POOL_MB":  # rpc/wire/shm_channel.py
         lambda: int_var("SHARDWISE_RPC_SHM_POOL_MB", 0, minimum=0),
     "SHARDWISE_RPC_SPIN_US": lambda: int_var("SHARDWISE_RPC_SPIN_US", 0, minimum=0),
     "SHARDWISE_CHECKPOINT_MAX_METADATA_BYTES":  # checkpoint/format.py

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 # The launcher hosts the TCPStore itself and tells ranks so, as torchrun's agent does.
 AGENT_STORE_VAR = "TORCHELASTIC_USE_AGENT_STORE"
 # The RPC group secret (shardwise.rpc's handshake): set by `shardwise run` on one host, by the
-# user across hosts; never written to the store ([Note: group secret] in rpc/secret.py).
+# user across hosts; never written to the store ([Note: group secret] in rpc/trust/secret.py).
 RPC_SECRET_VAR = "SHARDWISE_RPC_SECRET"
 RPC_SECRET_FILE_VAR = "SHARDWISE_RPC_SECRET_FILE"
 

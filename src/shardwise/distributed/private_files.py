@@ -1,6 +1,6 @@
 """Files only this user may read: the checks that the launcher's job secret
-(launch/job_secret.py) and the RPC group secret (rpc/secret.py) both apply, so that each secret
-is trusted on the same terms. No collective happens here.
+(launch/job_secret.py) and the RPC group secret (rpc/trust/secret.py) both apply, so that each
+secret is trusted on the same terms. No collective happens here.
 
 A secret file is trusted only when the file actually opened (``fstat`` of the descriptor, not
 the name, so a link swapped in between proves nothing) is a regular file owned by this user

@@ -1,13 +1,14 @@
 """RPC: rpc_sync / rpc_async / remote, RRefs, device maps, distributed autograd.
 
 Same names and signatures as ``torch.distributed.rpc``; ``shardwise.rpc.autograd`` mirrors
-``torch.distributed.autograd``. One agent per process (init_rpc ... shutdown). Layout: agent.py
-(requests, serving, shutdown), transport.py / wire.py / auth.py (sockets, frames, handshake),
-shm_channel.py / shm_ring.py / shm_pool.py (shared memory between workers on one host),
-serialization.py / callables.py (payloads, what peers may name), rref.py / rref_context.py
-(references and their counting), device_maps.py / cuda_transfer.py, autograd/, optimizer.py,
-functions.py (``async_execution``), remote_module.py (``RemoteModule``, torch's
-``torch.distributed.nn.RemoteModule``).
+``torch.distributed.autograd``. One agent per process (init_rpc ... shutdown). Three parts:
+the wire (wire/: sockets, frames, handshake, session MAC, the shared-memory channel, device
+maps), trust (trust/: the allow-list, methods of owned values, serialization and its unpickler
+checks, the group key), and here the API with the agent: api.py (the torch-named functions),
+agent.py (requests, serving, shutdown), pending.py (calls awaiting replies), workers.py (the
+pool that runs calls), messages.py, options.py, rendezvous.py, current.py, rrefs/ (references
+and their counting), autograd/, optimizer.py, functions.py (``async_execution``),
+remote_module.py (``RemoteModule``, torch's ``torch.distributed.nn.RemoteModule``).
 """
 
 from shardwise.rpc import autograd, functions

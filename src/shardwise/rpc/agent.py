@@ -1,11 +1,11 @@
 """The RPC agent of one worker: sends requests, serves peers, owns the worker's RPC state.
 
-Threads: the thread reading a connection ([Note: reading role] in connection.py: one of its
+Threads: the thread reading a connection ([Note: reading role] in wire/connection.py: one of its
 two readers, or a caller waiting in ``rpc_sync``) decodes frames, completes reply futures and
 applies the order-sensitive part of RRef bookkeeping; a call is run by the reader that read it
 when the connection's other reader is free to go on reading, else by a pool of
 ``num_worker_threads`` (workers.py), which also runs every other request and sends its reply;
-one thread times calls out (pending.py); one sends RRef deletions (rref_context.py).
+one thread times calls out (pending.py); one sends RRef deletions (rrefs/rref_context.py).
 
 [Note: shutdown] ``shutdown(graceful=True)``, as torch's: (1) send queued RRef deletions and wait
 for this worker's outstanding calls, (2) a store barrier that every worker reaches once its own
@@ -15,10 +15,11 @@ Like torch's default (``timeout=0``) the barrier has no time limit; a positive `
 it (TimeoutError naming the ranks that never arrived). It still cannot hang on a dead peer: a
 worker whose connection is lost before it reached the barrier stops the wait, and shutdown
 closes this agent and raises WorkerDied naming it (after waiting for the live ones). A process
-that dies closes its sockets at once; a host that vanishes is found by TCP keepalive (wire.py).
+that dies closes its sockets at once; a host that vanishes is found by TCP keepalive
+(wire/frames.py).
 
 A worker's arrival is told twice: its signed record in the store (signed under the group key,
-which holds the group's agreed job id: [Note: group key] in secret.py), and an ``AT_SHUTDOWN``
+which holds the group's agreed job id: [Note: group key] in trust/secret.py), and an ``AT_SHUTDOWN``
 frame to every live peer over its authenticated connection, sent before it can close that
 connection. Either one counts as its arrival: the record serves a peer whose connection to it
 is already lost, the frame is evidence that nobody without the secret can delete or
@@ -157,7 +158,7 @@ class RpcAgent:
 
     def wait_reply(self, to, fut: torch.futures.Future) -> None:
         """Wait for ``fut`` (a call to ``to``) reading the connection to ``to`` on this thread
-        where no other thread reads it ([Note: reading role] in connection.py)."""
+        where no other thread reads it ([Note: reading role] in wire/connection.py)."""
         dest = self.worker(to).id
         if dest != self.rank and not fut.done():
             self.transport.wait_reply(dest, fut)
@@ -206,7 +207,7 @@ class RpcAgent:
     def _on_frame(self, peer: int, payload: bytearray, buffers: list) -> Callable[[], None] | None:
         """A frame from ``peer``, on the thread reading its connection: replies complete their
         futures here; a call is returned to be run by that thread or the pool ([Note: reading
-        role] in connection.py), other requests go to the pool."""
+        role] in wire/connection.py), other requests go to the pool."""
         kind, msg_id = ENVELOPE.unpack_from(payload)
         body = memoryview(payload)[ENVELOPE.size:]
         if kind in (Kind.RESPONSE, Kind.ERROR):
@@ -332,7 +333,7 @@ class RpcAgent:
         self.pool.submit(run)
 
     # RRef requests are checked against the forks this owner recorded, in order on the thread
-    # reading the connection ([Note: RRef ids are capabilities] in rref_context.py)
+    # reading the connection ([Note: RRef ids are capabilities] in rrefs/rref_context.py)
     def _handle_fetch(self, peer: int, msg_id: int, ctx_id, body) -> None:
         try:
             (rref_id,) = self.rrefs.fields(body, 1, "FETCH", peer)

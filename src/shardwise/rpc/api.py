@@ -29,7 +29,7 @@ def init_rpc(name: str, backend: Any = None, rank: int = -1, world_size: int | N
     or after this call ([Note: shared store] in rendezvous.py).
 
     ``allowed_modules`` (ours): modules whose own functions and classes peers may call, beside
-    ``__main__`` and what :func:`register` marked ([Note: allow-list] in callables.py).
+    ``__main__`` and what :func:`register` marked ([Note: allow-list] in trust/callables.py).
     """
     if not isinstance(name, str) or not name:
         raise ValueError(f"worker name must be a non-empty string, got {name!r}")

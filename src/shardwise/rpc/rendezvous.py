@@ -2,7 +2,7 @@
 
 The store is found as torch's RPC finds it ([Note: shared store]). Every worker publishes
 ``{name, host, port, devices}`` and reads everyone's record; the group secret never goes
-through the store ([Note: group secret] in secret.py). All keys of one ``init_rpc`` live
+through the store ([Note: group secret] in trust/secret.py). All keys of one ``init_rpc`` live
 under their own prefix (``shardwise_rpc/<n>/``, ``n`` counting this process's ``init_rpc``
 calls, as torch's ``rpc_prefix_<n>``; ``shardwise_rpc/attempt_<k>/<n>/`` in a launcher's
 restarted attempt ``k``, $TORCHELASTIC_RESTART_COUNT, as torch's ranks prefix theirs), so a
@@ -12,7 +12,7 @@ shutdown barrier's default (see [Note: shutdown] in agent.py).
 
 The records a worker trusts (addresses and barrier arrivals) carry a MAC under the group's key
 ([Note: signed store records] in distributed/signed_store.py), which holds a job id the workers
-agreed on ([Note: group key] in secret.py): a record written without the group secret, or
+agreed on ([Note: group key] in trust/secret.py): a record written without the group secret, or
 copied from another group (another job with the same secret, an earlier ``init_rpc``), is
 ignored and logged, and the wait goes on for a true one. A worker whose own record was
 overwritten while it waits writes it again, so a one-off overwrite delays nobody.

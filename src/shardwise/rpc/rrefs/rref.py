@@ -139,7 +139,7 @@ class _Proxy:
 def invoke_method(method: str, rref: RRef, args: tuple, kwargs: dict) -> Any:
     """Runs on the owner: ``rref.local_value().method(*args, **kwargs)`` (a future returned by
     an ``@async_execution`` method is answered when it completes, see functions.py), for a
-    method that rule 5 of [Note: allow-list] allows (methods.py): a peer does not reach
+    method that rule 5 of [Note: allow-list] allows (trust/methods.py): a peer does not reach
     ``__reduce_ex__``, ``numpy``, ``tofile`` or an attribute of the instance."""
     check_method_name(method)
     if not isinstance(rref, RRef):

@@ -41,7 +41,7 @@ one of:
 The unpickler (serialization.py) also accepts data-only globals (dtypes, ``torch.device``,
 ``torch.Size``, layouts, ``collections.OrderedDict``, builtin containers and scalars) and
 refuses everything else, with an error that names the global and says how to allow it. Nothing
-is ever imported because a peer named it. Peers are authenticated first (auth.py); this is the
+is ever imported because a peer named it. Peers are authenticated first (wire/auth.py); this is the
 second line.
 """
 

@@ -1,4 +1,4 @@
-"""The group secret that RPC handshakes prove (auth.py): never written to the store.
+"""The group secret that RPC handshakes prove (wire/auth.py): never written to the store.
 
 [Note: group secret] The c10d store has no authentication and listens on every interface, so
 nothing in it may let a process join. The secret comes, in this order, from:

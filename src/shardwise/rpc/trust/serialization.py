@@ -40,7 +40,7 @@ from shardwise.rpc.trust.callables import (
 
 
 class SerializationHooks(Protocol):
-    """What the agent supplies for objects that need it (see agent.py)."""
+    """What the agent supplies for objects that need it (see rpc/agent.py)."""
 
     def reduce_rref(self, rref: Any, dest: int) -> tuple: ...
     def reduce_cuda_tensor(self, tensor: torch.Tensor, dest: int) -> tuple: ...

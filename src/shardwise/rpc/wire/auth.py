@@ -1,7 +1,7 @@
 """Mutual authentication of a new connection with the group's key, binding the session to it.
 
 The key is the group's, derived from a secret that never goes through the rendezvous store
-([Note: group secret] in secret.py). On connect:
+([Note: group secret] in trust/secret.py). On connect:
 
     acceptor  -> connector : "SWA2" | acceptor nonce (16 bytes)
     connector -> acceptor  : "SWA2" | connector rank (u32) | acceptor rank it means to reach

@@ -2,9 +2,9 @@
 
 [Note: transport] Plain stdlib sockets and threads, no event loop: every pair of workers shares
 one bidirectional connection (the higher rank connects to the lower). Frames are read in
-batches ([Note: batched reads] in wire.py) by whichever thread holds the connection's reading
+batches ([Note: batched reads] in frames.py) by whichever thread holds the connection's reading
 role ([Note: reading role] in connection.py): one of its two reader threads, or a caller
-waiting in ``rpc_sync`` for its reply; senders write with ``sendmsg`` (wire.py). A thread
+waiting in ``rpc_sync`` for its reply; senders write with ``sendmsg`` (frames.py). A thread
 never sends while it holds the role, so two workers sending large tensors to each other cannot
 both block with nobody reading.
 
