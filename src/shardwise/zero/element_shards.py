@@ -36,7 +36,7 @@ class ElementShards:
         self.groups = [list(g) for g in groups]
         self.segments: dict[torch.dtype, Segment] = segments_of(self.groups, self.world)
         self.flats: dict[torch.dtype, torch.Tensor] = {}
-        self._flatten()
+        self._join_into_buffers()
         # this rank's pieces with their 1-D views into the parameters, in group order
         self.pieces: list[tuple[Piece, torch.Tensor, torch.Tensor]] = []
         for segment in self.segments.values():
@@ -51,7 +51,7 @@ class ElementShards:
                         for (g, i, _), offset in zip(segment.members, segment.offsets)}
         self.positions = self._positions()
 
-    def _flatten(self) -> None:
+    def _join_into_buffers(self) -> None:
         """Each dtype's trainable parameters become views of one padded flat buffer."""
         for dtype, segment in self.segments.items():
             params = [self.groups[g][i] for g, i, _ in segment.members]
