@@ -56,17 +56,13 @@ import torch
 
 from shardwise.distributed.host import libc
 
+# Give the C heap's free pages back to the OS (see [Note: allocator slack]); whether the C
+# library could (False: not glibc, nothing done). The C library's call itself: nothing to add.
+release_free_heap = libc.malloc_trim
 
-def release_free_heap() -> bool:
-    """Give the C heap's free pages back to the OS (see [Note: allocator slack]); whether the
-    C library could (False: not glibc, nothing done)."""
-    return libc.malloc_trim()
-
-
-def keep_heap_resident() -> bool:
-    """Raise glibc's dynamic mmap and trim thresholds to their largest values, once per process
-    (see [Note: heap kept resident across steps]); whether it could (False: not glibc)."""
-    return libc.keep_heap_resident()
+# Raise glibc's dynamic mmap and trim thresholds to their largest values, once per process (see
+# [Note: heap kept resident across steps]); whether it could (False: not glibc).
+keep_heap_resident = libc.keep_heap_resident
 
 
 def release_pages(tensor: torch.Tensor) -> int:

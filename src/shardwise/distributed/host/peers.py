@@ -170,6 +170,7 @@ class NoteBoard:
         self.words = self._segment.tensor(0, nbytes // 8, torch.int64).view(
             max(slots, 1), self.world, self.world, 4)
         self._base = self.words.data_ptr()
+        self._pause = libc.pause(_LIVENESS_S)  # each sleep's bound (read only: shared)
 
     # ---- the sender ---------------------------------------------------------------------
     def post(self, slot: int, receiver: int, seq: int, a: int, b: int) -> None:
@@ -209,9 +210,8 @@ class NoteBoard:
         address = self._address(slot, sender, receiver, field)
         now = time.monotonic()
         deadline, next_check = now + self.timeout, now + _LIVENESS_S
-        pause = libc.pause(_LIVENESS_S)
         while (seen := int(word[field])) < seq:
-            libc.futex_wait(address, seen & 0xFFFFFFFF, pause)
+            libc.futex_wait(address, seen & 0xFFFFFFFF, self._pause)
             now = time.monotonic()
             if now < next_check or int(word[field]) >= seq:
                 continue
