@@ -21,7 +21,8 @@ from shardwise.launch.preemption import grace_from_env
 CHECKED: dict[str, Callable[[], object]] = {
     "SHARDWISE_TIMEOUT": default_timeout,  # distributed/timeouts.py
     "SHARDWISE_GRACE_SECONDS": grace_from_env,  # launch/preemption.py
-    "SHARDWISE_NO_PEER_READ": lambda: flag_var("SHARDWISE_NO_PEER_READ"),  # dp/peer_read.py
+    "SHARDWISE_NO_PEER_READ":  # distributed/host/peers.py
+        lambda: flag_var("SHARDWISE_NO_PEER_READ"),
     "SHARDWISE_NO_SHM_REDUCE": lambda: flag_var("SHARDWISE_NO_SHM_REDUCE"),  # dp/shm_reduce.py
     "SHARDWISE_FSDP_NO_SHARED_PARAMS":  # fsdp/host_params.py
         lambda: flag_var("SHARDWISE_FSDP_NO_SHARED_PARAMS"),
