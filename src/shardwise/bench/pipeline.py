@@ -8,14 +8,15 @@ AdamW. The bubble is measured the same way for both: each rank first times its s
 forwards and backwards of one step's micro-batches alone (no communication; the median of a
 few runs), and a schedule's idle fraction is 1 - that busy time / the median step time
 (``bubble_per_rank``; ``bubble_mean`` over the ranks). Ours also reports its own per-step accounting
-(``StepStats.idle_fraction``; interleaved: ``schedule.idle_fraction``, over the rank's stages).
+(``schedule.idle_fraction``: over the rank's stages, each stage's ``StepStats``).
 ``bubble_formula`` is the schedule's idle fraction with equal stage times and free
 communication: (p - 1) / (m + p - 1) for GPipe and 1F1B, and for interleaved 1F1B that of its
 orders (``simulated_bubble``: (p - 1) / (v m + p - 1) when p divides m).
 
 ``alternating`` runs all six in the same ranks, one step of each in turn, so that load from
 other jobs on the machine falls on all four alike; its ``ours_over_torch`` is the steadier
-ratio on a busy machine (its peak RSS is of all six together).
+ratio on a busy machine (its peak RSS is of all six together), and ``own_idle_mean`` our
+schedules' own idle fractions (median over steps, mean over ranks) measured side by side.
 
 Each schedule's row also gets its physical limit (limits.py): the computation on the
 schedule's critical path, from every stage's busy time alone and its optimizer step timed alone,
@@ -184,6 +185,7 @@ def alternating(args, group: dist.ProcessGroup):
         params = [p for m in modules for p in m.parameters()]
         runs.append((impl, schedule, torch.optim.AdamW(params, lr=1e-3)))
     times: dict[str, list[float]] = {impl: [] for impl in ALTERNATED}
+    idle: dict[str, list[float]] = {impl: [] for impl in ALTERNATED if impl.startswith("shard")}
     for step in range(args.warmup + args.steps):
         tokens = _batch(step, cfg, args.batch_size)
         turn = step % len(runs)  # rotate who goes first: no implementation always follows another
@@ -191,16 +193,23 @@ def alternating(args, group: dist.ProcessGroup):
             took = _timed_step(schedule, opt, tokens, rank, pp, group)
             if step >= args.warmup:
                 times[impl].append(took)
+                if impl in idle:
+                    idle[impl].append(schedule.idle_fraction)
     medians = {impl: round(statistics.median(ts) * 1e3, 1) for impl, ts in times.items()}
+    own = {impl: statistics.median(v) for impl, v in idle.items()}
     gathered: list = [None] * pp
-    dist.all_gather_object(gathered, medians, group=group)
+    dist.all_gather_object(gathered, (medians, own), group=group)
+    own_idle = {impl: round(statistics.mean(g[1][impl] for g in gathered), 3) for impl in own}
+    gathered = [g[0] for g in gathered]
     slowest = {impl: max(m[impl] for m in gathered) for impl in ALTERNATED}
     ratios = {kind: round(slowest[f"shardwise-{kind}"] / slowest[f"torch-{kind}"], 3)
               for kind in KINDS}
     if rank == 0:  # every round's figures (the summary table shows the first round's)
-        print(f"alternating round: median ms {slowest}, ours / torch {ratios}", flush=True)
+        print(f"alternating round: median ms {slowest}, ours / torch {ratios}, our idle "
+              f"fraction (mean over ranks) {own_idle}", flush=True)
     return [sum(ts) for ts in zip(*times.values())], {"median_ms": slowest,
-                                                      "ours_over_torch": ratios}
+                                                      "ours_over_torch": ratios,
+                                                      "own_idle_mean": own_idle}
 
 
 def worker(impl: str, args, group: dist.ProcessGroup):
@@ -213,7 +222,7 @@ def worker(impl: str, args, group: dist.ProcessGroup):
     v = _stages_per_rank(impl)
     micro_batch = args.batch_size // args.microbatches
     busy, opt_alone = _busy_alone(modules, indices, n, cfg, micro_batch, args.microbatches)
-    stages, schedule = _make_schedule(impl, modules, indices, n, group, args.microbatches)
+    _, schedule = _make_schedule(impl, modules, indices, n, group, args.microbatches)
     opt = torch.optim.AdamW([p for m in modules for p in m.parameters()], lr=1e-3)
     times, own_idle = [], []
     for step in range(args.warmup + args.steps):
@@ -221,8 +230,7 @@ def worker(impl: str, args, group: dist.ProcessGroup):
         if step >= args.warmup:
             times.append(took)
             if impl.startswith("shardwise"):
-                own_idle.append(schedule.idle_fraction if v > 1 else
-                                stages[0].stats.idle_fraction)
+                own_idle.append(schedule.idle_fraction)
     step_s = statistics.median(times)
     own = round(statistics.median(own_idle), 3) if own_idle else None
     mine = (round(1 - busy / step_s, 3), own, busy * 1e3, opt_alone * 1e3)

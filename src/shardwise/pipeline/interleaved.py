@@ -124,15 +124,6 @@ class ScheduleInterleaved1F1B(_Schedule):
     def _actions(self) -> list[StageAction]:
         return interleaved_order(self._rank, self._ranks, len(self._stages), self._n)
 
-    @property
-    def idle_fraction(self) -> float | None:
-        """The last step's idle fraction of this rank: 1 - its stages' busy time / the step's
-        time (None over RPC, where backwards run in RPC threads)."""
-        stats = [s.stats for s in self._stages]
-        if any(st is None or st.idle_fraction is None for st in stats):
-            return None
-        return 1 - sum(st.busy_s for st in stats) / max(st.step_s for st in stats)
-
 
 def _check_stages(stages: list[PipelineStage]) -> list[PipelineStage]:
     if not isinstance(stages, (list, tuple)) or not stages:

@@ -143,6 +143,15 @@ class _Schedule:
             losses.extend(micro_losses[i].detach() for i in range(self._n))
         return torch.cat(outputs) if outputs else None
 
+    @property
+    def idle_fraction(self) -> float | None:
+        """The last step's idle fraction of this rank: 1 - its stages' busy time / the step's
+        time (None before a step, and over RPC, where backwards run in RPC threads)."""
+        stats = [s.stats for s in self._stages]
+        if any(st is None or st.idle_fraction is None for st in stats):
+            return None
+        return 1 - sum(st.busy_s for st in stats) / max(st.step_s for st in stats)
+
     def _split_inputs(self, args: tuple) -> list[torch.Tensor] | None:
         if self._first is None:
             if args:
