@@ -33,7 +33,7 @@ def _instrument(stamps: dict[str, list[int]]) -> None:
     from shardwise.rpc import agent as agent_mod
 
     cls = agent_mod.RpcAgent
-    on_frame, run_and_reply, request = cls._on_frame, cls._run_and_reply, cls._send_reply
+    on_frame, run_and_reply, request = cls._on_frame, cls._run_and_reply, cls.send_reply
 
     def stamped(name, fn):
         def wrapper(*args, **kwargs):
@@ -43,7 +43,7 @@ def _instrument(stamps: dict[str, list[int]]) -> None:
 
     cls._on_frame = stamped("recv", on_frame)
     cls._run_and_reply = stamped("run", run_and_reply)
-    cls._send_reply = stamped("reply", request)
+    cls.send_reply = stamped("reply", request)
 
 
 def rank_main(rank: int, out: str) -> None:

@@ -54,7 +54,13 @@ from shardwise.rpc.messages import (
 )
 from shardwise.rpc.options import UNSET_RPC_TIMEOUT, TensorPipeRpcBackendOptions, WorkerInfo
 from shardwise.rpc.pending import PendingCall, PendingCalls
-from shardwise.rpc.rrefs.rref_context import ForbiddenRRef, RRefContext
+from shardwise.rpc.rrefs.rref_context import (
+    ForbiddenRRef,
+    RRefContext,
+    handle_fetch,
+    handle_fork_add,
+    handle_fork_del,
+)
 from shardwise.rpc.trust import secret
 from shardwise.rpc.trust.callables import qualified_name, resolve
 from shardwise.rpc.trust.serialization import Session, dumps, loads
@@ -250,7 +256,7 @@ class RpcAgent:
         except Exception as exc:  # noqa: BLE001 - e.g. a forbidden global: answer, keep serving
             log.warning("shardwise.rpc %s: cannot decode %s request from %s: %s", self.name,
                         kind.name, self.workers[peer].name, exc)
-            self.pool.submit(self._send_reply, peer, msg_id, None, exc)
+            self.pool.submit(self.send_reply, peer, msg_id, None, exc)
             return None
         handler = self._handlers[kind]
         return handler(self, peer, msg_id, ctx_id, value)
@@ -266,12 +272,12 @@ class RpcAgent:
                 result = func(*args, **kwargs)
             check_async_result(func, result)
         except BaseException as exc:  # noqa: BLE001 - sent to the caller
-            self._send_reply(peer, msg_id, None, exc, ctx_id, reply_map)
+            self.send_reply(peer, msg_id, None, exc, ctx_id, reply_map)
             return
         if is_future(result):
             self.reply_when_done(peer, msg_id, result, ctx_id, reply_map)
         else:
-            self._send_reply(peer, msg_id, result, None, ctx_id, reply_map)
+            self.send_reply(peer, msg_id, result, None, ctx_id, reply_map)
 
     def reply_when_done(self, peer: int, msg_id: int, fut: torch.futures.Future,
                         ctx_id=None, reply_map=None, transform=None) -> None:
@@ -282,13 +288,13 @@ class RpcAgent:
                 if transform is not None:
                     value = transform(value)
             except BaseException as exc:  # noqa: BLE001
-                self.pool.submit(self._send_reply, peer, msg_id, None, exc, ctx_id, reply_map)
+                self.pool.submit(self.send_reply, peer, msg_id, None, exc, ctx_id, reply_map)
                 return
-            self.pool.submit(self._send_reply, peer, msg_id, value, None, ctx_id, reply_map)
+            self.pool.submit(self.send_reply, peer, msg_id, value, None, ctx_id, reply_map)
 
         fut.add_done_callback(done)
 
-    def _send_reply(self, peer: int, msg_id: int, value: Any, exc: BaseException | None,
+    def send_reply(self, peer: int, msg_id: int, value: Any, exc: BaseException | None,
                     ctx_id: int | None = None, reply_map: DeviceMap | None = None) -> None:
         kind = Kind.RESPONSE if exc is None else Kind.ERROR
         try:
@@ -311,7 +317,7 @@ class RpcAgent:
             fname, args, kwargs, reply_map, rref_id, fork_id = fields
             entry = self.rrefs.create_owned(rref_id, fork_id, peer)
         except ForbiddenRRef as exc:
-            self.pool.submit(self._send_reply, peer, msg_id, None, exc)
+            self.pool.submit(self.send_reply, peer, msg_id, None, exc)
             return
 
         def run() -> None:
@@ -322,51 +328,22 @@ class RpcAgent:
                 check_async_result(func, result)
             except BaseException as exc:  # noqa: BLE001
                 entry.future.set_exception(exc)
-                self._send_reply(peer, msg_id, None, exc)
+                self.send_reply(peer, msg_id, None, exc)
                 return
             if is_future(result):
                 result.add_done_callback(lambda f: _copy_future(f, entry.future))
             else:
                 entry.future.set_result(result)
-            self._send_reply(peer, msg_id, None, None)
+            self.send_reply(peer, msg_id, None, None)
 
         self.pool.submit(run)
-
-    # RRef requests are checked against the forks this owner recorded, in order on the thread
-    # reading the connection ([Note: RRef ids are capabilities] in rrefs/rref_context.py)
-    def _handle_fetch(self, peer: int, msg_id: int, ctx_id, body) -> None:
-        try:
-            (rref_id,) = self.rrefs.fields(body, 1, "FETCH", peer)
-            entry = self.rrefs.held(rref_id, peer)
-        except ForbiddenRRef as exc:
-            self.pool.submit(self._send_reply, peer, msg_id, None, exc)
-            return
-        self.reply_when_done(peer, msg_id, entry.future, ctx_id)
-
-    def _handle_fork_add(self, peer: int, msg_id: int, ctx_id, body) -> None:
-        err = None
-        try:
-            rref_id, fork_id, receiver = self.rrefs.fields(body, 3, "FORK_ADD", peer)
-            self.rrefs.add_fork(rref_id, fork_id, receiver, peer)
-        except ForbiddenRRef as exc:
-            err = exc
-        self.pool.submit(self._send_reply, peer, msg_id, None, err)
-
-    def _handle_fork_del(self, peer: int, msg_id: int, ctx_id, body) -> None:
-        err = None
-        try:
-            rref_id, fork_id = self.rrefs.fields(body, 2, "FORK_DEL", peer)
-            self.rrefs.del_fork(rref_id, fork_id, peer)
-        except ForbiddenRRef as exc:
-            err = exc
-        self.pool.submit(self._send_reply, peer, msg_id, None, err)
 
     def _handle_backward(self, peer: int, msg_id: int, ctx_id, body) -> None:
         def run() -> None:
             try:
                 fut = self.autograd.on_backward(*body)
             except BaseException as exc:  # noqa: BLE001
-                self._send_reply(peer, msg_id, None, exc)
+                self.send_reply(peer, msg_id, None, exc)
                 return
             self.reply_when_done(peer, msg_id, fut, transform=lambda _: None)
 
@@ -375,13 +352,13 @@ class RpcAgent:
     def _handle_ctx_release(self, peer: int, msg_id: int, ctx_id, body) -> None:
         def run() -> None:
             self.autograd.release(body[0], origin=peer)
-            self._send_reply(peer, msg_id, None, None)
+            self.send_reply(peer, msg_id, None, None)
 
         self.pool.submit(run)
 
     _handlers = {
-        Kind.CALL: _handle_call, Kind.REMOTE: _handle_remote, Kind.FETCH: _handle_fetch,
-        Kind.FORK_ADD: _handle_fork_add, Kind.FORK_DEL: _handle_fork_del,
+        Kind.CALL: _handle_call, Kind.REMOTE: _handle_remote, Kind.FETCH: handle_fetch,
+        Kind.FORK_ADD: handle_fork_add, Kind.FORK_DEL: handle_fork_del,  # in rref_context.py
         Kind.BACKWARD: _handle_backward, Kind.CTX_RELEASE: _handle_ctx_release,
     }
 

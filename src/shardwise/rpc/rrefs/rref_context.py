@@ -253,3 +253,39 @@ class RRefContext:
         self._deletes.put(None)
         if self._thread is not threading.current_thread():
             self._thread.join(join_timeout)
+
+
+# The owner's side of the RRef messages, entries of the agent's handler table (agent.py), called
+# as its methods are: in order on the thread reading the connection, checked against the forks
+# this owner recorded ([Note: RRef ids are capabilities]); replies go through the agent's pool.
+def handle_fetch(agent, peer: int, msg_id: int, ctx_id, body) -> None:
+    """FETCH: the value of an RRef ``peer`` holds, sent once its future is done."""
+    try:
+        (rref_id,) = agent.rrefs.fields(body, 1, "FETCH", peer)
+        entry = agent.rrefs.held(rref_id, peer)
+    except ForbiddenRRef as exc:
+        agent.pool.submit(agent.send_reply, peer, msg_id, None, exc)
+        return
+    agent.reply_when_done(peer, msg_id, entry.future, ctx_id)
+
+
+def handle_fork_add(agent, peer: int, msg_id: int, ctx_id, body) -> None:
+    """FORK_ADD: count the fork ``peer`` made for a receiver, then acknowledge it."""
+    err = None
+    try:
+        rref_id, fork_id, receiver = agent.rrefs.fields(body, 3, "FORK_ADD", peer)
+        agent.rrefs.add_fork(rref_id, fork_id, receiver, peer)
+    except ForbiddenRRef as exc:
+        err = exc
+    agent.pool.submit(agent.send_reply, peer, msg_id, None, err)
+
+
+def handle_fork_del(agent, peer: int, msg_id: int, ctx_id, body) -> None:
+    """FORK_DEL: drop a fork ``peer`` holds, then acknowledge it."""
+    err = None
+    try:
+        rref_id, fork_id = agent.rrefs.fields(body, 2, "FORK_DEL", peer)
+        agent.rrefs.del_fork(rref_id, fork_id, peer)
+    except ForbiddenRRef as exc:
+        err = exc
+    agent.pool.submit(agent.send_reply, peer, msg_id, None, err)
