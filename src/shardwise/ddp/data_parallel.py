@@ -353,10 +353,11 @@ class DistributedDataParallel(TorchDDPBase):
         if getattr(bucket.work, "in_grads", False):
             return  # the mean is already in .grad ([Note: PowerSGD inside DDP])
         skip = bucket.unused  # no rank used them: .grad stays as it is (torch's rule)
+        views = bucket.views  # each parameter's view of the reduced buffer
         for i, param in enumerate(bucket.params):
             if skip and i in skip:
                 continue
-            reduced = bucket.slot(i)
+            reduced = views[i]
             if self.gradient_as_bucket_view:
                 param.grad = reduced
             elif param.grad is None:

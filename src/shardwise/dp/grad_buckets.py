@@ -161,8 +161,10 @@ class GradBucketer:
         if not self.lazy_buffers:
             for bucket in self.buckets:
                 bucket.allocate()
-        self._where: dict[nn.Parameter, tuple[Bucket, int]] = {
-            p: (bucket, i) for bucket in self.buckets for i, p in enumerate(bucket.params)}
+        # keyed by id(): a tensor's __hash__ is a Python call, and this runs per gradient (the
+        # buckets hold the parameters, so their ids stay theirs)
+        self._where: dict[int, tuple[Bucket, int]] = {
+            id(p): (bucket, i) for bucket in self.buckets for i, p in enumerate(bucket.params)}
 
     def replan(self, sizes: BucketSizes) -> None:
         """Group the parameters into buckets anew (new buffers); before the first reduction
@@ -178,7 +180,7 @@ class GradBucketer:
         return self._in_backward
 
     def owns(self, param: nn.Parameter) -> bool:
-        return param in self._where
+        return id(param) in self._where
 
     @contextmanager
     def paused(self) -> Iterator[None]:
@@ -205,15 +207,18 @@ class GradBucketer:
         if not self._in_backward:
             self._in_backward = True
             queue_callback(self._finalize)
-        bucket, i = self._where[param]
-        try:
-            ready = self._admit(param, bucket, i)
-        except BaseException:
-            self._reset()
-            raise
-        if not ready:
-            return
-        self._allocate(bucket)
+        bucket, i = self._where[id(param)]
+        # the core's rule alone admits a first firing: ask only when a policy or a repeat may say no
+        if self._admitters or bucket.ready[i]:
+            try:
+                ready = self._admit(param, bucket, i)
+            except BaseException:
+                self._reset()
+                raise
+            if not ready:
+                return
+        if bucket.buffer is None:
+            self._allocate(bucket)
         if bucket.ready[i] and self.release_grads:  # the first part was released
             bucket.slot(i).add_(param.grad, alpha=self.scale or 1)
         else:
@@ -221,7 +226,9 @@ class GradBucketer:
         if self.release_grads:
             param.grad = None
         bucket.mark_ready(i)
-        self._guarded(self._launch_in_order)
+        upcoming = self._next_launch  # only the next bucket in order can launch now
+        if upcoming < len(self.buckets) and self.buckets[upcoming].is_full():
+            self._guarded(self._launch_in_order)
 
     def _admit(self, param: nn.Parameter, bucket: Bucket, i: int) -> bool:
         for policy in self._admitters:
@@ -240,7 +247,7 @@ class GradBucketer:
              release: bool = False) -> None:
         """Copy ``grad`` (None: zeros) into ``param``'s slot, scaled, and mark it ready;
         ``release``: drop ``param.grad`` afterwards when this bucketer releases gradients."""
-        bucket, i = self._where[param]
+        bucket, i = self._where[id(param)]
         self._allocate(bucket)
         self._copy_in(bucket, i, grad)
         if release and self.release_grads:
@@ -257,7 +264,8 @@ class GradBucketer:
     def _copy_in(self, bucket: Bucket, i: int, grad: torch.Tensor | None) -> None:
         """Slot ``i`` of ``bucket`` = ``grad * scale + addend`` in one pass (``scale`` and the
         bucket's addend when set; ``grad`` None counts as zeros)."""
-        slot, extra = bucket.slot(i), bucket.addend_slot(i)
+        slot = bucket.slot(i)
+        extra = None if bucket.addend is None else bucket.addend_slot(i)
         if grad is None:
             slot.copy_(extra) if extra is not None else slot.zero_()
         elif extra is not None:
