@@ -35,19 +35,19 @@ waits for a peer's sum in the middle of backward.
 Synchronisation uses three int64 words per rank (posted, reduced, read), each written only by
 its owner with the bucket's sequence number (a fourth holds the rank's process id: a waiter
 checks every 50 ms that the ranks it waits for still exist, and fails at once, naming them,
-when one has exited, as a reset connection would on gloo); the segment's pages are shared and
-x86's stores are seen in program order, so a peer that sees the word also sees the data
-written before it. The path is therefore used on x86-64 only (elsewhere the plain all-reduce
-runs). A waiter polls
-briefly and then sleeps with a growing back-off (the cores are busy with compute; it must not
-spin); after the group's timeout it raises an error naming the ranks that never arrived.
+when one has exited, as a reset connection would on gloo). A peer that sees the word also sees
+the data written before it where the machine keeps stores in order ([Note: memory ordering on
+one host], distributed/host/segment.py): the path is used on x86-64 only (elsewhere the plain
+all-reduce runs). A waiter polls briefly and then sleeps with a growing back-off (the cores are
+busy with compute; it must not spin); after the group's timeout it raises an error naming the
+ranks that never arrived.
 
-The segment is created by rank 0 in ``/dev/shm`` with mode 0600 under a random name, which is
-broadcast as bytes (nothing is unpickled); every rank maps it, and after a barrier rank 0 unlinks
-it, so a crash later leaves nothing behind. Its pages are reserved when it is made
-(``posix_fallocate``), and the path is taken only where /dev/shm has room for it, so a small
-/dev/shm (a container's) means the plain all-reduce, never a bus error when a page is first
-touched. ``SHARDWISE_NO_SHM_REDUCE=1`` turns the path off.
+The segment (``SharedSegment``, distributed/host/segment.py) is created by rank 0 in ``/dev/shm``
+with mode 0600 under a random name, which is broadcast as bytes (nothing is unpickled); every rank
+maps it, and after a barrier rank 0 unlinks it, so a crash later leaves nothing behind. Its pages
+are reserved when it is made (``posix_fallocate``), and the path is taken only where /dev/shm has
+room for it, so a small /dev/shm (a container's) means the plain all-reduce, never a bus error when
+a page is first touched. ``SHARDWISE_NO_SHM_REDUCE=1`` turns the path off.
 """
 
 from __future__ import annotations
