@@ -18,6 +18,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import faulthandler
+import gc
 import os
 import runpy
 import signal
@@ -29,6 +30,8 @@ from shardwise.distributed.env import flag_var, int_var, is_set, str_var
 from shardwise.distributed.timeouts import default_timeout
 from shardwise.launch import errors, job_secret, lifeline, progress
 
+# the heartbeat's store client gives up a call after this long (or the job's timeout, if shorter)
+_STORE_CALL_CAP = 30.0
 USAGE = "usage: python -m shardwise.launch.bootstrap [-m] TARGET [ARGS...]"
 
 
@@ -62,7 +65,21 @@ def main(argv: list[str]) -> int:
     finally:  # the heartbeat goes on through teardown (atexit): the rank is alive until it exits
         sys.stdout.flush()
         sys.stderr.flush()
+        _free_the_script()
     return 0
+
+
+def _free_the_script() -> None:
+    """Collect what only the script's namespace still holds, while the interpreter is whole.
+
+    runpy's namespace lives on in reference cycles (its functions' ``__globals__``), and with
+    it whatever the script left there: process groups (their gloo worker threads), tensors
+    those threads still reference. Freed only during the interpreter's finalization, a worker
+    thread that drops the last reference to a tensor then needs the GIL, which a finalizing
+    interpreter no longer grants: the process aborts ("terminate called without an active
+    exception") after the script succeeded. Objects the script's exit handlers use stay
+    reachable from those handlers and are kept."""
+    gc.collect()
 
 
 def _user_frames(tb):
@@ -109,7 +126,7 @@ def _start_heartbeat() -> progress.Heartbeat | None:
     try:
         store = dist.TCPStore(str_var("MASTER_ADDR", "127.0.0.1"),
                               int_var("MASTER_PORT", minimum=1, maximum=65535), is_master=False,
-                              timeout=timedelta(seconds=min(timeout, 30.0)))
+                              timeout=timedelta(seconds=min(timeout, _STORE_CALL_CAP)))
     except (RuntimeError, dist.DistError) as exc:
         print(f"shardwise: no progress records (store unreachable: {exc})", file=sys.stderr)
         return None
@@ -136,7 +153,9 @@ def _progress_pipe() -> int | None:
 
 def _stop_heartbeat(heartbeat: progress.Heartbeat) -> None:
     heartbeat.stop()
-    heartbeat.join(timeout=5.0)
+    # a record being written finishes or fails within the store client's timeout; a thread
+    # left inside that call when the interpreter finalizes would abort the process
+    heartbeat.join(timeout=_STORE_CALL_CAP + 5.0)
     if not heartbeat.is_alive():  # a last record: the teardown that follows may be slow
         with contextlib.suppress(RuntimeError, OSError):
             heartbeat.publish(exiting=True)
