@@ -1,4 +1,4 @@
-"""Rule 2 of [Note: allow-list] (rpc/callables.py): the program's own modules resolve like
+"""Rule 2 of [Note: allow-list] (rpc/trust/callables.py): the program's own modules resolve like
 ``__main__`` (issue 26.4), and nothing else does because of it.
 
 A module of the program is one already imported whose file, links resolved, lies under the

@@ -18,7 +18,7 @@ pipe, progress.py; the launchers' own connections, node_link.py), which also car
 reports, stop notices and "finished". Counters made with the store's ``add`` cannot carry a
 MAC; the launcher keeps none.
 
-Where the secret comes from (the RPC's rule, rpc/secret.py, for several hosts):
+Where the secret comes from (the RPC's rule, rpc/trust/secret.py, for several hosts):
 
 * ``$SHARDWISE_RPC_SECRET``, or the file named by ``$SHARDWISE_RPC_SECRET_FILE`` (owned by this
   user, not readable or writable by group or others), when set: the same on every node;

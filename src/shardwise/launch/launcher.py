@@ -126,7 +126,7 @@ def launch(
             job.endpoint = rdzv_endpoint
             job.host = rdzv_endpoint.rpartition(":")[0].strip("[]")
             job.first_attempt = job.connect(0)
-        if nnodes == 1:  # one host: the ranks' RPC secret, private to them (rpc/secret.py)
+        if nnodes == 1:  # one host: the ranks' RPC secret, private to them (rpc/trust/secret.py)
             job.base_env.setdefault(RPC_SECRET_VAR, secrets.token_hex(32))
         with _SignalTrap() as trap:
             job.trap = trap
