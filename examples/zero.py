@@ -4,7 +4,8 @@ Stage 1 wraps the model in DistributedDataParallel and gives the parameters to a
 ZeroRedundancyOptimizer; stage 2 makes the optimizer first and wraps a fresh copy of the model
 in ZeroDataParallel, which reduces each gradient to the rank that owns it. The stage-2 model
 then trains a few steps; the consolidated optimizer state is saved on rank 0 and loaded into a
-plain AdamW. Checks that the loss goes down and that every rank holds the same parameters.
+plain AdamW. Last, stage 2 again with the element partition (docs/zero.md). Checks that the
+loss goes down and that every rank holds the same parameters, for both partitions.
 
     shardwise run --nproc 2 examples/zero.py
 """
@@ -66,11 +67,29 @@ def main() -> None:
         torch.save(opt.state_dict(), "opt.pt")
     # block: end
     train_and_check(model, opt, rank)
+    by_elements(rank)
 
 
-def train_and_check(model: nn.Module, opt: torch.optim.Optimizer, rank: int) -> None:
+def by_elements(rank: int) -> None:
+    """Stage 2 with the element partition: each rank steps an equal range of the flattened
+    parameters, one all-gather per dtype after the step."""
+    import shardwise
+
+    net = MyModel()
+    param_groups = [{"params": list(net.parameters())}]
+    # block: zero-elements
+    opt = shardwise.ZeroRedundancyOptimizer(param_groups, torch.optim.AdamW, lr=1e-3,
+                                            partition="elements")
+    model = shardwise.ZeroDataParallel(net, opt)      # stage 2; or DDP first for stage 1
+    # block: end
+    train_and_check(model, opt, rank, saved=False)
+
+
+def train_and_check(model: nn.Module, opt: torch.optim.Optimizer, rank: int,
+                    saved: bool = True) -> None:
     """More stage-2 steps; then every rank must hold the same parameters and the held-out loss
-    must be below the initial model's."""
+    must be below the initial model's; ``saved``: rank 0 also loads the consolidated state it
+    saved into a plain AdamW."""
     for x, y in zip(*[iter(data(rank, 60))] * 2):
         loss_fn(model(x), y).backward()
         opt.step()
@@ -86,7 +105,9 @@ def train_and_check(model: nn.Module, opt: torch.optim.Optimizer, rank: int) -> 
         raise SystemExit("ranks disagree on the parameters")
     if not after < before:
         raise SystemExit(f"held-out loss did not go down: {before:.4f} -> {after:.4f}")
-    if rank == 0:
+    if rank == 0 and not saved:
+        print(f"ok: held-out loss {before:.4f} -> {after:.4f}, ranks agree")
+    elif rank == 0:
         plain = torch.optim.AdamW(MyModel().parameters(), lr=1e-3)
         plain.load_state_dict(torch.load("opt.pt"))
         os.remove("opt.pt")
