@@ -47,6 +47,7 @@ def _printed_numbers(s):
     return nums
 
 
+@pytest.mark.slow  # ~18 s; CI's benchmark smoke run also runs bench fsdp
 def test_bench_fsdp_writes_table_json_and_png(tmp_path, capsys):
     out = tmp_path / "records"
     assert main(["bench", "fsdp", *TINY[:-1], FSDP_ROWS, "--out", str(out)]) == 0

@@ -15,6 +15,7 @@ SCRIPT = Path(__file__).parent / "scripts" / "store_tamperer.py"
 TIMEOUT_S = 4  # the watchdog's patience (SHARDWISE_TIMEOUT); the job lives 4 of them
 
 
+@pytest.mark.slow  # the job must outlive the watchdog's patience 4 times: ~22 s each
 @pytest.mark.parametrize("mode", ["delete", "replay"])
 def test_an_outsider_rewriting_progress_records_gets_no_rank_blamed(mode):
     env = {**os.environ, "SHARDWISE_TIMEOUT": str(TIMEOUT_S)}
