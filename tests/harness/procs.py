@@ -196,6 +196,21 @@ def run(cmd: list[str], env: dict, cwd: str | Path | None = None, timeout: float
     return subprocess.CompletedProcess(program.args, program.returncode, stdout, stderr)
 
 
+def outputs(programs: list[Program], timeout: float) -> list[tuple[int, str]]:
+    """Each program's (exit status, output), in order, waiting up to ``timeout`` for each; when
+    one runs past it, every program is killed and ``TimeoutExpired`` raised."""
+    out = []
+    for program in programs:
+        try:
+            text, _ = program.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for other in programs:
+                other.kill()
+            raise
+        out.append((program.returncode, text))
+    return out
+
+
 def _redirect(fd: int, out) -> None:
     if isinstance(out, str):
         target = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import gc
 import os
 import socket
-import subprocess
 import sys
 import threading
 import time
@@ -46,15 +45,7 @@ def _run_ranks(mode, world, timeout, port, extra_env) -> list[tuple[int, str]]:
     # each rank a process of its own, started by tests/harness/procs.py
     programs = [procs.start(["-m", "tests.rpc.scenarios", mode], dict(env, RANK=str(r)), ROOT)
              for r in range(world)]
-    out = []
-    for p in programs:
-        try:
-            text, _ = p.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            for q in programs:
-                q.kill()
-            raise
-        out.append((p.returncode, text))
+    out = procs.outputs(programs, timeout)
     return out
 
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 import os
-import subprocess
 import threading
 import time
 
@@ -172,15 +171,7 @@ def _run_group(store, mode: str, where, outsider=None, **extra: str) -> list[tup
                 for r in range(2)]
     if outsider is not None:
         threading.Thread(target=outsider, daemon=True).start()
-    out = []
-    for p in programs:
-        try:
-            text, _ = p.communicate(timeout=180)
-        except subprocess.TimeoutExpired:
-            for q in programs:
-                q.kill()
-            raise
-        out.append((p.returncode, text))
+    out = procs.outputs(programs, 180)
     return out
 
 

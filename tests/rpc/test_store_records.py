@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import threading
 import time
 from datetime import timedelta
@@ -61,15 +60,7 @@ def _forged_records_change_nothing(tmp_path, port):
     done = threading.Event()
     attacker = threading.Thread(target=_attacker, args=(port, tmp_path, done), daemon=True)
     attacker.start()
-    out = []
-    for p in programs:
-        try:
-            text, _ = p.communicate(timeout=180)
-        except subprocess.TimeoutExpired:
-            for q in programs:
-                q.kill()
-            raise
-        out.append((p.returncode, text))
+    out = procs.outputs(programs, 180)
     assert done.is_set(), "the attacker never saw the workers' records"
     for code, text in out:
         assert code == 0, text
