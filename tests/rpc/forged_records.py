@@ -43,6 +43,12 @@ def main() -> None:
             print(f"call error: {type(exc).__name__}: {exc}")
         print(f"calls ok: {ok}")
         (where / "calls_done").touch()
+    shut_down_and_report(rank, where)
+
+
+def shut_down_and_report(rank: int, where: Path) -> None:
+    """``rpc.shutdown()``, printing how it ended; rank 0 also prints whether rank 1 had finished
+    its calls (``calls_done`` in ``where``) before rank 0 left."""
     try:
         rpc.shutdown()
         print("shutdown: returned")

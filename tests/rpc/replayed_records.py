@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 import shardwise.rpc as rpc
 from shardwise.rpc import rendezvous
+from tests.rpc.forged_records import shut_down_and_report
 
 CALLS = 20
 
@@ -122,13 +123,7 @@ def main() -> None:
         (where / "calls_done").touch()
         if mode != "clean":
             _wait_for(where / "read_shutdown_1")
-    try:
-        rpc.shutdown()
-        print("shutdown: returned")
-    except Exception as exc:  # noqa: BLE001 - printed for the test
-        print(f"shutdown: {type(exc).__name__}: {exc}")
-    if rank == 0:
-        print(f"rank 1 done before rank 0 left: {(where / 'calls_done').exists()}")
+    shut_down_and_report(rank, where)
 
 
 if __name__ == "__main__":
