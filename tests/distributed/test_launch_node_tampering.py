@@ -47,11 +47,11 @@ def _node(port, node_rank, script, *args, env=None):
                             env=env)
 
 
-@pytest.mark.parametrize("mode", ["delete", "freeze"])
+@pytest.mark.parametrize("mode", ["delete", "replay"])
 def test_an_outsider_rewriting_node_beats_gets_no_node_declared_lost(mode):
     timeout = _timeout()
     with reserved_port() as port:
-        nodes = [_node(port, k, "node_beat_tamperer.py", mode, 2 * timeout,
+        nodes = [_node(port, k, "store_tamperer.py", mode, 2 * timeout, "shardwise/node_beat/1",
                        env={"SHARDWISE_TIMEOUT": str(timeout)}) for k in (0, 1)]
         outs = [n.communicate(timeout=2 * timeout + 600) for n in nodes]
     text = "\n".join(o + e for o, e in outs)
